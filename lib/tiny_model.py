@@ -1,0 +1,135 @@
+"""The embedded tiny model: a byte-level BPE tokenizer trained on the bundled data and a randomly
+initialised Qwen2ForCausalLM of a few million parameters, saved in HF format.
+
+The result loads with `AutoTokenizer.from_pretrained(path)` / `AutoModelForCausalLM.from_pretrained(path)`
+exactly like Qwen2.5 from the hub, so every code path (CPU server, SGLang, actor, chat templates)
+is the one the real recipe uses. Built deterministically on first use and cached; nothing binary
+lives in git.
+"""
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from typing import Iterable
+
+import torch
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# ChatML as Qwen2.5 renders it (no default system prompt, so short contexts stay short).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+DEFAULT_ARCH = dict(
+    vocab_size=4096,
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=768,
+    max_position_embeddings=4096,
+)
+
+# Words every agent prompt uses; they keep the tokenizer efficient on templates the corpus lacks.
+_TEMPLATE_TEXT = """<think> </think> <search> </search> <information> </information> <access> </access>
+<answer> </answer> Answer the given question. You must conduct reasoning inside <think> and </think>
+first every time you get new information. After reasoning, if you find you lack some knowledge, you
+can call a search engine by <search> query </search> and it will return the top searched results
+between <information> and </information>. You can search as many times as you want. If you find no
+further external knowledge needed, you can directly provide the answer inside <answer> and </answer>,
+without detailed illustrations. For example, <answer> Beijing </answer>. Question: Your answer is
+either wrong or not parsable to the reference answer. Please try to answer it more accurately.
+Solve the problem step by step. Put the final answer after ####. The answer is """
+
+
+def cache_root() -> str:
+    return os.environ.get("AGENTRL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "agentrl"))
+
+
+def _train_tokenizer(texts: Iterable[str], vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=DEFAULT_ARCH["max_position_embeddings"],
+    )
+
+
+def build_tiny_model(out_dir: str, texts: Iterable[str], *, seed: int = 0, **arch) -> str:
+    """Train the tokenizer on `texts`, initialise a Qwen2 model from `seed`, save both to `out_dir`.
+
+    Written to a temporary directory and renamed, so a killed build never leaves a half model.
+    """
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    arch = {**DEFAULT_ARCH, **arch}
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    tokenizer = _train_tokenizer(list(texts) + [_TEMPLATE_TEXT] * 20, arch["vocab_size"])
+    eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    # Round the embedding up to a multiple of 64, as Qwen does: friendlier to GPU kernels and tp.
+    vocab_size = (len(tokenizer) + 63) // 64 * 64
+    config = Qwen2Config(
+        **{**arch, "vocab_size": vocab_size},
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        bos_token_id=pad_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(eos_token_id=[eos_id, pad_id], pad_token_id=pad_id)
+
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=".tmp-model-")
+    try:
+        tokenizer.save_pretrained(tmp)
+        model.save_pretrained(tmp, safe_serialization=True)
+        if os.path.exists(out_dir):
+            shutil.rmtree(out_dir)
+        os.rename(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def default_texts(seed: int = 0) -> list[str]:
+    """The bundled data the embedded tokenizer is trained on: the synthetic encyclopedia and its
+    questions, and the synthetic arithmetic word problems."""
+    from lib import math_data, wiki_data
+
+    texts = list(wiki_data.iter_wiki_texts(wiki_data.default_wiki_dir(seed=seed)))
+    texts += list(math_data.iter_math_texts(math_data.default_math_dir(seed=seed)))
+    return texts
+
+
+def default_tiny_model_dir(seed: int = 0, **arch) -> str:
+    """Path of the embedded tiny model, building it (and the data it is trained on) on first use."""
+    key = hashlib.sha1(json.dumps({**DEFAULT_ARCH, **arch, "seed": seed}, sort_keys=True).encode()).hexdigest()[:8]
+    out_dir = os.path.join(cache_root(), f"tiny-qwen2-{key}")
+    if not os.path.exists(os.path.join(out_dir, "model.safetensors")):
+        build_tiny_model(out_dir, default_texts(seed), seed=seed, **arch)
+    return out_dir
