@@ -1,0 +1,103 @@
+"""SFT warm start of the embedded tiny model on synthetic successful trajectories.
+
+A randomly initialised model never produces a well-formed answer, so GRPO would see all-zero
+rewards. Each training script builds demonstrations for its own task (token ids + a loss mask that
+is 1 on the tokens the model should produce) and calls `sft_warm_start`; the result is cached under
+a key of everything that shaped it.
+"""
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+
+import torch
+from tqdm import tqdm
+
+from lib.tiny_model import cache_root
+
+
+def warm_start_dir(name: str, settings: dict) -> str:
+    key = hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    return os.path.join(cache_root(), f"{name}-{key}")
+
+
+def sft_warm_start(
+    base_model_dir: str,
+    examples: list[dict],
+    out_dir: str,
+    *,
+    steps: int = 300,
+    lr: float = 2e-3,
+    batch_size: int = 16,
+    warmup_steps: int = 20,
+    seed: int = 0,
+    num_threads: int | None = None,
+) -> str:
+    """Train `base_model_dir` on `examples` ({"input_ids": [...], "loss_mask": [...]}) and save the
+    result (model + tokenizer, HF format) to `out_dir`. Returns `out_dir`; reuses it if present."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if os.path.exists(os.path.join(out_dir, "model.safetensors")):
+        return out_dir
+    if not examples:
+        raise ValueError("sft_warm_start got no examples; build demonstrations from the warm-start split first")
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    model = AutoModelForCausalLM.from_pretrained(base_model_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(base_model_dir)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+
+    def lr_at(step):
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, steps - warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
+    pad_id = tokenizer.pad_token_id
+    progress = tqdm(range(steps), desc="warm start (SFT)", mininterval=5)
+    for step in progress:
+        batch = [examples[rng.randrange(len(examples))] for _ in range(batch_size)]
+        max_len = max(len(ex["input_ids"]) for ex in batch)
+        input_ids = torch.full((batch_size, max_len), pad_id, dtype=torch.long)
+        loss_mask = torch.zeros((batch_size, max_len), dtype=torch.float32)
+        attention_mask = torch.zeros((batch_size, max_len), dtype=torch.long)
+        for i, ex in enumerate(batch):
+            n = len(ex["input_ids"])
+            input_ids[i, :n] = torch.tensor(ex["input_ids"])
+            loss_mask[i, :n] = torch.tensor(ex["loss_mask"], dtype=torch.float32)
+            attention_mask[i, :n] = 1
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+        nll = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), input_ids[:, 1:].reshape(-1), reduction="none"
+        ).view(batch_size, max_len - 1)
+        target_mask = loss_mask[:, 1:]
+        loss = (nll * target_mask).sum() / target_mask.sum().clamp(min=1)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        progress.set_postfix(loss=f"{loss.item():.3f}")
+
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=".tmp-sft-")
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, "warm_start.json"), "w") as f:
+            json.dump({"steps": steps, "lr": lr, "batch_size": batch_size, "final_loss": loss.item(),
+                       "num_examples": len(examples)}, f)
+        if os.path.exists(out_dir):
+            shutil.rmtree(out_dir)
+        os.rename(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
