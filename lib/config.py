@@ -44,7 +44,7 @@ def _coerce(name, value, hint):
             return value
         if t is str and isinstance(value, str):
             return value
-        if typing.get_origin(t) in (list, tuple) and isinstance(value, (list, tuple)):
+        if (t in (list, tuple) or typing.get_origin(t) in (list, tuple)) and isinstance(value, (list, tuple)):
             return list(value)
     if str in allowed:
         return str(value)

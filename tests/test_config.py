@@ -1,0 +1,36 @@
+"""YAML config with command-line overrides."""
+from dataclasses import dataclass, field
+
+import pytest
+
+from lib.config import load_config
+
+
+@dataclass
+class Cfg:
+    max_turns: int = 4
+    lr: float = 1e-6
+    name: str = "x"
+    wandb_project: str | None = None
+    addrs: list = field(default_factory=list)
+
+
+def test_yaml_then_command_line_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("max_turns: 8\nlr: 1\naddrs: [a, b]\n")
+    cfg = load_config(Cfg, str(path), {"max_turns": 32})
+    assert cfg.max_turns == 32 and cfg.lr == 1.0 and isinstance(cfg.lr, float) and cfg.addrs == ["a", "b"]
+
+
+def test_unknown_key_names_the_valid_ones():
+    with pytest.raises(ValueError, match="max_turn.*valid keys: addrs, lr, max_turns"):
+        load_config(Cfg, None, {"max_turn": 3})
+
+
+def test_wrong_type_is_rejected_with_the_field_name():
+    with pytest.raises(TypeError, match="max_turns"):
+        load_config(Cfg, None, {"max_turns": "many"})
+
+
+def test_none_string_becomes_none_for_optional_fields():
+    assert load_config(Cfg, None, {"wandb_project": "None"}).wandb_project is None

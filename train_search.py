@@ -1,0 +1,570 @@
+"""Train a search agent with GRPO.
+
+The model thinks in <think>, queries a retrieval server with <search> q </search>, reads the results
+in <information>, may open a page with <access> id </access>, and ends with <answer> a </answer>.
+Reward: F1 of the answer against the gold answers.
+
+    python train_search.py --max_turns 32                    # embedded default, CPU, no hub
+    python train_search.py --config configs/search_qwen2.5_3b.yaml   # Qwen2.5 + SGLang on GPUs
+
+Reads top to bottom: config, prompt, parsers, tools, reward, one episode, group rollout,
+evaluation, warm start (embedded default only), main() with the GRPO loop.
+"""
+import asyncio
+import dataclasses
+import json
+import os
+import random
+import re
+import string
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+
+import aiohttp
+import fire
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from lib.actor import Actor, grpo_advantages
+from lib.client import InferenceClient
+from lib.config import load_config, to_dict
+from lib.launch import launch_cpu_server, launch_sglang
+from lib.metrics import MetricsLogger
+from lib.padding import concat_padded_tensors
+from lib.weight_sync import sync_weights_from_disk
+
+
+@dataclass
+class Config:
+    # --- run ---
+    run_dir: str = "runs/search"  # metrics.jsonl, traces.jsonl, checkpoints/
+    seed: int = 0
+    max_steps: int = 200  # GRPO steps
+    resume: bool = False  # continue from the latest checkpoint in run_dir
+    checkpoint_every: int = 10  # steps; 0 = never
+    # --- model and inference server ---
+    model_path: str = ""  # HF dir or hub id; "" = the embedded tiny model, SFT warm-started
+    server: str = "cpu"  # "cpu" (lib/cpu_server), "sglang", or "external" (server_addrs)
+    server_addrs: list = field(default_factory=list)  # external servers, ["http://host:port", ...]
+    server_device: str = "cpu"  # device of the CPU-capable server ("cuda" works too)
+    server_threads: int = 1  # torch threads of the CPU server (the trainer keeps the rest)
+    base_gpu_id: int = 1  # first GPU of the SGLang server (the trainer uses GPU 0)
+    tp_size: int = 1
+    dp_size: int = 1
+    mem_fraction_static: float | None = None
+    sglang_extra_args: str = "--attention-backend triton --sampling-backend pytorch --grammar-backend none"
+    max_concurrent_requests: int = 256
+    trainer_dtype: str = "float32"  # "bfloat16" on GPUs
+    # --- data and retrieval ---
+    data_dir: str = ""  # dir with corpus.jsonl and {train,dev,test}.jsonl; "" = bundled synthetic data
+    retrieval_addr: str = ""  # a running Search-R1/ASearcher-style server; "" = start lib/retrieval
+    topk: int = 3  # documents per search
+    tool_timeout_s: float = 30.0
+    tool_retries: int = 3  # attempts before the episode gets a tool-failure message
+    max_info_chars: int = 3000  # cap of one <information> block
+    # --- episode ---
+    max_turns: int = 32
+    max_tokens: int = 2048  # context budget of one episode: prompt + all turns + tool output
+    max_new_tokens_per_turn: int = 128
+    temperature: float = 1.0
+    apply_chat_template: bool = True  # wrap the prompt in the tokenizer's chat template
+    # --- GRPO ---
+    batch_size: int = 8  # questions per step
+    group_size: int = 4  # episodes per question
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"  # or "cosine"
+    grad_clip: float = 1.0
+    eps_clip_low: float = 0.2
+    eps_clip_high: float = 0.28
+    kl_coef: float = 0.0  # k3 KL to the initial model; 0 = no reference model
+    scale_adv_by_std: bool = True  # False = Dr. GRPO
+    drop_equal_groups: bool = False  # dynamic sampling: drop groups whose rewards are all equal
+    loss_agg: str = "token-mean"  # or "seq-mean-token-mean"
+    max_tokens_per_mb: int = 16384  # micro-batch token budget of the trainer
+    weight_sync: str = "disk"  # "disk" (safetensors + /update_weights_from_disk) or "nccl"
+    # --- warm start (embedded default only) ---
+    warm_start_steps: int = 300
+    warm_start_lr: float = 2e-3
+    warm_start_batch_size: int = 16
+    # --- evaluation and logging ---
+    eval_every: int = 10  # steps; 0 = only at the end
+    eval_size: int = 200  # dev questions per evaluation
+    test_size: int = 500  # test questions at the end
+    trace_every: int = 1  # write decoded trajectories every N steps
+    tensorboard: bool = True
+    wandb_project: str | None = None
+
+
+# --- prompt ---
+PROMPT_TEMPLATE = (
+    "Answer the question. Reason inside <think> and </think> every time you get new information. "
+    "To look something up, call the search engine with <search> query </search>; the top results "
+    "come back between <information> and </information>. To read a whole page, write <access> page "
+    "title </access>. Search as often as you need. When you know the answer, give it inside <answer> "
+    "and </answer> in a few words, for example <answer> Beijing </answer>.\nQuestion: {question}\n"
+)
+STOP_STRINGS = ["</search>", "</access>", "</answer>"]
+
+
+def build_prompt_ids(tokenizer, question: str, apply_chat_template: bool) -> list[int]:
+    text = PROMPT_TEMPLATE.format(question=question)
+    if apply_chat_template and tokenizer.chat_template:
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                                  add_generation_prompt=True, return_dict=False))
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+# --- parsers ---
+def _last_tag(text: str, tag: str) -> str | None:
+    """Content of the last complete <tag> ... </tag>, stripped; None if there is none or it is empty."""
+    matches = re.findall(rf"<{tag}>(.*?)</{tag}>", text, flags=re.DOTALL | re.IGNORECASE)
+    for content in reversed(matches):
+        # An opening tag inside the content means a nested or restarted tag: keep the innermost part.
+        content = re.split(rf"<{tag}>", content, flags=re.IGNORECASE)[-1].strip()
+        if content:
+            return content
+    return None
+
+
+def parse_search_query(text: str) -> str | None:
+    return _last_tag(text, "search")
+
+
+def parse_access(text: str) -> str | None:
+    return _last_tag(text, "access")
+
+
+def parse_answer(text: str) -> str | None:
+    return _last_tag(text, "answer")
+
+
+# --- tools ---
+class ToolError(Exception):
+    pass
+
+
+async def call_tool(session: aiohttp.ClientSession, url: str, payload: dict, cfg: Config) -> dict:
+    """POST with a timeout and retries with exponential backoff; a 4xx is not retried."""
+    last_error = ""
+    for attempt in range(cfg.tool_retries):
+        try:
+            async with session.post(url, json=payload, timeout=aiohttp.ClientTimeout(total=cfg.tool_timeout_s)) as r:
+                if r.status < 400:
+                    return await r.json()
+                last_error = f"HTTP {r.status}: {(await r.text())[:200]}"
+                if r.status < 500:
+                    break
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            last_error = f"{type(e).__name__}: {e}"
+        await asyncio.sleep(0.5 * 2**attempt)
+    raise ToolError(f"{url} failed after {cfg.tool_retries} attempts ({last_error})")
+
+
+def doc_title_text(doc: dict) -> tuple[str, str]:
+    # Our server returns title/text; Search-R1's wiki servers return only contents = '"Title"\ntext'.
+    if "title" in doc and "text" in doc:
+        return doc["title"], doc["text"]
+    title, _, text = doc.get("contents", "").partition("\n")
+    return title.strip('"'), text
+
+
+def format_docs(docs: list, max_chars: int) -> str:
+    lines = []
+    for i, item in enumerate(docs):
+        doc = item.get("document", item)  # with return_scores each item is {"document", "score"}
+        title, text = doc_title_text(doc)
+        lines.append(f"Doc {i + 1} (Title: {title}) {text}")
+    return "\n".join(lines)[:max_chars]
+
+
+async def run_tool(session, retrieval_addr: str, kind: str, arg: str, cfg: Config) -> tuple[str, bool]:
+    """Returns (text for the <information> block, ok)."""
+    try:
+        if kind == "search":
+            out = await call_tool(session, f"{retrieval_addr}/retrieve",
+                                  {"queries": [arg], "topk": cfg.topk, "return_scores": False}, cfg)
+            return format_docs(out["result"][0], cfg.max_info_chars), True
+        out = await call_tool(session, f"{retrieval_addr}/access", {"title": arg}, cfg)
+        title, text = doc_title_text(out["result"])
+        return f"Page (Title: {title}) {text}"[: cfg.max_info_chars], True
+    except ToolError as e:
+        return f"The {kind} tool failed: {e}", False
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        return f"The {kind} tool returned a malformed result ({type(e).__name__})", False
+
+
+# --- reward ---
+def normalize_answer(s: str) -> str:
+    s = s.lower()
+    s = "".join(ch for ch in s if ch not in set(string.punctuation))
+    s = re.sub(r"\b(a|an|the)\b", " ", s)
+    return " ".join(s.split())
+
+
+def exact_match(pred: str, golds: list[str]) -> float:
+    return float(any(normalize_answer(pred) == normalize_answer(g) for g in golds))
+
+
+def f1_score(pred: str, golds: list[str]) -> float:
+    best = 0.0
+    pred_tokens = normalize_answer(pred).split()
+    for gold in golds:
+        gold_tokens = normalize_answer(gold).split()
+        common = Counter(pred_tokens) & Counter(gold_tokens)
+        overlap = sum(common.values())
+        if overlap == 0:
+            continue
+        precision, recall = overlap / len(pred_tokens), overlap / len(gold_tokens)
+        best = max(best, 2 * precision * recall / (precision + recall))
+    return best
+
+
+def compute_reward(answer: str | None, golds: list[str]) -> float:
+    return 0.0 if answer is None else f1_score(answer, golds)
+
+
+# --- one episode ---
+async def arun_episode(client: InferenceClient, session, tokenizer, cfg: Config, item: dict,
+                       retrieval_addr: str, temperature: float) -> dict:
+    """One multi-turn trajectory in DESIGN §3 format. Token ids in, token ids out: generated tokens
+    enter the trajectory exactly as the server sampled them, with its log-probs; tool output is
+    tokenized on its own and masked out of the loss."""
+    prompt_ids = build_prompt_ids(tokenizer, item["question"], cfg.apply_chat_template)
+    input_ids, loss_mask, logprobs, versions = list(prompt_ids), [0] * len(prompt_ids), [0.0] * len(prompt_ids), [-1] * len(prompt_ids)
+    trajectory_id = uuid.uuid4().hex
+    answer, finish, turns, tool_calls, tool_failures, texts = None, "max_turns", 0, 0, 0, []
+    try:
+        for _ in range(cfg.max_turns):
+            budget = cfg.max_tokens - len(input_ids)
+            if budget <= 0:
+                finish = "max_tokens"
+                break
+            gen = await client.generate(
+                input_ids, max_new_tokens=min(cfg.max_new_tokens_per_turn, budget), temperature=temperature,
+                stop=STOP_STRINGS, stop_token_ids=[tokenizer.eos_token_id], trajectory_id=trajectory_id)
+            turns += 1
+            input_ids += gen.output_ids
+            loss_mask += [1] * len(gen.output_ids)
+            logprobs += gen.logprobs
+            versions += gen.versions
+            text = tokenizer.decode(gen.output_ids, skip_special_tokens=False)
+            texts.append(("model", text))
+            answer = parse_answer(text)
+            if answer is not None:
+                finish = "answer"
+                break
+            query, page = parse_search_query(text), parse_access(text)
+            if query is None and page is None:
+                # EOS or a turn cut by its length without a tool call: nothing more will come.
+                finish = "max_tokens" if len(input_ids) >= cfg.max_tokens else "no_action"
+                if gen.finish_reason == "length" and len(input_ids) < cfg.max_tokens:
+                    continue  # the turn hit max_new_tokens_per_turn mid-thought: let it go on
+                break
+            tool_calls += 1
+            info, ok = await run_tool(session, retrieval_addr, "search" if query is not None else "access",
+                                      query if query is not None else page, cfg)
+            tool_failures += not ok
+            info_ids = tokenizer(f"\n\n<information>{info}</information>\n\n", add_special_tokens=False)["input_ids"]
+            texts.append(("tool", info))
+            if len(input_ids) + len(info_ids) >= cfg.max_tokens:
+                finish = "max_tokens"
+                break
+            input_ids += info_ids
+            loss_mask += [0] * len(info_ids)
+            logprobs += [0.0] * len(info_ids)
+            versions += [-1] * len(info_ids)
+    finally:
+        client.end_trajectory(trajectory_id)
+    reward = compute_reward(answer, item["answer"])
+    t = lambda xs, dtype: torch.tensor([xs], dtype=dtype)  # noqa: E731
+    return {
+        "input_ids": t(input_ids, torch.long),
+        "loss_mask": t(loss_mask, torch.long),
+        "logprobs": t(logprobs, torch.float32),
+        "versions": t(versions, torch.long),
+        "attention_mask": torch.ones(1, len(input_ids), dtype=torch.long),
+        "rewards": torch.tensor([reward], dtype=torch.float32),
+        "num_turns": turns,
+        "num_tool_calls": tool_calls,
+        "num_tool_failures": tool_failures,
+        "finish_reason": finish,
+        "exact_match": exact_match(answer, item["answer"]) if answer is not None else 0.0,
+        "answer": answer,
+        "question": item["question"],
+        "gold": item["answer"],
+        "turn_texts": texts,
+    }
+
+
+# --- group rollout ---
+async def rollout_groups(client, session, tokenizer, cfg, items, retrieval_addr, temperature, group_size):
+    """group_size episodes per question, all questions at once; the client's concurrency limit and
+    the server's batching decide how many generate at the same time."""
+    episodes = await asyncio.gather(*[
+        arun_episode(client, session, tokenizer, cfg, item, retrieval_addr, temperature)
+        for item in items for _ in range(group_size)])
+    return episodes
+
+
+# --- evaluation ---
+async def evaluate(client, session, tokenizer, cfg, items, retrieval_addr) -> dict:
+    episodes = await rollout_groups(client, session, tokenizer, cfg, items, retrieval_addr, 0.0, 1)
+    return {
+        "exact_match": float(np.mean([e["exact_match"] for e in episodes])),
+        "f1": float(np.mean([e["rewards"].item() for e in episodes])),
+        "turns": float(np.mean([e["num_turns"] for e in episodes])),
+        "searches": float(np.mean([e["num_tool_calls"] for e in episodes])),
+        "answered": float(np.mean([e["finish_reason"] == "answer" for e in episodes])),
+    }
+
+
+# --- data ---
+def read_jsonl(path: str) -> list[dict]:
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    for row in rows:  # Search-R1 files name the gold list golden_answers; ASearcher's use answer
+        gold = row.get("answer", row.get("golden_answers"))
+        row["answer"] = [gold] if isinstance(gold, str) else list(gold)
+    return rows
+
+
+# --- warm start (embedded default only) ---
+def build_demonstrations(tokenizer, cfg: Config, items: list[dict], corpus_path: str) -> list[dict]:
+    """Successful trajectories for SFT: per hop, search the hop's query and read the real BM25
+    results; then answer. Pieces are tokenized exactly as arun_episode tokenizes them."""
+    from lib.retrieval import bm25_search, load_bm25
+
+    index = load_bm25(corpus_path)
+    examples = []
+    for item in items:
+        ids = build_prompt_ids(tokenizer, item["question"], cfg.apply_chat_template)
+        mask = [0] * len(ids)
+        for query in item["hop_queries"]:
+            model_text = f"<think> I need to search {query}. </think>\n<search> {query} </search>"
+            docs = bm25_search(index, [query], cfg.topk)[0]
+            tool_text = f"\n\n<information>{format_docs(docs, cfg.max_info_chars)}</information>\n\n"
+            for text, m in ((model_text, 1), (tool_text, 0)):
+                piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+                ids, mask = ids + piece, mask + [m] * len(piece)
+        final = f"<think> The answer is {item['answer'][0]}. </think>\n<answer> {item['answer'][0]} </answer>"
+        piece = tokenizer(final, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        ids, mask = ids + piece, mask + [1] * len(piece)
+        if len(ids) <= cfg.max_tokens:
+            examples.append({"input_ids": ids, "loss_mask": mask})
+    return examples
+
+
+def embedded_model_and_data(cfg: Config) -> tuple[str, str]:
+    """Build (once, cached) the tiny model, the synthetic encyclopedia and the SFT warm start."""
+    from transformers import AutoTokenizer
+
+    from lib.tiny_model import default_tiny_model_dir
+    from lib.warm_start import sft_warm_start, warm_start_dir
+    from lib.wiki_data import default_wiki_dir
+
+    data_dir = cfg.data_dir or default_wiki_dir(seed=0)
+    base = default_tiny_model_dir()
+    settings = {"base": base, "data": data_dir, "steps": cfg.warm_start_steps, "lr": cfg.warm_start_lr,
+                "batch": cfg.warm_start_batch_size, "prompt": PROMPT_TEMPLATE, "topk": cfg.topk,
+                "chat": cfg.apply_chat_template, "v": 1}
+    out = warm_start_dir("search-warm-start", settings)
+    if not os.path.exists(os.path.join(out, "model.safetensors")):
+        tokenizer = AutoTokenizer.from_pretrained(base)
+        demos = build_demonstrations(tokenizer, cfg, read_jsonl(os.path.join(data_dir, "warmstart.jsonl")),
+                                     os.path.join(data_dir, "corpus.jsonl"))
+        print(f"warm start: {len(demos)} demonstrations, {cfg.warm_start_steps} SFT steps")
+        sft_warm_start(base, demos, out, steps=cfg.warm_start_steps, lr=cfg.warm_start_lr,
+                       batch_size=cfg.warm_start_batch_size, seed=cfg.seed)
+    return out, data_dir
+
+
+# --- main: the GRPO loop ---
+def main(config: str | None = "configs/search_tiny.yaml", **overrides):
+    cfg = load_config(Config, config, overrides)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    from transformers import AutoTokenizer
+
+    from lib.retrieval import launch_retrieval_server
+
+    if cfg.model_path:
+        model_path, data_dir = cfg.model_path, cfg.data_dir
+    else:
+        model_path, data_dir = embedded_model_and_data(cfg)
+    if not data_dir:
+        raise ValueError("set data_dir to a folder with train.jsonl, dev.jsonl, test.jsonl (and corpus.jsonl "
+                         "unless retrieval_addr points at a running retrieval server)")
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    train_items = read_jsonl(os.path.join(data_dir, "train.jsonl"))
+    dev_items = read_jsonl(os.path.join(data_dir, "dev.jsonl"))[: cfg.eval_size]
+    test_items = read_jsonl(os.path.join(data_dir, "test.jsonl"))[: cfg.test_size]
+
+    # Servers: started here and killed with this process, or given by the user.
+    servers = []
+    retrieval_addr = cfg.retrieval_addr.rstrip("/")
+    if not retrieval_addr:
+        retrieval = launch_retrieval_server(os.path.join(data_dir, "corpus.jsonl"),
+                                            log_path=os.path.join(cfg.run_dir, "retrieval.log"))
+        servers.append(retrieval)
+        retrieval_addr = retrieval.address
+    if cfg.server == "external":
+        addrs = list(cfg.server_addrs)
+    elif cfg.server == "sglang":
+        server = launch_sglang(model_path, base_gpu_id=cfg.base_gpu_id, tp_size=cfg.tp_size, dp_size=cfg.dp_size,
+                               mem_fraction_static=cfg.mem_fraction_static, random_seed=cfg.seed,
+                               extra_args=cfg.sglang_extra_args.split(),
+                               log_path=os.path.join(cfg.run_dir, "sglang.log"))
+        servers.append(server)
+        addrs = [server.address]
+    else:
+        server = launch_cpu_server(model_path, device=cfg.server_device, num_threads=cfg.server_threads,
+                                   random_seed=cfg.seed, log_path=os.path.join(cfg.run_dir, "cpu_server.log"))
+        servers.append(server)
+        addrs = [server.address]
+    client = InferenceClient(addrs, max_concurrent_requests=cfg.max_concurrent_requests)
+
+    actor = Actor(model_path, lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
+                  total_steps=cfg.max_steps, lr_schedule=cfg.lr_schedule, grad_clip=cfg.grad_clip,
+                  temperature=cfg.temperature, max_tokens_per_mb=cfg.max_tokens_per_mb, dtype=cfg.trainer_dtype,
+                  kl_coef=cfg.kl_coef, ref_model_path=model_path if cfg.kl_coef > 0 else None,
+                  eps_clip_low=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high, loss_agg=cfg.loss_agg)
+
+    loop = asyncio.new_event_loop()
+
+    async def new_session():  # aiohttp sessions belong to the loop they are made in
+        return aiohttp.ClientSession()
+
+    session = loop.run_until_complete(new_session())  # for tool calls
+    step, version = 0, 0
+    ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
+    if cfg.resume and os.path.exists(os.path.join(ckpt_dir, "latest")):
+        extra = actor.load_checkpoint(os.path.join(ckpt_dir, "latest"))
+        step, version = extra["step"], extra["version"]
+        random.setstate(extra["python_rng"])
+        torch.set_rng_state(extra["torch_rng"])
+        # The server still holds the initial weights: give it the resumed policy.
+        loop.run_until_complete(sync_weights_from_disk(actor, client, os.path.join(cfg.run_dir, "weights"), version))
+        print(f"resumed from step {step} (policy version {version})")
+    client.set_version(version)
+    logger = MetricsLogger(cfg.run_dir, to_dict(cfg), tensorboard=cfg.tensorboard, wandb_project=cfg.wandb_project)
+    trace_file = open(os.path.join(cfg.run_dir, "traces.jsonl"), "a")
+
+    def run(coro):
+        return loop.run_until_complete(coro)
+
+    try:
+        if step == 0 and cfg.eval_every:
+            metrics = run(evaluate(client, session, tokenizer, cfg, dev_items, retrieval_addr))
+            logger.log(0, {f"eval/{k}": v for k, v in metrics.items()})
+            print(f"step 0 dev: {metrics}")
+        progress = tqdm(total=cfg.max_steps, initial=step, desc="GRPO")
+        while step < cfg.max_steps:
+            t0 = time.time()
+            # Data order is a function of (seed, epoch), so a resumed run sees the same questions.
+            epoch, offset = divmod(step * cfg.batch_size, len(train_items))
+            order = np.random.RandomState(cfg.seed + epoch).permutation(len(train_items))
+            items = [train_items[order[(offset + i) % len(train_items)]] for i in range(cfg.batch_size)]
+
+            # 1. rollout
+            episodes = run(rollout_groups(client, session, tokenizer, cfg, items, retrieval_addr,
+                                          cfg.temperature, cfg.group_size))
+            t_rollout = time.time() - t0
+            batch = concat_padded_tensors([{k: v for k, v in e.items() if isinstance(v, torch.Tensor)} for e in episodes])
+            rewards = batch["rewards"]
+
+            # 2. advantages (per sequence, broadcast over its tokens by the loss)
+            advantages = grpo_advantages(rewards, cfg.group_size, scale_by_std=cfg.scale_adv_by_std)
+            keep = torch.ones_like(rewards, dtype=torch.bool)
+            if cfg.drop_equal_groups:
+                keep = rewards.view(-1, cfg.group_size).std(dim=1).gt(0).repeat_interleave(cfg.group_size)
+            batch["advantages"] = advantages
+
+            # 3. proximal log-probs, recomputed by the trainer; their gap to the server's is a bug detector
+            t1 = time.time()
+            batch["proximal_logprobs"] = actor.compute_logprobs(batch)
+            mask = batch["loss_mask"].bool()
+            logp_gap = (batch["proximal_logprobs"] - batch["logprobs"]).abs()[mask]
+            t_logp = time.time() - t1
+
+            # 4. PPO update
+            t2 = time.time()
+            if keep.any():
+                train_batch = {k: v[keep] for k, v in batch.items() if isinstance(v, torch.Tensor)}
+                stats = actor.update(train_batch)
+            else:
+                stats = {}
+            t_update = time.time() - t2
+
+            # 5. weight sync: pause generation, push the new weights, continue; bump the version
+            t3 = time.time()
+            version += 1
+            run(client.pause_generation())
+            run(sync_weights_from_disk(actor, client, os.path.join(cfg.run_dir, "weights"), version))
+            run(client.continue_generation())
+            client.set_version(version)
+            t_sync = time.time() - t3
+            step += 1
+
+            # 6. log
+            metrics = {
+                "rollout/reward": rewards.mean().item(),
+                "rollout/exact_match": float(np.mean([e["exact_match"] for e in episodes])),
+                "rollout/turns": float(np.mean([e["num_turns"] for e in episodes])),
+                "rollout/tool_calls": float(np.mean([e["num_tool_calls"] for e in episodes])),
+                "rollout/tool_failures": sum(e["num_tool_failures"] for e in episodes),
+                "rollout/answered": float(np.mean([e["finish_reason"] == "answer" for e in episodes])),
+                "rollout/max_tokens_hit": float(np.mean([e["finish_reason"] == "max_tokens" for e in episodes])),
+                "rollout/seq_len": batch["attention_mask"].sum(1).float().mean().item(),
+                "rollout/gen_tokens": int(batch["loss_mask"].sum()),
+                "rollout/kept_groups": int(keep.sum()) // cfg.group_size,
+                "logprob/server_trainer_abs_diff_mean": logp_gap.mean().item() if logp_gap.numel() else 0.0,
+                "logprob/server_trainer_abs_diff_max": logp_gap.max().item() if logp_gap.numel() else 0.0,
+                "perf/step_s": time.time() - t0, "perf/rollout_s": t_rollout, "perf/logp_s": t_logp,
+                "perf/update_s": t_update, "perf/sync_s": t_sync,
+                "perf/gen_tokens_per_s": int(batch["loss_mask"].sum()) / max(t_rollout, 1e-6),
+                **{f"loss/{k}": v for k, v in stats.items()},
+            }
+            if cfg.eval_every and step % cfg.eval_every == 0:
+                ev = run(evaluate(client, session, tokenizer, cfg, dev_items, retrieval_addr))
+                metrics.update({f"eval/{k}": v for k, v in ev.items()})
+            logger.log(step, metrics)
+            progress.update(1)
+            progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", dev_em=metrics.get("eval/exact_match", ""))
+            if cfg.trace_every and step % cfg.trace_every == 0:
+                for e in episodes[: cfg.group_size]:
+                    trace_file.write(json.dumps({"step": step, "question": e["question"], "gold": e["gold"],
+                                                 "answer": e["answer"], "reward": e["rewards"].item(),
+                                                 "finish": e["finish_reason"], "turns": e["turn_texts"]}) + "\n")
+                trace_file.flush()
+
+            # 7. checkpoint
+            if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.max_steps):
+                actor.save_checkpoint(os.path.join(ckpt_dir, "latest"), extra={
+                    "step": step, "version": version, "python_rng": random.getstate(),
+                    "torch_rng": torch.get_rng_state()})
+        progress.close()
+
+        test_metrics = run(evaluate(client, session, tokenizer, cfg, test_items, retrieval_addr))
+        logger.log(step, {f"test/{k}": v for k, v in test_metrics.items()})
+        print(f"test after {step} steps: {test_metrics}")
+        actor.save_hf(os.path.join(cfg.run_dir, "final"))
+        return test_metrics
+    finally:
+        trace_file.close()
+        logger.close()
+        run(session.close())
+        run(client.close())
+        loop.close()
+        for s in servers:
+            s.terminate()
+
+
+if __name__ == "__main__":
+    fire.Fire(main)
