@@ -1,0 +1,952 @@
+"""An inference server on transformers + aiohttp that speaks SGLang 0.5.15's HTTP subset.
+
+For machines where SGLang cannot run (CPU machines, CI, laptops): the launcher and client in lib
+talk to it exactly as they talk to `python -m sglang.launch_server`, and its command-line flags are
+SGLang's where SGLang has them:
+
+    python -m lib.cpu_server --model-path PATH [--port 30000] [--device cpu|cuda] [--dtype auto]
+
+Endpoints: /generate, /health, /health_generate, /get_model_info, /get_server_info, /flush_cache,
+/pause_generation, /continue_generation, /abort_request, /update_weights_from_disk,
+/init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group.
+The field names and response shapes follow docs/sglang_contract.md.
+
+Batching: one scheduler coroutine owns the running batch. Each iteration it admits waiting
+requests (prefilled together in one forward), merges them into the running batch's KV cache
+(left-padded to a common length, so requests that arrive while others decode join mid-flight),
+then runs one decode step for every running row. Finished rows leave the cache at once. Every
+model forward, weight copy and cache edit runs on one worker thread, one at a time, so the event
+loop keeps answering /health, /pause_generation and /abort_request during a forward and weights
+never change halfway through one.
+
+Log-probs (SGLang's default convention, `RETURN_ORIGINAL_LOGPROB` off): the reported log-prob of a
+sampled token is `log_softmax(logits / temperature)` in float32 at that token, taken from the full
+temperature-scaled distribution *before* top-k / top-p / min-p truncation (those only restrict
+what may be sampled). A temperature below 1e-5 means greedy decoding (argmax) and then the log-prob
+is `log_softmax(logits)`, because SGLang rewrites such requests to temperature 1, top_k 1. So at
+temperature 1.0 the log-probs equal a plain fp32 forward's `log_softmax` over the same tokens.
+"""
+import argparse
+import asyncio
+import concurrent.futures
+import dataclasses
+import glob
+import json
+import logging
+import math
+import os
+import threading
+import time
+import uuid
+
+import torch
+from aiohttp import web
+
+logger = logging.getLogger("cpu_server")
+
+GREEDY_TEMPERATURE = 1e-5  # SGLang's _SAMPLING_EPS: below it a request is decoded greedily
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+class BadRequest(ValueError):
+    """A request the client must fix; answered with 400 and the message."""
+
+
+# --- sampling parameters ---
+
+@dataclasses.dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    min_new_tokens: int = 0
+    stop: list = dataclasses.field(default_factory=list)
+    stop_token_ids: list = dataclasses.field(default_factory=list)
+    ignore_eos: bool = False
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    sampling_seed: int | None = None
+
+
+# SGLang parameters this server accepts only at their no-op value (SGLang accepts them; silently
+# ignoring a non-default value would give the caller different samples than they asked for).
+_ONLY_DEFAULT = {
+    "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "n": 1,
+    "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None, "stop_regex": None,
+    "logit_bias": None, "custom_params": None, "stream_interval": None,
+}
+
+
+def _check_type(name, value, types):
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise BadRequest(f"sampling_params.{name} must be {getattr(types, '__name__', types)}, got a bool")
+    if not isinstance(value, types):
+        raise BadRequest(f"sampling_params.{name} has the wrong type {type(value).__name__}")
+    return value
+
+
+def parse_sampling_params(raw) -> SamplingParams:
+    """Validate a `sampling_params` dict as SGLang's SamplingParams would: unknown names and
+    out-of-range values are a 400, not silently ignored."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise BadRequest("sampling_params must be a JSON object")
+    params = SamplingParams()
+    known = {f.name for f in dataclasses.fields(SamplingParams)}
+    for name, value in raw.items():
+        if name in _ONLY_DEFAULT:
+            if value is not None and value != _ONLY_DEFAULT[name]:
+                raise BadRequest(f"sampling_params.{name}={value!r} is not supported by lib.cpu_server; "
+                                 f"leave it at {_ONLY_DEFAULT[name]!r} or use SGLang")
+            continue
+        if name not in known:
+            raise BadRequest(f"unknown sampling parameter {name!r}; known: {sorted(known | set(_ONLY_DEFAULT))}")
+        if value is None:
+            continue
+        if name in ("max_new_tokens", "top_k", "min_new_tokens", "sampling_seed"):
+            _check_type(name, value, int)
+        elif name in ("temperature", "top_p", "min_p"):
+            _check_type(name, value, (int, float))
+            value = float(value)
+            if not math.isfinite(value):
+                raise BadRequest(f"sampling_params.{name} must be finite")
+        elif name in ("ignore_eos", "no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens"):
+            _check_type(name, value, bool)
+        elif name == "stop":
+            value = [value] if isinstance(value, str) else value
+            if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+                raise BadRequest("sampling_params.stop must be a string or a list of strings")
+            value = [s for s in value if s]
+        elif name == "stop_token_ids":
+            value = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+            if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+                raise BadRequest("sampling_params.stop_token_ids must be a list of integers")
+        setattr(params, name, value)
+    if params.max_new_tokens < 0:
+        raise BadRequest("sampling_params.max_new_tokens must be >= 0")
+    if params.temperature < 0:
+        raise BadRequest("sampling_params.temperature must be >= 0")
+    if not 0 < params.top_p <= 1:
+        raise BadRequest("sampling_params.top_p must be in (0, 1]")
+    if params.top_k < 1 and params.top_k != -1:
+        raise BadRequest("sampling_params.top_k must be >= 1, or -1 for no limit")
+    if not 0 <= params.min_p <= 1:
+        raise BadRequest("sampling_params.min_p must be in [0, 1]")
+    if params.min_new_tokens < 0 or params.min_new_tokens > params.max_new_tokens:
+        raise BadRequest("sampling_params.min_new_tokens must be in [0, max_new_tokens]")
+    if params.temperature < GREEDY_TEMPERATURE:
+        params.temperature, params.top_k = 1.0, 1  # SGLang's greedy rewrite
+    return params
+
+
+# --- one request ---
+
+@dataclasses.dataclass
+class Request:
+    rid: str
+    input_ids: list
+    params: SamplingParams
+    return_logprob: bool
+    logprob_start_len: int
+    return_text_in_logprobs: bool
+    max_new_tokens: int  # params.max_new_tokens capped by the context length
+    created_s: float
+    deadline_s: float
+    future: asyncio.Future
+    output_ids: list = dataclasses.field(default_factory=list)
+    output_logprobs: list = dataclasses.field(default_factory=list)
+    input_logprobs: list = dataclasses.field(default_factory=list)
+    finish_reason: dict | None = None
+    abort_message: str | None = None  # set from the event loop; the worker thread acts on it
+    generator: torch.Generator | None = None
+
+
+# --- the model runner: everything here runs on the single worker thread ---
+
+def _kv_tensors(cache) -> list:
+    """[(keys [B, H, L, D], values [B, H, L, D]) per layer] of a DynamicCache, across versions."""
+    if hasattr(cache, "layers"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return list(zip(cache.key_cache, cache.value_cache))
+
+
+def _make_cache(kv: list):
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(ddp_cache_data=kv)
+    except TypeError:  # transformers 4.x
+        return DynamicCache.from_legacy_cache(tuple(kv))
+
+
+def _left_pad(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    missing = length - x.shape[dim]
+    if missing <= 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([x.new_zeros(shape), x], dim=dim)
+
+
+class Runner:
+    """The model, the running batch (rows, attention mask, KV cache) and the decoding rules."""
+
+    def __init__(self, args):
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+        self.args = args
+        self.device = torch.device(args.device)
+        self.dtype = _resolve_dtype(args.dtype, args.device)
+        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=self.dtype).to(self.device).eval()
+        self.vocab_size = self.model.config.vocab_size
+        self.context_length = args.context_length or getattr(self.model.config, "max_position_embeddings", 4096)
+        eos = set()
+        try:
+            gen_eos = GenerationConfig.from_pretrained(args.model_path).eos_token_id
+        except OSError:
+            gen_eos = self.model.config.eos_token_id
+        for ids in (gen_eos, self.model.config.eos_token_id, self.tokenizer.eos_token_id):
+            eos |= set(ids if isinstance(ids, (list, tuple)) else [] if ids is None else [ids])
+        self.eos_token_ids = eos
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = pad if pad is not None else min(eos or {0})
+        self.generator = torch.Generator(self.device).manual_seed(args.random_seed)
+        # The running batch: row i of `attention_mask [B, L]` and of every cache tensor is rows[i].
+        self.rows: list[Request] = []
+        self.attention_mask: torch.Tensor | None = None
+        self.cache = None
+        self.next_token_ids: torch.Tensor | None = None  # [B] last sampled token, fed next step
+        self.stats = {"num_forward_batches": 0, "num_prefill_batches": 0, "num_decode_batches": 0,
+                      "max_batch_size_seen": 0, "num_generated_tokens": 0, "num_finished_requests": 0}
+
+    # -- one scheduler step --
+    def step(self, admitted: list[Request], do_decode: bool) -> list[Request]:
+        """Drop aborted rows, prefill `admitted` and merge them in, run one decode step if asked.
+        Returns the requests that finished."""
+        with torch.inference_mode():
+            finished = self._drop_aborted()
+            for req in admitted:
+                if req.abort_message is not None:
+                    req.finish_reason = {"type": "abort", "message": req.abort_message}
+                    finished.append(req)
+                elif req.max_new_tokens == 0:
+                    req.finish_reason = {"type": "length", "length": 0}
+                    finished.append(req)
+            admitted = [r for r in admitted if r.finish_reason is None]
+            if admitted:
+                finished += self._prefill(admitted)
+            if do_decode and self.rows:
+                finished += self._decode()
+        self.stats["num_finished_requests"] += len(finished)
+        return finished
+
+    def _drop_aborted(self) -> list[Request]:
+        now = time.monotonic()
+        for req in self.rows:
+            if req.abort_message is None and now > req.deadline_s:
+                req.abort_message = f"request exceeded the server's --request-timeout-s {self.args.request_timeout_s}"
+        done = [r for r in self.rows if r.abort_message is not None]
+        for req in done:
+            req.finish_reason = {"type": "abort", "message": req.abort_message}
+        self._keep([r.finish_reason is None for r in self.rows])
+        return done
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache, logits_to_keep):
+        self.stats["num_forward_batches"] += 1
+        self.stats["max_batch_size_seen"] = max(self.stats["max_batch_size_seen"], input_ids.shape[0])
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep)
+        return out.logits.float(), out.past_key_values
+
+    def _prefill(self, reqs: list[Request]) -> list[Request]:
+        self.stats["num_prefill_batches"] += 1
+        length = max(len(r.input_ids) for r in reqs)
+        input_ids = torch.full((len(reqs), length), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(reqs), length), dtype=torch.long)
+        for i, r in enumerate(reqs):
+            input_ids[i, length - len(r.input_ids):] = torch.tensor(r.input_ids)
+            mask[i, length - len(r.input_ids):] = 1
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        want_input_logprobs = any(r.return_logprob and r.logprob_start_len >= 0 for r in reqs)
+        logits, cache = self._forward(input_ids, mask, position_ids, None, 0 if want_input_logprobs else 1)
+        if want_input_logprobs:
+            for i, r in enumerate(reqs):
+                if r.return_logprob and r.logprob_start_len >= 0:
+                    self._fill_input_logprobs(r, logits[i, length - len(r.input_ids):])
+        tokens, token_logprobs = self._sample(logits[:, -1], reqs)
+        finished = self._append(reqs, tokens, token_logprobs)
+        keep = [r.finish_reason is None for r in reqs]
+        if not any(keep):
+            return finished
+        idx = torch.tensor([i for i, k in enumerate(keep) if k], device=self.device)
+        kv = [(k[idx], v[idx]) for k, v in _kv_tensors(cache)]
+        new_rows = [r for r, k in zip(reqs, keep) if k]
+        new_mask, new_next = mask[idx], tokens[idx]
+        if self.rows:  # merge into the running batch, left-padding whichever is shorter
+            old_kv = _kv_tensors(self.cache)
+            total = max(self.attention_mask.shape[1], new_mask.shape[1])
+            kv = [(torch.cat([_left_pad(ok, total, 2), _left_pad(nk, total, 2)]),
+                   torch.cat([_left_pad(ov, total, 2), _left_pad(nv, total, 2)]))
+                  for (ok, ov), (nk, nv) in zip(old_kv, kv)]
+            new_mask = torch.cat([_left_pad(self.attention_mask, total, 1), _left_pad(new_mask, total, 1)])
+            new_next = torch.cat([self.next_token_ids, new_next])
+            new_rows = self.rows + new_rows
+        self.rows, self.attention_mask, self.next_token_ids = new_rows, new_mask, new_next
+        self.cache = _make_cache(kv)
+        return finished
+
+    def _fill_input_logprobs(self, req: Request, logits_of_prompt: torch.Tensor):
+        # logits_of_prompt[t] predicts prompt token t+1; the first prompt token has no log-prob.
+        logprobs = torch.log_softmax(logits_of_prompt, dim=-1)
+        ids = req.input_ids
+        rows = [[None, ids[0], None]] + [[logprobs[t - 1, ids[t]].item(), ids[t], None] for t in range(1, len(ids))]
+        req.input_logprobs = rows[req.logprob_start_len:]
+
+    def _decode(self) -> list[Request]:
+        self.stats["num_decode_batches"] += 1
+        ones = torch.ones((len(self.rows), 1), dtype=self.attention_mask.dtype, device=self.device)
+        self.attention_mask = torch.cat([self.attention_mask, ones], dim=1)
+        position_ids = self.attention_mask.sum(-1, keepdim=True) - 1
+        logits, self.cache = self._forward(self.next_token_ids[:, None], self.attention_mask, position_ids, self.cache, 1)
+        tokens, token_logprobs = self._sample(logits[:, -1], self.rows)
+        finished = self._append(self.rows, tokens, token_logprobs)
+        self.next_token_ids = tokens
+        self._keep([r.finish_reason is None for r in self.rows])
+        return finished
+
+    def _keep(self, keep: list[bool]):
+        """Shrink the running batch to the rows where keep is True, then drop the leading cache
+        columns that are padding in every remaining row (left by rows that have left)."""
+        if all(keep):
+            return
+        if not any(keep):
+            self.rows, self.attention_mask, self.cache, self.next_token_ids = [], None, None, None
+            return
+        idx = torch.tensor([i for i, k in enumerate(keep) if k], device=self.device)
+        self.rows = [r for r, k in zip(self.rows, keep) if k]
+        self.attention_mask, self.next_token_ids = self.attention_mask[idx], self.next_token_ids[idx]
+        first_used = int(self.attention_mask.any(0).long().argmax())
+        self.attention_mask = self.attention_mask[:, first_used:]
+        self.cache = _make_cache([(k[idx, :, first_used:], v[idx, :, first_used:]) for k, v in _kv_tensors(self.cache)])
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """logits [B, V] float32 → (sampled token ids [B], their log-probs [B], see module doc)."""
+        logits = logits.clone()
+        for i, r in enumerate(reqs):
+            if len(r.output_ids) < r.params.min_new_tokens:
+                # SGLang's min-new-tokens penalizer: stop tokens cannot be sampled before the minimum.
+                ban = list((set() if r.params.ignore_eos else self.eos_token_ids) | set(r.params.stop_token_ids))
+                logits[i, [t for t in ban if 0 <= t < logits.shape[1]]] = float("-inf")
+        temperature = torch.tensor([r.params.temperature for r in reqs], device=logits.device)[:, None]
+        logprobs = torch.log_softmax(logits / temperature, dim=-1)
+        greedy = [r.params.top_k == 1 for r in reqs]
+        tokens = logits.argmax(-1)
+        if all(greedy):
+            return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
+        probs = logprobs.exp()
+        top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else logits.shape[1] for r in reqs], device=logits.device)
+        top_p = torch.tensor([r.params.top_p for r in reqs], device=logits.device)
+        min_p = torch.tensor([r.params.min_p for r in reqs], device=logits.device)
+        if (top_k < logits.shape[1]).any() or (top_p < 1).any() or (min_p > 0).any():
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            rank = torch.arange(logits.shape[1], device=logits.device)[None]
+            cut = rank >= top_k[:, None]
+            cut |= (sorted_probs.cumsum(-1) - sorted_probs) > top_p[:, None]
+            cut |= sorted_probs < min_p[:, None] * sorted_probs[:, :1]
+            sorted_probs = sorted_probs.masked_fill(cut, 0.0)
+            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        for i, r in enumerate(reqs):
+            if greedy[i]:
+                continue
+            generator = r.generator if r.generator is not None else self.generator
+            tokens[i] = torch.multinomial(probs[i], 1, generator=generator)[0]
+        return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
+
+    def _append(self, reqs: list[Request], tokens: torch.Tensor, token_logprobs: torch.Tensor) -> list[Request]:
+        finished = []
+        for r, token, logprob in zip(reqs, tokens.tolist(), token_logprobs.tolist()):
+            r.output_ids.append(token)
+            r.output_logprobs.append(logprob)
+            self.stats["num_generated_tokens"] += 1
+            r.finish_reason = self._check_finished(r)
+            if r.finish_reason is not None:
+                finished.append(r)
+        return finished
+
+    def _check_finished(self, r: Request) -> dict | None:
+        """SGLang's order (Req.check_finished): length, then stop token ids / EOS (both off under
+        ignore_eos), then stop strings on the decoded tail of the output."""
+        if len(r.output_ids) >= r.max_new_tokens:
+            return {"type": "length", "length": r.max_new_tokens}
+        token = r.output_ids[-1]
+        if not r.params.ignore_eos and (token in r.params.stop_token_ids or token in self.eos_token_ids):
+            return {"type": "stop", "matched": token}
+        if r.params.stop:
+            # A stop string of n characters spans at most n tokens (each token decodes to >= 1
+            # byte, 4 per character at most); decoding only that tail keeps the check O(1) per step.
+            tail_tokens = 4 * max(len(s) for s in r.params.stop) + 2
+            tail = self.decode(r.output_ids[-tail_tokens:], r.params)
+            for stop in r.params.stop:
+                if stop in tail:
+                    return {"type": "stop", "matched": stop}
+        return None
+
+    def decode(self, ids: list, params: SamplingParams) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens,
+                                     spaces_between_special_tokens=params.spaces_between_special_tokens)
+
+    def output_text(self, r: Request) -> str:
+        """The decoded output with the matched stop trimmed (SGLang's detokenizer, no_stop_trim
+        off): a matched stop token is left out of the text and the text is cut at the first
+        occurrence of a matched stop string. output_ids always keep every generated token."""
+        ids, reason = r.output_ids, r.finish_reason or {}
+        trim = not r.params.no_stop_trim and reason.get("type") == "stop"
+        if trim and isinstance(reason.get("matched"), int):
+            ids = ids[:-1]
+        text = self.decode(ids, r.params)
+        if trim and isinstance(reason.get("matched"), str):
+            pos = text.find(reason["matched"])
+            text = text[:pos] if pos >= 0 else text
+        return text
+
+    # -- weights --
+    def load_weights_from_disk(self, model_path: str):
+        """Copy every tensor of the safetensors checkpoint at `model_path` into the model, after
+        checking all names and shapes first so that a bad checkpoint leaves the weights untouched."""
+        from safetensors import safe_open
+
+        files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+        if not files:
+            raise BadRequest(f"no *.safetensors files in {model_path!r}; save the model with "
+                             f"save_pretrained(path, safe_serialization=True)")
+        params = self.model.state_dict(keep_vars=True)
+        seen = set()
+        for path in files:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    if name not in params:
+                        raise BadRequest(f"{path} has tensor {name!r} which the served model lacks; "
+                                         f"is it the same architecture as {self.args.model_path!r}?")
+                    shape = list(f.get_slice(name).get_shape())
+                    if shape != list(params[name].shape):
+                        raise BadRequest(f"{name!r} has shape {shape} in {path}, the served model has "
+                                         f"{list(params[name].shape)}")
+                    seen.add(name)
+        missing = [n for n in params if n not in seen and not self._is_tied(n)]
+        if missing:
+            raise BadRequest(f"checkpoint {model_path!r} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        with torch.no_grad():
+            for path in files:
+                with safe_open(path, framework="pt") as f:
+                    for name in f.keys():
+                        params[name].copy_(f.get_tensor(name))
+
+    def _is_tied(self, name: str) -> bool:
+        return name == "lm_head.weight" and getattr(self.model.config, "tie_word_embeddings", False)
+
+    def check_named_tensors(self, names: list, shapes: list):
+        params = self.model.state_dict(keep_vars=True)
+        for name, shape in zip(names, shapes):
+            if name not in params:
+                raise BadRequest(f"the served model has no parameter {name!r}")
+            if list(shape) != list(params[name].shape):
+                raise BadRequest(f"{name!r} was sent with shape {list(shape)}, the served model has {list(params[name].shape)}")
+
+    def copy_named_tensors(self, named: list):
+        params = self.model.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for name, tensor in named:
+                params[name].copy_(tensor)
+
+
+def _resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype == "auto":
+        # float32 on CPU: bf16 matmuls there are slow and their log-probs drift from the trainer's.
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    return {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+            "float16": torch.float16, "half": torch.float16}[dtype]
+
+
+def _parse_dtype(name) -> torch.dtype:
+    if isinstance(name, str):
+        dtype = getattr(torch, name.removeprefix("torch."), None)
+        if isinstance(dtype, torch.dtype):
+            return dtype
+    raise BadRequest(f"unknown dtype {name!r}; use torch names such as 'bfloat16' or 'float32'")
+
+
+# --- the server: event loop side ---
+
+class Server:
+    def __init__(self, args):
+        self.args = args
+        self.runner = Runner(args)
+        self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model")
+        self.weight_version = args.weight_version
+        self.model_path = args.model_path
+        self.waiting: list[Request] = []
+        self.paused = False
+        self.wakeup = asyncio.Event()
+        self.idle = asyncio.Event()  # set whenever no step is in flight
+        self.idle.set()
+        self.groups: dict = {}
+        self.group_lock = threading.Lock()
+
+    async def run_on_worker(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
+
+    # -- scheduler --
+    async def scheduler(self):
+        while True:
+            aborted_waiting = [r for r in self.waiting if r.abort_message is not None]
+            has_aborts = aborted_waiting or any(r.abort_message is not None for r in self.runner.rows)
+            if not has_aborts and (self.paused or not (self.waiting or self.runner.rows)):
+                self.wakeup.clear()
+                try:
+                    # Wake at least every second so per-request timeouts fire even when idle.
+                    await asyncio.wait_for(self.wakeup.wait(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    self._expire_waiting()
+                continue
+            admitted = aborted_waiting
+            self.waiting = [r for r in self.waiting if r.abort_message is None]
+            if not self.paused:
+                admitted += self._admit()
+            self.idle.clear()
+            try:
+                finished = await self.run_on_worker(self.runner.step, admitted, not self.paused)
+            except Exception as e:  # a forward that fails must not hang its requests forever
+                logger.exception("model step failed")
+                finished = admitted + self.runner.rows
+                self.runner.rows, self.runner.cache, self.runner.attention_mask = [], None, None
+                for r in finished:
+                    r.finish_reason = {"type": "abort", "message": f"model step failed: {e!r}"}
+            finally:
+                self.idle.set()
+            for r in finished:
+                if not r.future.done():
+                    r.future.set_result(r)
+            await asyncio.sleep(0)  # let handlers enqueue newcomers between steps
+
+    def _admit(self) -> list[Request]:
+        room = self.args.max_running_requests - len(self.runner.rows)
+        admitted, prefill_tokens = [], 0
+        while self.waiting and len(admitted) < room:
+            n = len(self.waiting[0].input_ids)
+            if admitted and (len(admitted) + 1) * max(prefill_tokens, n) > self.args.max_prefill_tokens:
+                break
+            prefill_tokens = max(prefill_tokens, n)
+            admitted.append(self.waiting.pop(0))
+        return admitted
+
+    def _expire_waiting(self):
+        now = time.monotonic()
+        for r in self.waiting:
+            if r.abort_message is None and now > r.deadline_s:
+                r.abort_message = f"request waited longer than --request-timeout-s {self.args.request_timeout_s}"
+                self.wakeup.set()
+
+    # -- /generate --
+    def build_requests(self, body: dict) -> tuple[list[Request], bool]:
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object")
+        if "text" in body and "input_ids" not in body and body["text"] is not None:
+            text = body["text"]
+            is_batch = isinstance(text, list)
+            texts = text if is_batch else [text]
+            if not texts or not all(isinstance(t, str) for t in texts):
+                raise BadRequest("text must be a string or a non-empty list of strings")
+            batch = [self.runner.tokenizer(t)["input_ids"] for t in texts]
+        elif body.get("input_ids") is not None:
+            ids = body["input_ids"]
+            is_batch = isinstance(ids, list) and len(ids) > 0 and isinstance(ids[0], list)
+            batch = ids if is_batch else [ids]
+        else:
+            raise BadRequest("give input_ids (a list of token ids, or a list of such lists) or text")
+        for ids in batch:
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise BadRequest("input_ids must be a list of integers or a list of lists of integers")
+            if not ids:
+                raise BadRequest("input_ids is empty; give at least one token")
+            if min(ids) < 0 or max(ids) >= self.runner.vocab_size:
+                raise BadRequest(f"input_ids holds a token id outside [0, {self.runner.vocab_size})")
+            if len(ids) >= self.runner.context_length:
+                raise BadRequest(f"The input ({len(ids)} tokens) is longer than the model's context length "
+                                 f"({self.runner.context_length} tokens).")
+        n = len(batch)
+        raw_params = body.get("sampling_params")
+        if isinstance(raw_params, list):
+            if len(raw_params) != n:
+                raise BadRequest(f"sampling_params is a list of {len(raw_params)}, input has {n} items")
+            params = [parse_sampling_params(p) for p in raw_params]
+        else:
+            params = [parse_sampling_params(raw_params) for _ in range(n)]
+        rid = body.get("rid")
+        if rid is None:
+            rids = [uuid.uuid4().hex for _ in range(n)]
+        elif is_batch:
+            if not (isinstance(rid, list) and len(rid) == n and all(isinstance(x, str) for x in rid)):
+                raise BadRequest("rid of a batch must be a list of strings, one per input")
+            rids = rid
+        else:
+            if not isinstance(rid, str):
+                raise BadRequest("rid must be a string")
+            rids = [rid]
+        flags = {}
+        for name, types, default in (("return_logprob", bool, False), ("logprob_start_len", int, -1),
+                                     ("return_text_in_logprobs", bool, False), ("stream", bool, False),
+                                     ("top_logprobs_num", int, 0)):
+            value = body.get(name, default)
+            value = default if value is None else value
+            if isinstance(value, list) and is_batch and name == "return_logprob":
+                value = value[0] if len(set(value)) == 1 else None
+            if not isinstance(value, types) or (types is int and isinstance(value, bool)):
+                raise BadRequest(f"{name} must be {types.__name__}")
+            flags[name] = value
+        if flags["stream"]:
+            raise BadRequest("stream=true is not supported by lib.cpu_server; send stream=false")
+        if flags["top_logprobs_num"]:
+            raise BadRequest("top_logprobs_num > 0 is not supported by lib.cpu_server")
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        requests = []
+        for ids, p, r in zip(batch, params, rids):
+            # SGLang caps generation by the context: prompt + output never exceeds it.
+            max_new = min(p.max_new_tokens, self.runner.context_length - len(ids))
+            req = Request(rid=r, input_ids=ids, params=p, return_logprob=flags["return_logprob"],
+                          logprob_start_len=flags["logprob_start_len"],
+                          return_text_in_logprobs=flags["return_text_in_logprobs"], max_new_tokens=max_new,
+                          created_s=now, deadline_s=now + self.args.request_timeout_s, future=loop.create_future())
+            if p.sampling_seed is not None:
+                req.generator = torch.Generator(self.runner.device).manual_seed(p.sampling_seed)
+            requests.append(req)
+        return requests, is_batch
+
+    def response(self, r: Request) -> dict:
+        meta = {
+            "id": r.rid,
+            "finish_reason": r.finish_reason,
+            "prompt_tokens": len(r.input_ids),
+            "weight_version": self.weight_version,
+            "completion_tokens": len(r.output_ids),
+            "cached_tokens": 0,
+            "e2e_latency": time.monotonic() - r.created_s,
+        }
+        if r.return_logprob:
+            text = (lambda t: self.runner.tokenizer.decode([t])) if r.return_text_in_logprobs else (lambda t: None)
+            meta["input_token_logprobs"] = [[lp, t, text(t)] for lp, t, _ in r.input_logprobs]
+            meta["output_token_logprobs"] = [[lp, t, text(t)] for lp, t in zip(r.output_logprobs, r.output_ids)]
+        return {"text": self.runner.output_text(r), "output_ids": list(r.output_ids), "meta_info": meta}
+
+    async def submit(self, requests: list[Request]) -> list[Request]:
+        self.waiting.extend(requests)
+        self.wakeup.set()
+        try:
+            return list(await asyncio.gather(*(r.future for r in requests)))
+        except asyncio.CancelledError:  # the client went away: free its rows
+            for r in requests:
+                r.abort_message = r.abort_message or "client disconnected"
+            self.wakeup.set()
+            raise
+
+    def abort(self, rid=None, message="Abort by request") -> int:
+        n = 0
+        for r in self.waiting + self.runner.rows:
+            if (rid is None or r.rid == rid) and r.abort_message is None:
+                r.abort_message = message
+                n += 1
+        self.wakeup.set()
+        return n
+
+
+# --- HTTP handlers ---
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+
+
+async def _json_body(request: web.Request, allow_empty: bool = True):
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise BadRequest(f"request body larger than {MAX_BODY_BYTES} bytes")
+    if not raw.strip():
+        if allow_empty:
+            return {}
+        raise BadRequest("empty body; send a JSON object")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"body is not valid JSON: {e}")
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    return body
+
+
+@web.middleware
+async def _errors_as_json(request, handler):
+    try:
+        return await handler(request)
+    except BadRequest as e:
+        return _error(413 if "larger than" in str(e) else 400, str(e))
+    except web.HTTPException as e:
+        if e.status >= 400:
+            return _error(e.status, e.reason)
+        raise
+    except Exception as e:
+        logger.exception("handler %s failed", request.path)
+        return _error(500, f"internal error: {e!r}")
+
+
+def build_app(server: Server) -> web.Application:
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_errors_as_json])
+    runner = server.runner
+
+    async def generate(request):
+        body = await _json_body(request, allow_empty=False)
+        requests, is_batch = server.build_requests(body)
+        done = await server.submit(requests)
+        out = [server.response(r) for r in done]
+        return web.json_response(out if is_batch else out[0])
+
+    async def health(request):
+        return web.Response(status=200)
+
+    async def health_generate(request):
+        req, _ = server.build_requests({"input_ids": [runner.pad_token_id],
+                                        "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+        try:
+            await asyncio.wait_for(server.submit(req), timeout=server.args.health_timeout_s)
+        except asyncio.TimeoutError:
+            return _error(503, f"a 1-token generation did not finish within {server.args.health_timeout_s} s"
+                               + (" (generation is paused)" if server.paused else ""))
+        return web.Response(status=200)
+
+    async def get_model_info(request):
+        return web.json_response({"model_path": server.model_path,
+                                  "tokenizer_path": server.args.tokenizer_path or server.args.model_path,
+                                  "is_generation": True, "preferred_sampling_params": None,
+                                  "weight_version": server.weight_version, "has_image_understanding": False,
+                                  "has_audio_understanding": False, "model_type": runner.model.config.model_type,
+                                  "architectures": getattr(runner.model.config, "architectures", None)})
+
+    async def get_server_info(request):
+        info = {k: v for k, v in vars(server.args).items()}
+        info.update(runner.stats)
+        info.update({"model_path": server.model_path, "weight_version": server.weight_version,
+                     "context_length": runner.context_length, "version": "lib.cpu_server",
+                     "num_running_requests": len(runner.rows), "num_waiting_requests": len(server.waiting),
+                     "paused": server.paused, "internal_states": [dict(runner.stats)]})
+        return web.json_response(info)
+
+    async def flush_cache(request):
+        # No prefix cache here, so there is nothing to flush; answered as SGLang does on success.
+        return web.Response(text="Cache flushed.\nPlease check backend logs for more details. "
+                                 "(When there are running or waiting requests, the operation will not be performed.)\n")
+
+    async def pause_generation(request):
+        body = await _json_body(request)
+        mode = body.get("mode", "abort")
+        if mode not in ("abort", "in_place", "retract"):
+            raise BadRequest(f"mode must be 'abort', 'in_place' or 'retract', got {mode!r}")
+        server.paused = True
+        if mode == "abort":
+            server.abort(message="Abort by pause_generation")
+        # Return only once no forward is in flight (and aborted requests have been answered), so a
+        # weight update that follows never overlaps a step.
+        while not server.idle.is_set() or (mode == "abort" and (server.runner.rows or server.waiting)):
+            await asyncio.sleep(0.005)
+        return web.json_response({"status": "ok"})
+
+    async def continue_generation(request):
+        await _json_body(request)
+        server.paused = False
+        server.wakeup.set()
+        return web.json_response({"status": "ok"})
+
+    async def abort_request(request):
+        body = await _json_body(request)
+        rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
+        if not isinstance(abort_all, bool) or not isinstance(rid, (str, type(None))):
+            raise BadRequest("abort_request takes {'rid': str, 'abort_all': bool}")
+        if abort_all:
+            server.abort()
+        elif rid:
+            server.abort(rid)
+        return web.Response(status=200)
+
+    async def update_weights_from_disk(request):
+        body = await _json_body(request, allow_empty=False)
+        path = body.get("model_path")
+        if not isinstance(path, str) or not path:
+            raise BadRequest("model_path (a directory with *.safetensors) is required")
+        version = body.get("weight_version")
+        if version is not None and not isinstance(version, str):
+            raise BadRequest("weight_version must be a string")
+        try:
+            t0 = time.monotonic()
+            await server.run_on_worker(runner.load_weights_from_disk, path)
+        except (BadRequest, OSError) as e:
+            return web.json_response({"success": False, "message": f"Failed to update weights: {e}",
+                                      "num_paused_requests": 0}, status=400)
+        server.model_path = path
+        if version is not None:
+            server.weight_version = version
+        return web.json_response({"success": True, "num_paused_requests": 0,
+                                  "message": f"Succeeded to update model weights in {time.monotonic() - t0:.2f} s."})
+
+    async def init_weights_update_group(request):
+        body = await _json_body(request, allow_empty=False)
+        try:
+            addr, port = body["master_address"], body["master_port"]
+            rank_offset, world_size, group_name = body["rank_offset"], body["world_size"], body["group_name"]
+        except KeyError as e:
+            raise BadRequest(f"missing field {e.args[0]!r}; need master_address, master_port, rank_offset, "
+                             f"world_size, group_name, backend")
+        backend = body.get("backend", "nccl")
+        if not isinstance(group_name, str) or not group_name:
+            raise BadRequest("group_name must be a non-empty string")
+        if group_name in server.groups:
+            return web.json_response({"success": False, "message": f"group {group_name!r} already exists; "
+                                      f"destroy it first"}, status=400)
+        if backend == "nccl" and runner.device.type == "cpu":
+            backend = "gloo"  # NCCL cannot move CPU tensors; a CPU server always takes part over gloo.
+        from lib.process_group import init_custom_process_group
+
+        def join():
+            return init_custom_process_group(backend, f"tcp://{addr}:{port}", int(world_size),
+                                             int(rank_offset), group_name, timeout_s=server.args.weight_sync_timeout_s)
+        try:  # blocks until the trainer joins: off the event loop and off the model thread
+            server.groups[group_name] = await asyncio.get_running_loop().run_in_executor(None, join)
+        except Exception as e:
+            return web.json_response({"success": False,
+                                      "message": f"Failed to initialize custom process group: {e}."}, status=400)
+        return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
+
+    async def update_weights_from_distributed(request):
+        body = await _json_body(request, allow_empty=False)
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        group_name = body.get("group_name", "weight_update_group")
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
+                and len(names) == len(dtypes) == len(shapes)):
+            raise BadRequest("names, dtypes and shapes must be lists of equal length")
+        if body.get("load_format") not in (None, "flattened_bucket"):
+            raise BadRequest(f"load_format {body['load_format']!r} is not supported; use null or 'flattened_bucket'")
+        if group_name not in server.groups:
+            return web.json_response({"success": False, "message": f"Group {group_name} not in "
+                                      f"{list(server.groups)}. Please call `init_weights_update_group` first."},
+                                     status=400)
+        torch_dtypes = [_parse_dtype(d) for d in dtypes]
+        pg = server.groups[group_name]
+
+        def receive():
+            import torch.distributed as dist
+
+            device = runner.device
+            if body.get("load_format") == "flattened_bucket":
+                numels = [math.prod(s) for s in shapes]
+                flat = torch.empty(sum(numels), dtype=torch_dtypes[0], device=device)
+                dist.broadcast(flat, src=0, group=pg)
+                return [(n, t.view(s)) for n, t, s in zip(names, flat.split(numels), shapes)]
+            tensors = [torch.empty(s, dtype=d, device=device) for s, d in zip(shapes, torch_dtypes)]
+            handles = [dist.broadcast(t, src=0, group=pg, async_op=True) for t in tensors]
+            for h in handles:
+                h.wait()
+            return list(zip(names, tensors))
+        try:
+            # Received off the model thread (generation goes on meanwhile), then copied in one go
+            # between steps, so no forward ever sees half-updated weights.
+            named = await asyncio.get_running_loop().run_in_executor(None, receive)
+            runner.check_named_tensors(names, shapes)
+            await server.run_on_worker(runner.copy_named_tensors, named)
+        except Exception as e:
+            return web.json_response({"success": False, "message": f"Failed to update parameter online: {e}."},
+                                     status=400)
+        if body.get("weight_version") is not None:
+            server.weight_version = str(body["weight_version"])
+        return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
+
+    async def destroy_weights_update_group(request):
+        body = await _json_body(request, allow_empty=False)
+        group_name = body.get("group_name", "weight_update_group")
+        pg = server.groups.pop(group_name, None)
+        if pg is None:
+            return web.json_response({"success": False, "message": "The group to be destroyed does not exist."},
+                                     status=400)
+        from lib.process_group import destroy_custom_process_group
+
+        await asyncio.get_running_loop().run_in_executor(None, destroy_custom_process_group, pg)
+        return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
+
+    async def on_startup(app):
+        app["scheduler"] = asyncio.create_task(server.scheduler())
+
+    async def on_cleanup(app):
+        app["scheduler"].cancel()
+        server.worker.shutdown(wait=False, cancel_futures=True)
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    r = app.router
+    r.add_post("/generate", generate)
+    r.add_get("/health", health)
+    r.add_get("/health_generate", health_generate)
+    r.add_get("/get_model_info", get_model_info)
+    r.add_get("/get_server_info", get_server_info)
+    r.add_route("*", "/flush_cache", flush_cache)
+    r.add_post("/pause_generation", pause_generation)
+    r.add_post("/continue_generation", continue_generation)
+    r.add_post("/abort_request", abort_request)
+    r.add_post("/update_weights_from_disk", update_weights_from_disk)
+    r.add_post("/init_weights_update_group", init_weights_update_group)
+    r.add_post("/update_weights_from_distributed", update_weights_from_distributed)
+    r.add_post("/destroy_weights_update_group", destroy_weights_update_group)
+    return app
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-path", required=True, help="HF-format model directory")
+    p.add_argument("--tokenizer-path", default=None, help="defaults to --model-path")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (or cuda:N)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
+                   help="auto: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--max-running-requests", type=int, default=32, help="rows decoded together at most")
+    p.add_argument("--max-prefill-tokens", type=int, default=16384,
+                   help="bound on (rows x padded length) of one prefill forward; one request always fits")
+    p.add_argument("--context-length", type=int, default=None, help="defaults to max_position_embeddings")
+    p.add_argument("--random-seed", type=int, default=0)
+    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    p.add_argument("--weight-version", default="default", help="initial weight_version reported in meta_info")
+    p.add_argument("--request-timeout-s", type=float, default=3600.0,
+                   help="a request still running after this long is aborted (finish_reason abort)")
+    p.add_argument("--health-timeout-s", type=float, default=20.0)
+    p.add_argument("--weight-sync-timeout-s", type=float, default=600.0,
+                   help="how long /init_weights_update_group and collectives wait for the trainer")
+    p.add_argument("--log-level", default="info")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    torch.manual_seed(args.random_seed)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    server = Server(args)
+    logger.info("serving %s on http://%s:%d (device %s, dtype %s, context %d)", args.model_path, args.host,
+                args.port, args.device, server.runner.dtype, server.runner.context_length)
+    web.run_app(build_app(server), host=args.host, port=args.port, print=None, access_log=None)
+
+
+if __name__ == "__main__":
+    main()
