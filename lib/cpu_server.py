@@ -44,8 +44,9 @@ from aiohttp import web
 
 logger = logging.getLogger("cpu_server")
 
+MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)
+SCHEDULER_TASK = web.AppKey("scheduler", asyncio.Task)
 GREEDY_TEMPERATURE = 1e-5  # SGLang's _SAMPLING_EPS: below it a request is decoded greedily
-MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
 class BadRequest(ValueError):
@@ -675,7 +676,8 @@ async def _json_body(request: web.Request, allow_empty: bool = True):
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
-        raise BadRequest(f"request body larger than {MAX_BODY_BYTES} bytes")
+        raise BadRequest(f"request body larger than {request.app[MAX_BODY_BYTES]} bytes; "
+                         f"raise the server's --max-body-mb")
     if not raw.strip():
         if allow_empty:
             return {}
@@ -705,7 +707,8 @@ async def _errors_as_json(request, handler):
 
 
 def build_app(server: Server) -> web.Application:
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_errors_as_json])
+    app = web.Application(client_max_size=int(server.args.max_body_mb * 2**20), middlewares=[_errors_as_json])
+    app[MAX_BODY_BYTES] = int(server.args.max_body_mb * 2**20)
     runner = server.runner
 
     async def generate(request):
@@ -885,10 +888,10 @@ def build_app(server: Server) -> web.Application:
         return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
 
     async def on_startup(app):
-        app["scheduler"] = asyncio.create_task(server.scheduler())
+        app[SCHEDULER_TASK] = asyncio.create_task(server.scheduler())
 
     async def on_cleanup(app):
-        app["scheduler"].cancel()
+        app[SCHEDULER_TASK].cancel()
         server.worker.shutdown(wait=False, cancel_futures=True)
 
     app.on_startup.append(on_startup)
@@ -928,6 +931,7 @@ def parse_args(argv=None):
     p.add_argument("--weight-version", default="default", help="initial weight_version reported in meta_info")
     p.add_argument("--request-timeout-s", type=float, default=3600.0,
                    help="a request still running after this long is aborted (finish_reason abort)")
+    p.add_argument("--max-body-mb", type=float, default=64.0, help="larger request bodies get a 413")
     p.add_argument("--health-timeout-s", type=float, default=20.0)
     p.add_argument("--weight-sync-timeout-s", type=float, default=600.0,
                    help="how long /init_weights_update_group and collectives wait for the trainer")
