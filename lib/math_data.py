@@ -1,0 +1,151 @@
+"""Synthetic GSM8K-format arithmetic word problems for the embedded default of the reflect task.
+
+Each record is `{"question": ..., "answer": "worked steps ...\\n#### N"}`, the format of
+`openai/gsm8k` (`main`), so the script's data path is the one the real recipe uses. The problems are
+chains of 1-3 steps of +, -, * over small numbers with a few templates, names and objects: a
+model of a few million parameters trained for minutes on 2 CPU cores can learn part of them, and
+the rest gives RL something to improve.
+
+Splits: `warmstart` (worked solutions for the SFT warm start), `train` (RL prompts), `dev`
+(periodic evaluation), `test` (final evaluation). No question appears in two splits. The files are
+byte-identical for a given seed and sizes.
+"""
+import json
+import os
+import random
+import shutil
+import tempfile
+
+# Bump when the generator changes, so cached data built by an older version is not reused.
+GENERATOR_VERSION = 1
+
+SPLITS = ("test", "dev", "warmstart", "train")
+
+NAMES = [("Tom", "He"), ("Anna", "She"), ("Ben", "He"), ("Mia", "She"), ("Sam", "He"), ("Lily", "She"),
+         ("Max", "He"), ("Emma", "She"), ("Leo", "He"), ("Zoe", "She"), ("Jack", "He"), ("Ella", "She")]
+OBJECTS = ["apples", "books", "pens", "cards", "eggs", "stamps", "shells", "coins", "cookies", "marbles"]
+CONTAINERS = ["boxes", "bags", "baskets", "jars"]
+
+
+def _start(rng: random.Random, name: str, obj: str):
+    """The first sentence, its worked line and the starting count."""
+    if rng.random() < 0.3:
+        groups, per_group = rng.randint(2, 6), rng.randint(2, 12)
+        container = rng.choice(CONTAINERS)
+        total = groups * per_group
+        text = f"{name} has {groups} {container} with {per_group} {obj} in each."
+        work = f"{name} has {groups} * {per_group} = {total} {obj}."
+        return text, work, total
+    count = rng.randint(2, 30)
+    return f"{name} has {count} {obj}.", None, count
+
+
+def _step(rng: random.Random, pronoun: str, obj: str, count: int, friend: str):
+    """One follow-up sentence that changes the count, its worked line and the new count."""
+    ops = ["add", "sub"] + (["mul"] if count <= 60 else [])
+    op = rng.choice(ops)
+    if op == "sub" and count < 2:
+        op = "add"
+    if op == "add":
+        n = rng.randint(1, 20)
+        object_pronoun = "him" if pronoun == "He" else "her"
+        text = rng.choice([f"{pronoun} buys {n} more {obj}.", f"{pronoun} finds {n} more {obj}.",
+                           f"{friend} gives {object_pronoun} {n} {obj}."])
+        return text, f"{count} + {n} = {count + n}.", count + n
+    if op == "sub":
+        n = rng.randint(1, min(count - 1, 20))
+        text = rng.choice([f"{pronoun} gives {n} {obj} to {friend}.", f"{pronoun} loses {n} {obj}.",
+                           f"{pronoun} sells {n} {obj}."])
+        return text, f"{count} - {n} = {count - n}.", count - n
+    k = rng.randint(2, 4)
+    word = {2: "twice", 3: "three times", 4: "four times"}[k]
+    text = f"Then {pronoun.lower()} ends up with {word} as many {obj}."
+    return text, f"{count} * {k} = {count * k}.", count * k
+
+
+def make_problem(rng: random.Random) -> dict:
+    """One word problem with 1-3 arithmetic steps and its worked solution."""
+    (name, pronoun), obj = rng.choice(NAMES), rng.choice(OBJECTS)
+    friend = rng.choice([n for n, _ in NAMES if n != name])
+    sentences, work = [], []
+    text, line, count = _start(rng, name, obj)
+    sentences.append(text)
+    if line:
+        work.append(line)
+    num_steps = rng.randint(1, 3) - (1 if line else 0)
+    for _ in range(num_steps):
+        text, line, count = _step(rng, pronoun, obj, count, friend)
+        sentences.append(text)
+        work.append(line)
+    question = " ".join(sentences) + f" How many {obj} does {name} have now?"
+    return {"question": question, "answer": "\n".join(work) + f"\n#### {count}"}
+
+
+def build_math_data(out_dir: str, seed: int = 0, num_train: int = 20000, num_dev: int = 300,
+                    num_test: int = 500, num_warmstart: int = 2000) -> dict[str, str]:
+    """Write `{split}.jsonl` for warmstart/train/dev/test into `out_dir`; returns split -> path.
+
+    Splits are drawn in the order test, dev, warmstart, train from one random stream, skipping
+    questions already drawn, so test and dev stay the same when only `num_train` changes.
+    """
+    sizes = {"test": num_test, "dev": num_dev, "warmstart": num_warmstart, "train": num_train}
+    rng = random.Random(seed)
+    seen: set[str] = set()
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {}
+    for split in SPLITS:
+        records = []
+        # The space holds millions of distinct questions; the cap only guards against tiny spaces.
+        attempts = 0
+        while len(records) < sizes[split]:
+            attempts += 1
+            if attempts > 100 * sizes[split] + 1000:
+                raise ValueError(f"could not draw {sizes[split]} distinct {split} problems; lower the split sizes")
+            problem = make_problem(rng)
+            if problem["question"] in seen:
+                continue
+            seen.add(problem["question"])
+            records.append(problem)
+        paths[split] = os.path.join(out_dir, f"{split}.jsonl")
+        with open(paths[split], "w", encoding="utf-8", newline="\n") as f:
+            for record in records:
+                f.write(json.dumps(record) + "\n")
+    return paths
+
+
+def _cache_root() -> str:
+    return os.environ.get("AGENTRL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "agentrl"))
+
+
+def default_math_dir(seed: int = 0) -> str:
+    """The default-sized data set under the cache, built on first use (into a temporary directory,
+    then renamed, so concurrent or killed builds never leave half a data set)."""
+    out_dir = os.path.join(_cache_root(), f"math-data-v{GENERATOR_VERSION}-seed{seed}")
+    if os.path.isdir(out_dir):
+        return out_dir
+    os.makedirs(_cache_root(), exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=_cache_root(), prefix=".tmp-math-")
+    try:
+        build_math_data(tmp, seed=seed)
+        try:
+            os.rename(tmp, out_dir)
+        except OSError:
+            if not os.path.isdir(out_dir):  # another process won the race: keep its copy
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def read_split(out_dir: str, split: str) -> list[dict]:
+    with open(os.path.join(out_dir, f"{split}.jsonl"), encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def iter_math_texts(out_dir: str):
+    """Question and answer texts for training the tokenizer. Dev and test are left out so that no
+    held-out text shapes the vocabulary."""
+    for split in ("warmstart", "train"):
+        for record in read_split(out_dir, split):
+            yield record["question"]
+            yield record["answer"]
