@@ -362,11 +362,13 @@ class Runner:
             cut |= sorted_probs < min_p[:, None] * sorted_probs[:, :1]
             sorted_probs = sorted_probs.masked_fill(cut, 0.0)
             probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        shared = [i for i, r in enumerate(reqs) if not greedy[i] and r.generator is None]
+        if shared:  # one draw for all rows on the server's generator; seeded requests draw alone
+            idx = torch.tensor(shared, device=logits.device)
+            tokens[idx] = torch.multinomial(probs[idx], 1, generator=self.generator)[:, 0]
         for i, r in enumerate(reqs):
-            if greedy[i]:
-                continue
-            generator = r.generator if r.generator is not None else self.generator
-            tokens[i] = torch.multinomial(probs[i], 1, generator=generator)[0]
+            if not greedy[i] and r.generator is not None:
+                tokens[i] = torch.multinomial(probs[i], 1, generator=r.generator)[0]
         return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
 
     def _append(self, reqs: list[Request], tokens: torch.Tensor, token_logprobs: torch.Tensor) -> list[Request]:
