@@ -794,6 +794,8 @@ def build_app(server: Server) -> web.Application:
         version = body.get("weight_version")
         if version is not None and not isinstance(version, str):
             raise BadRequest("weight_version must be a string")
+        if body.get("abort_all_requests", False):
+            server.abort(message="Abort by update_weights_from_disk")
         try:
             t0 = time.monotonic()
             await server.run_on_worker(runner.load_weights_from_disk, path)
@@ -855,10 +857,13 @@ def build_app(server: Server) -> web.Application:
 
             device = runner.device
             if body.get("load_format") == "flattened_bucket":
-                numels = [math.prod(s) for s in shapes]
-                flat = torch.empty(sum(numels), dtype=torch_dtypes[0], device=device)
+                # SGLang's FlattenedTensorBucket: each tensor's bytes (tensor.flatten().view(uint8)),
+                # concatenated in order, sent as one uint8 broadcast; mixed dtypes allowed.
+                nbytes = [math.prod(s) * torch.empty(0, dtype=d).element_size() for s, d in zip(shapes, torch_dtypes)]
+                flat = torch.empty(sum(nbytes), dtype=torch.uint8, device=device)
                 dist.broadcast(flat, src=0, group=pg)
-                return [(n, t.view(s)) for n, t, s in zip(names, flat.split(numels), shapes)]
+                # clone: a slice's byte offset need not be aligned to its dtype, which view(dtype) requires
+                return [(n, part.clone().view(d).view(s)) for n, part, d, s in zip(names, flat.split(nbytes), torch_dtypes, shapes)]
             tensors = [torch.empty(s, dtype=d, device=device) for s, d in zip(shapes, torch_dtypes)]
             handles = [dist.broadcast(t, src=0, group=pg, async_op=True) for t in tensors]
             for h in handles:

@@ -349,7 +349,9 @@ def test_update_weights_from_disk_with_a_bad_path_is_a_400_and_keeps_weights(ser
 
 
 @pytest.mark.slow
-def test_distributed_update_over_gloo_gives_the_same_weights_as_the_disk_update(server, tokenizer, model_dir, tmp_path):
+@pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
+def test_distributed_update_over_gloo_gives_the_same_weights_as_the_disk_update(
+        server, tokenizer, model_dir, tmp_path, load_format):
     ids = prompt(tokenizer)
     state_dict = _perturbed_state_dict(model_dir, seed=2)
     names = list(state_dict)
@@ -360,11 +362,19 @@ def test_distributed_update_over_gloo_gives_the_same_weights_as_the_disk_update(
     pg = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, 0, "test_sync", timeout_s=30)
     try:
         assert server_joined.result(timeout=TIMEOUT_S).json()["success"]
-        update = {"names": names, "dtypes": ["float32"] * len(names), "group_name": "test_sync",
-                  "shapes": [list(state_dict[n].shape) for n in names], "flush_cache": True, "weight_version": "v2"}
+        # Half the tensors go as bfloat16, so the update must convert dtypes (and, bucketed, mix them).
+        sent = {n: t.to(torch.bfloat16) if i % 2 else t for i, (n, t) in enumerate(state_dict.items())}
+        state_dict = {n: t.float() for n, t in sent.items()}
+        update = {"names": names, "dtypes": [str(sent[n].dtype).removeprefix("torch.") for n in names],
+                  "shapes": [list(sent[n].shape) for n in names], "group_name": "test_sync",
+                  "flush_cache": True, "weight_version": "v2", "load_format": load_format}
         server_received = _in_background(post, server, "/update_weights_from_distributed", update)
-        for name in names:  # same order as the names list: the server receives them in that order
-            torch.distributed.broadcast(state_dict[name].contiguous(), src=0, group=pg)
+        if load_format == "flattened_bucket":  # SGLang's bucket: every tensor's bytes, concatenated
+            bucket = torch.cat([sent[n].contiguous().flatten().view(torch.uint8) for n in names])
+            torch.distributed.broadcast(bucket, src=0, group=pg)
+        else:
+            for name in names:  # same order as the names list: the server receives them in that order
+                torch.distributed.broadcast(sent[name].contiguous(), src=0, group=pg)
         assert server_received.result(timeout=TIMEOUT_S).json()["success"]
         via_broadcast = greedy(server, ids)
         assert via_broadcast["meta_info"]["weight_version"] == "v2"
