@@ -1,0 +1,129 @@
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from lib.async_rollout import BackgroundLoop, RolloutProducer, is_stale, oldest_version
+
+
+def episode(versions: list[int]) -> dict:
+    return {"versions": torch.tensor([versions]), "rewards": torch.tensor([1.0])}
+
+
+@pytest.fixture
+def bg_loop():
+    loop = BackgroundLoop()
+    yield loop
+    loop.close()
+
+
+def test_oldest_version_ignores_tokens_the_model_did_not_sample():
+    group = [episode([-1, -1, 4, 5, -1, 6]), episode([-1, 3, 3])]
+    assert oldest_version(group) == 3
+    assert oldest_version([episode([-1, -1])]) == -1
+
+
+def test_a_group_exactly_max_staleness_behind_is_kept_and_one_more_is_dropped():
+    group = [episode([-1, 2, 3]), episode([-1, 4])]
+    assert not is_stale(group, current_version=4, max_staleness=2)
+    assert is_stale(group, current_version=5, max_staleness=2)
+    assert not is_stale([episode([-1, -1])], current_version=100, max_staleness=0)
+
+
+def test_run_blocks_until_the_coroutine_on_the_background_loop_returns(bg_loop):
+    async def where():
+        await asyncio.sleep(0.01)
+        return threading.current_thread().name
+
+    assert bg_loop.run(where()) == "rollout-loop"
+
+
+def test_producer_keeps_at_most_capacity_groups_started_and_unconsumed(bg_loop):
+    running, peak, release = [0], [0], threading.Event()
+
+    async def rollout_group(item):
+        running[0] += 1
+        peak[0] = max(peak[0], running[0])
+        while not release.is_set():
+            await asyncio.sleep(0.005)
+        running[0] -= 1
+        return [episode([-1, 0])]
+
+    producer = RolloutProducer(bg_loop, rollout_group, lambda i: {"i": i}, capacity=3, max_staleness=0).start()
+    try:
+        bg_loop.run(asyncio.sleep(0.1))
+        assert running[0] == 3 and producer.num_in_flight() == 3
+        release.set()
+        assert len(producer.get_groups(5, timeout_s=10)) == 5
+        assert peak[0] <= 3
+    finally:
+        producer.stop()
+
+
+def test_groups_come_in_item_order_when_they_finish_in_order(bg_loop):
+    async def rollout_group(item):
+        return [dict(episode([-1, 0]), index=item["i"])]
+
+    producer = RolloutProducer(bg_loop, rollout_group, lambda i: {"i": i}, capacity=2, max_staleness=0,
+                               start_index=7).start()
+    try:
+        groups = producer.get_groups(4, timeout_s=10)
+        assert [g[0]["index"] for g in groups] == [7, 8, 9, 10]
+    finally:
+        producer.stop()
+
+
+def test_stale_groups_are_dropped_counted_and_replaced(bg_loop):
+    server_version = [0]  # the version the fake server tags its tokens with
+
+    async def rollout_group(item):
+        return [episode([-1, server_version[0]])]
+
+    producer = RolloutProducer(bg_loop, rollout_group, lambda i: {"i": i}, capacity=4, max_staleness=1).start()
+    try:
+        bg_loop.run(asyncio.sleep(0.1))  # four version-0 groups are now ready
+        server_version[0] = 2
+        producer.set_version(2)
+        groups = producer.get_groups(3, timeout_s=10)
+        assert producer.num_dropped_stale == 4
+        assert [oldest_version(g) for g in groups] == [2, 2, 2]
+    finally:
+        producer.stop()
+
+
+def test_data_position_is_the_first_item_not_yet_consumed(bg_loop):
+    gates = {i: threading.Event() for i in range(10)}
+
+    async def rollout_group(item):
+        while not gates[item["i"]].is_set():
+            await asyncio.sleep(0.005)
+        return [dict(episode([-1, 0]), index=item["i"])]
+
+    producer = RolloutProducer(bg_loop, rollout_group, lambda i: {"i": i}, capacity=3, max_staleness=0).start()
+    try:
+        gates[1].set()
+        assert producer.get_groups(1, timeout_s=10)[0][0]["index"] == 1
+        assert producer.data_position() == 0  # item 0 is still running: a resume must redo it
+        gates[0].set()
+        producer.get_groups(1, timeout_s=10)
+        assert producer.data_position() == 2
+    finally:
+        for g in gates.values():
+            g.set()
+        producer.stop()
+
+
+def test_a_failing_group_is_counted_and_production_goes_on(bg_loop, capsys):
+    async def rollout_group(item):
+        if item["i"] == 1:
+            raise ValueError("malformed episode")
+        return [dict(episode([-1, 0]), index=item["i"])]
+
+    producer = RolloutProducer(bg_loop, rollout_group, lambda i: {"i": i}, capacity=2, max_staleness=0).start()
+    try:
+        groups = producer.get_groups(3, timeout_s=10)
+        assert [g[0]["index"] for g in groups] == [0, 2, 3]
+        assert producer.num_failed == 1
+    finally:
+        producer.stop()
