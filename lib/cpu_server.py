@@ -587,9 +587,9 @@ class Server:
         if isinstance(raw_params, list):
             if len(raw_params) != n:
                 raise BadRequest(f"sampling_params is a list of {len(raw_params)}, input has {n} items")
-            params = [parse_sampling_params(p) for p in raw_params]
         else:
-            params = [parse_sampling_params(raw_params) for _ in range(n)]
+            raw_params = [raw_params] * n
+        params = [parse_sampling_params(p) for p in raw_params]
         rid = body.get("rid")
         if rid is None:
             rids = [uuid.uuid4().hex for _ in range(n)]
@@ -616,12 +616,23 @@ class Server:
             raise BadRequest("stream=true is not supported by lib.cpu_server; send stream=false")
         if flags["top_logprobs_num"]:
             raise BadRequest("top_logprobs_num > 0 is not supported by lib.cpu_server")
+        context = self.runner.context_length
+        for ids, p, raw in zip(batch, params, raw_params):
+            # SGLang's TokenizerManager._validate_one_request: a request whose explicit
+            # max_new_tokens could outgrow the context is refused up front (unless the server allows
+            # auto-truncation); the default max_new_tokens is only capped, as SGLang's scheduler does.
+            explicit = (raw or {}).get("max_new_tokens") is not None
+            if explicit and p.max_new_tokens + len(ids) >= context and not self.args.allow_auto_truncate:
+                raise BadRequest(
+                    f"Requested token count exceeds the model's maximum context length of {context} tokens. "
+                    f"You requested a total of {p.max_new_tokens + len(ids)} tokens: {len(ids)} tokens from the "
+                    f"input messages and {p.max_new_tokens} tokens for the completion. Please reduce the number "
+                    f"of tokens in the input messages or the completion to fit within the limit.")
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         requests = []
         for ids, p, r in zip(batch, params, rids):
-            # SGLang caps generation by the context: prompt + output never exceeds it.
-            max_new = min(p.max_new_tokens, self.runner.context_length - len(ids))
+            max_new = min(p.max_new_tokens, context - len(ids))
             req = Request(rid=r, input_ids=ids, params=p, return_logprob=flags["return_logprob"],
                           logprob_start_len=flags["logprob_start_len"],
                           return_text_in_logprobs=flags["return_text_in_logprobs"], max_new_tokens=max_new,
@@ -933,6 +944,9 @@ def parse_args(argv=None):
     p.add_argument("--max-prefill-tokens", type=int, default=16384,
                    help="bound on (rows x padded length) of one prefill forward; one request always fits")
     p.add_argument("--context-length", type=int, default=None, help="defaults to max_position_embeddings")
+    p.add_argument("--allow-auto-truncate", action="store_true",
+                   help="cap max_new_tokens so prompt + output fits the context (finish_reason length) "
+                        "instead of refusing the request with a 400, as SGLang does by default")
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (CPU)")
     p.add_argument("--weight-version", default="default", help="initial weight_version reported in meta_info")

@@ -207,11 +207,17 @@ def test_stop_token_id_ends_generation_and_stays_in_output_ids(server, tokenizer
     assert ignored["meta_info"]["finish_reason"]["type"] == "length"
 
 
-def test_max_new_tokens_is_capped_by_the_context_length(server, tokenizer):
-    ids = [5] * (CONTEXT_LENGTH - 3)
-    out = generate(server, ids, max_new_tokens=50, temperature=0, ignore_eos=True)
-    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
-    assert len(out["output_ids"]) == 3
+def test_prompt_plus_max_new_tokens_reaching_the_context_is_a_400_as_in_sglang(server):
+    ok = generate(server, [5] * (CONTEXT_LENGTH - 4), max_new_tokens=3, temperature=0, ignore_eos=True)
+    assert ok["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+    r = requests.post(server + "/generate", json={"input_ids": [5] * (CONTEXT_LENGTH - 4),
+                                                 "sampling_params": {"max_new_tokens": 4}}, timeout=TIMEOUT_S)
+    assert r.status_code == 400
+    assert "exceeds the model's maximum context length of 256 tokens" in r.json()["error"]["message"]
+    # Without an explicit max_new_tokens the default (128) is capped to fit instead.
+    out = requests.post(server + "/generate", json={"input_ids": [5] * (CONTEXT_LENGTH - 4),
+                                                   "sampling_params": {"ignore_eos": True}}, timeout=TIMEOUT_S).json()
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
 
 
 def test_same_sampling_seed_gives_same_tokens(server, tokenizer):
@@ -278,7 +284,7 @@ def _wait_until_running(server):
 
 def test_pause_in_abort_mode_ends_running_requests_with_their_tokens_so_far(server, tokenizer):
     ids = prompt(tokenizer)
-    running = _in_background(greedy, server, ids, CONTEXT_LENGTH - len(ids))
+    running = _in_background(greedy, server, ids, CONTEXT_LENGTH - len(ids) - 1)
     _wait_until_running(server)
     try:
         assert post(server, "/pause_generation", {"mode": "abort"}).json() == {"status": "ok"}
@@ -287,7 +293,7 @@ def test_pause_in_abort_mode_ends_running_requests_with_their_tokens_so_far(serv
         post(server, "/continue_generation")
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     n = len(out["output_ids"])
-    assert 0 < n < CONTEXT_LENGTH - len(ids)
+    assert 0 < n < CONTEXT_LENGTH - len(ids) - 1
     assert len(out["meta_info"]["output_token_logprobs"]) == n
     assert out["output_ids"] == greedy(server, ids, n)["output_ids"]
 
@@ -295,14 +301,14 @@ def test_pause_in_abort_mode_ends_running_requests_with_their_tokens_so_far(serv
 def test_abort_request_by_rid(server, tokenizer):
     ids = prompt(tokenizer)
     body = {"input_ids": ids, "rid": "to-abort", "return_logprob": True,
-            "sampling_params": {"max_new_tokens": CONTEXT_LENGTH - len(ids), "temperature": 0, "ignore_eos": True}}
+            "sampling_params": {"max_new_tokens": CONTEXT_LENGTH - len(ids) - 1, "temperature": 0, "ignore_eos": True}}
     running = _in_background(lambda: requests.post(server + "/generate", json=body, timeout=TIMEOUT_S).json())
     _wait_until_running(server)
     assert post(server, "/abort_request", {"rid": "to-abort"}).status_code == 200
     out = running.result(timeout=TIMEOUT_S)
     assert out["meta_info"]["id"] == "to-abort"
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
-    assert len(out["output_ids"]) < CONTEXT_LENGTH - len(ids)
+    assert len(out["output_ids"]) < CONTEXT_LENGTH - len(ids) - 1
 
 
 # --- weight updates ---
