@@ -22,20 +22,33 @@ never change halfway through one.
 Log-probs (SGLang's default convention, `RETURN_ORIGINAL_LOGPROB` off): the reported log-prob of a
 sampled token is `log_softmax(logits / temperature)` in float32 at that token, taken from the full
 temperature-scaled distribution *before* top-k / top-p / min-p truncation (those only restrict
-what may be sampled). A temperature below 1e-5 means greedy decoding (argmax) and then the log-prob
+what may be sampled). A temperature below 1e-6 means greedy decoding (argmax) and then the log-prob
 is `log_softmax(logits)`, because SGLang rewrites such requests to temperature 1, top_k 1. So at
 temperature 1.0 the log-probs equal a plain fp32 forward's `log_softmax` over the same tokens.
+Prompt log-probs (`logprob_start_len >= 0`) are the untempered `log_softmax(logits)`, as in SGLang.
+
+Where it differs from SGLang (docs/sglang_contract.md has SGLang's side):
+- `/health` answers 200 without generating (SGLang's runs a 1-token generation and so gives 503
+  while paused); `/health_generate` does generate.
+- No prefix cache: `cached_tokens` is always 0 and `/flush_cache` has nothing to flush.
+- `retract` pauses like `in_place` (nothing to free); an aborted running request ends without the
+  one extra decode step SGLang runs; `num_retractions` and `reasoning_tokens` are always 0.
+- Not supported, refused with a 400 rather than ignored: `stream`, `top_logprobs_num`, penalties,
+  grammars, `logit_bias`.
+- `--random-seed` defaults to 0 (SGLang: random); `--dtype auto` is float32 on CPU.
+- Weight updates copy tensors by their Hugging Face state-dict names (SGLang's `load_weights`
+  also accepts those names).
 """
 import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import glob
 import json
 import logging
 import math
 import os
-import threading
 import time
 import uuid
 
@@ -46,7 +59,7 @@ logger = logging.getLogger("cpu_server")
 
 MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)
 SCHEDULER_TASK = web.AppKey("scheduler", asyncio.Task)
-GREEDY_TEMPERATURE = 1e-5  # SGLang's _SAMPLING_EPS: below it a request is decoded greedily
+GREEDY_TEMPERATURE = 1e-6  # SGLang's _SAMPLING_EPS: below it a request is decoded greedily
 
 
 class BadRequest(ValueError):
@@ -70,12 +83,13 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     sampling_seed: int | None = None
+    n: int = 1  # samples per prompt; the answer is a prompt-major list
 
 
 # SGLang parameters this server accepts only at their no-op value (SGLang accepts them; silently
 # ignoring a non-default value would give the caller different samples than they asked for).
 _ONLY_DEFAULT = {
-    "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "n": 1,
+    "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
     "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None, "stop_regex": None,
     "logit_bias": None, "custom_params": None, "stream_interval": None,
 }
@@ -108,7 +122,7 @@ def parse_sampling_params(raw) -> SamplingParams:
             raise BadRequest(f"unknown sampling parameter {name!r}; known: {sorted(known | set(_ONLY_DEFAULT))}")
         if value is None:
             continue
-        if name in ("max_new_tokens", "top_k", "min_new_tokens", "sampling_seed"):
+        if name in ("max_new_tokens", "top_k", "min_new_tokens", "sampling_seed", "n"):
             _check_type(name, value, int)
         elif name in ("temperature", "top_p", "min_p"):
             _check_type(name, value, (int, float))
@@ -127,6 +141,8 @@ def parse_sampling_params(raw) -> SamplingParams:
             if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
                 raise BadRequest("sampling_params.stop_token_ids must be a list of integers")
         setattr(params, name, value)
+    if params.n < 1:
+        raise BadRequest("sampling_params.n must be >= 1")
     if params.max_new_tokens < 0:
         raise BadRequest("sampling_params.max_new_tokens must be >= 0")
     if params.temperature < 0:
@@ -233,7 +249,7 @@ class Runner:
             finished = self._drop_aborted()
             for req in admitted:
                 if req.abort_message is not None:
-                    req.finish_reason = {"type": "abort", "message": req.abort_message}
+                    req.finish_reason = _abort_reason(req.abort_message, waiting=True)
                     finished.append(req)
                 elif req.max_new_tokens == 0:
                     req.finish_reason = {"type": "length", "length": 0}
@@ -253,7 +269,7 @@ class Runner:
                 req.abort_message = f"request exceeded the server's --request-timeout-s {self.args.request_timeout_s}"
         done = [r for r in self.rows if r.abort_message is not None]
         for req in done:
-            req.finish_reason = {"type": "abort", "message": req.abort_message}
+            req.finish_reason = _abort_reason(req.abort_message)
         self._keep([r.finish_reason is None for r in self.rows])
         return done
 
@@ -383,13 +399,11 @@ class Runner:
         return finished
 
     def _check_finished(self, r: Request) -> dict | None:
-        """SGLang's order (Req.check_finished): length, then stop token ids / EOS (both off under
-        ignore_eos), then stop strings on the decoded tail of the output."""
+        """SGLang's order (Req.update_finish_state): length, stop strings on
+        the decoded tail of the output, then stop token ids / EOS (both off under ignore_eos)."""
         if len(r.output_ids) >= r.max_new_tokens:
             return {"type": "length", "length": r.max_new_tokens}
         token = r.output_ids[-1]
-        if not r.params.ignore_eos and (token in r.params.stop_token_ids or token in self.eos_token_ids):
-            return {"type": "stop", "matched": token}
         if r.params.stop:
             # A stop string of n characters spans at most n tokens (each token decodes to >= 1
             # byte, 4 per character at most); decoding only that tail keeps the check O(1) per step.
@@ -398,6 +412,8 @@ class Runner:
             for stop in r.params.stop:
                 if stop in tail:
                     return {"type": "stop", "matched": stop}
+        if not r.params.ignore_eos and (token in r.params.stop_token_ids or token in self.eos_token_ids):
+            return {"type": "stop", "matched": token}
         return None
 
     def decode(self, ids: list, params: SamplingParams) -> str:
@@ -468,6 +484,14 @@ class Runner:
                 params[name].copy_(tensor)
 
 
+def _abort_reason(message: str, waiting: bool = False) -> dict:
+    """SGLang's FINISH_ABORT.to_json(); its own aborts say "Aborted" (running) or "Abort in
+    waiting queue"; ours name the cause when it is not a plain abort."""
+    if message is None or message == "Aborted":
+        message = "Abort in waiting queue" if waiting else "Aborted"
+    return {"type": "abort", "message": message, "status_code": None, "err_type": None}
+
+
 def _resolve_dtype(dtype: str, device: str) -> torch.dtype:
     if dtype == "auto":
         # float32 on CPU: bf16 matmuls there are slow and their log-probs drift from the trainer's.
@@ -499,7 +523,9 @@ class Server:
         self.idle = asyncio.Event()  # set whenever no step is in flight
         self.idle.set()
         self.groups: dict = {}
-        self.group_lock = threading.Lock()
+        self.updates_pending = 0
+        self.no_update = asyncio.Event()  # set while no weight update is pending
+        self.no_update.set()
 
     async def run_on_worker(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
@@ -529,7 +555,7 @@ class Server:
                 finished = admitted + self.runner.rows
                 self.runner.rows, self.runner.cache, self.runner.attention_mask = [], None, None
                 for r in finished:
-                    r.finish_reason = {"type": "abort", "message": f"model step failed: {e!r}"}
+                    r.finish_reason = _abort_reason(f"model step failed: {e!r}")
             finally:
                 self.idle.set()
             for r in finished:
@@ -590,17 +616,30 @@ class Server:
         else:
             raw_params = [raw_params] * n
         params = [parse_sampling_params(p) for p in raw_params]
+        n_samples = params[0].n
+        if any(p.n != n_samples for p in params):
+            raise BadRequest("sampling_params.n must be the same for every item of a batch")
         rid = body.get("rid")
         if rid is None:
             rids = [uuid.uuid4().hex for _ in range(n)]
+        elif is_batch and isinstance(rid, str):
+            rids = [f"{rid}_{i}" for i in range(n)]
         elif is_batch:
             if not (isinstance(rid, list) and len(rid) == n and all(isinstance(x, str) for x in rid)):
-                raise BadRequest("rid of a batch must be a list of strings, one per input")
+                raise BadRequest("rid of a batch must be a string or a list of strings, one per input")
             rids = rid
         else:
             if not isinstance(rid, str):
                 raise BadRequest("rid must be a string")
             rids = [rid]
+        if len(set(rids)) != len(rids):
+            raise BadRequest("rid values must be unique within a batch")
+        if n_samples > 1:  # SGLang: prompt-major copies with fresh rids, answered as a list
+            batch = [ids for ids in batch for _ in range(n_samples)]
+            params = [p for p in params for _ in range(n_samples)]
+            raw_params = [raw for raw in raw_params for _ in range(n_samples)]
+            rids = [uuid.uuid4().hex for _ in batch]
+            is_batch = True
         flags = {}
         for name, types, default in (("return_logprob", bool, False), ("logprob_start_len", int, -1),
                                      ("return_text_in_logprobs", bool, False), ("stream", bool, False),
@@ -622,7 +661,7 @@ class Server:
             # max_new_tokens could outgrow the context is refused up front (unless the server allows
             # auto-truncation); the default max_new_tokens is only capped, as SGLang's scheduler does.
             explicit = (raw or {}).get("max_new_tokens") is not None
-            if explicit and p.max_new_tokens + len(ids) >= context and not self.args.allow_auto_truncate:
+            if explicit and p.max_new_tokens + len(ids) > context and not self.args.allow_auto_truncate:
                 raise BadRequest(
                     f"Requested token count exceeds the model's maximum context length of {context} tokens. "
                     f"You requested a total of {p.max_new_tokens + len(ids)} tokens: {len(ids)} tokens from the "
@@ -650,15 +689,38 @@ class Server:
             "weight_version": self.weight_version,
             "completion_tokens": len(r.output_ids),
             "cached_tokens": 0,
+            "num_retractions": 0,
+            "reasoning_tokens": 0,
             "e2e_latency": time.monotonic() - r.created_s,
+            "response_sent_to_client_ts": time.time(),
         }
         if r.return_logprob:
             text = (lambda t: self.runner.tokenizer.decode([t])) if r.return_text_in_logprobs else (lambda t: None)
             meta["input_token_logprobs"] = [[lp, t, text(t)] for lp, t, _ in r.input_logprobs]
             meta["output_token_logprobs"] = [[lp, t, text(t)] for lp, t in zip(r.output_logprobs, r.output_ids)]
+            meta["output_token_logprobs_length"] = len(r.output_ids)
         return {"text": self.runner.output_text(r), "output_ids": list(r.output_ids), "meta_info": meta}
 
+    @contextlib.asynccontextmanager
+    async def exclusive_update(self, abort_all: bool):
+        """SGLang's model_update_lock, writer side: unless generation is paused, requests already
+        in flight finish first and new ones wait until the update is done, so every request is
+        generated by one version of the weights."""
+        self.updates_pending += 1
+        self.no_update.clear()
+        try:
+            if abort_all:
+                self.abort()
+            while not self.paused and (self.runner.rows or self.waiting or not self.idle.is_set()):
+                await asyncio.sleep(0.005)
+            yield
+        finally:
+            self.updates_pending -= 1
+            if self.updates_pending == 0:
+                self.no_update.set()
+
     async def submit(self, requests: list[Request]) -> list[Request]:
+        await self.no_update.wait()
         self.waiting.extend(requests)
         self.wakeup.set()
         try:
@@ -669,10 +731,12 @@ class Server:
             self.wakeup.set()
             raise
 
-    def abort(self, rid=None, message="Abort by request") -> int:
+    def abort(self, rid=None, message="Aborted") -> int:
+        """Abort every request whose rid starts with `rid` (SGLang's scheduler matches by prefix,
+        so a batch's base rid reaches all its items), or all requests when rid is None."""
         n = 0
         for r in self.waiting + self.runner.rows:
-            if (rid is None or r.rid == rid) and r.abort_message is None:
+            if (rid is None or r.rid.startswith(rid)) and r.abort_message is None:
                 r.abort_message = message
                 n += 1
         self.wakeup.set()
@@ -762,7 +826,11 @@ def build_app(server: Server) -> web.Application:
         return web.json_response(info)
 
     async def flush_cache(request):
-        # No prefix cache here, so there is nothing to flush; answered as SGLang does on success.
+        # No prefix cache here, so there is nothing to flush; answered as SGLang answers (plain
+        # text; refused while requests are running or waiting, as SGLang's scheduler does).
+        if runner.rows or server.waiting:
+            return web.Response(status=400, text="Cache not flushed because there are pending requests. "
+                                                 f"#queue-req: {len(server.waiting)}, #running-req: {len(runner.rows)}\n")
         return web.Response(text="Cache flushed.\nPlease check backend logs for more details. "
                                  "(When there are running or waiting requests, the operation will not be performed.)\n")
 
@@ -773,18 +841,18 @@ def build_app(server: Server) -> web.Application:
             raise BadRequest(f"mode must be 'abort', 'in_place' or 'retract', got {mode!r}")
         server.paused = True
         if mode == "abort":
-            server.abort(message="Abort by pause_generation")
+            server.abort()
         # Return only once no forward is in flight (and aborted requests have been answered), so a
         # weight update that follows never overlaps a step.
         while not server.idle.is_set() or (mode == "abort" and (server.runner.rows or server.waiting)):
             await asyncio.sleep(0.005)
-        return web.json_response({"status": "ok"})
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(request):
         await _json_body(request)
         server.paused = False
         server.wakeup.set()
-        return web.json_response({"status": "ok"})
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def abort_request(request):
         body = await _json_body(request)
@@ -805,11 +873,10 @@ def build_app(server: Server) -> web.Application:
         version = body.get("weight_version")
         if version is not None and not isinstance(version, str):
             raise BadRequest("weight_version must be a string")
-        if body.get("abort_all_requests", False):
-            server.abort(message="Abort by update_weights_from_disk")
         try:
             t0 = time.monotonic()
-            await server.run_on_worker(runner.load_weights_from_disk, path)
+            async with server.exclusive_update(body.get("abort_all_requests", False)):
+                await server.run_on_worker(runner.load_weights_from_disk, path)
         except (BadRequest, OSError) as e:
             return web.json_response({"success": False, "message": f"Failed to update weights: {e}",
                                       "num_paused_requests": 0}, status=400)
@@ -823,10 +890,11 @@ def build_app(server: Server) -> web.Application:
         body = await _json_body(request, allow_empty=False)
         try:
             addr, port = body["master_address"], body["master_port"]
-            rank_offset, world_size, group_name = body["rank_offset"], body["world_size"], body["group_name"]
+            rank_offset, world_size = body["rank_offset"], body["world_size"]
         except KeyError as e:
             raise BadRequest(f"missing field {e.args[0]!r}; need master_address, master_port, rank_offset, "
-                             f"world_size, group_name, backend")
+                             f"world_size (and optionally group_name, backend)")
+        group_name = body.get("group_name", "weight_update_group")
         backend = body.get("backend", "nccl")
         if not isinstance(group_name, str) or not group_name:
             raise BadRequest("group_name must be a non-empty string")
@@ -881,11 +949,12 @@ def build_app(server: Server) -> web.Application:
                 h.wait()
             return list(zip(names, tensors))
         try:
-            # Received off the model thread (generation goes on meanwhile), then copied in one go
-            # between steps, so no forward ever sees half-updated weights.
-            named = await asyncio.get_running_loop().run_in_executor(None, receive)
-            runner.check_named_tensors(names, shapes)
-            await server.run_on_worker(runner.copy_named_tensors, named)
+            async with server.exclusive_update(body.get("abort_all_requests", False)):
+                # Received off the model thread (paused in-place rows and the event loop carry on),
+                # then copied in one go between steps: no forward ever sees half-updated weights.
+                named = await asyncio.get_running_loop().run_in_executor(None, receive)
+                runner.check_named_tensors(names, shapes)
+                await server.run_on_worker(runner.copy_named_tensors, named)
         except Exception as e:
             return web.json_response({"success": False, "message": f"Failed to update parameter online: {e}."},
                                      status=400)
@@ -905,6 +974,17 @@ def build_app(server: Server) -> web.Application:
         await asyncio.get_running_loop().run_in_executor(None, destroy_custom_process_group, pg)
         return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
 
+    async def update_weight_version(request):
+        body = await _json_body(request, allow_empty=False)
+        version = body.get("new_version")
+        if not isinstance(version, str) or not version:
+            raise BadRequest("new_version (a non-empty string) is required")
+        if body.get("abort_all_requests", True):
+            server.abort()
+        server.weight_version = version
+        return web.json_response({"success": True, "message": f"Weight version updated to {version}",
+                                  "new_version": version})
+
     async def on_startup(app):
         app[SCHEDULER_TASK] = asyncio.create_task(server.scheduler())
 
@@ -916,10 +996,14 @@ def build_app(server: Server) -> web.Application:
     app.on_cleanup.append(on_cleanup)
     r = app.router
     r.add_post("/generate", generate)
+    r.add_put("/generate", generate)
     r.add_get("/health", health)
     r.add_get("/health_generate", health_generate)
     r.add_get("/get_model_info", get_model_info)
+    r.add_get("/model_info", get_model_info)
     r.add_get("/get_server_info", get_server_info)
+    r.add_get("/server_info", get_server_info)
+    r.add_post("/update_weight_version", update_weight_version)
     r.add_route("*", "/flush_cache", flush_cache)
     r.add_post("/pause_generation", pause_generation)
     r.add_post("/continue_generation", continue_generation)

@@ -207,17 +207,26 @@ def test_stop_token_id_ends_generation_and_stays_in_output_ids(server, tokenizer
     assert ignored["meta_info"]["finish_reason"]["type"] == "length"
 
 
-def test_prompt_plus_max_new_tokens_reaching_the_context_is_a_400_as_in_sglang(server):
-    ok = generate(server, [5] * (CONTEXT_LENGTH - 4), max_new_tokens=3, temperature=0, ignore_eos=True)
-    assert ok["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+def test_prompt_plus_max_new_tokens_beyond_the_context_is_a_400_as_in_sglang(server):
+    ok = generate(server, [5] * (CONTEXT_LENGTH - 4), max_new_tokens=4, temperature=0, ignore_eos=True)
+    assert ok["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
     r = requests.post(server + "/generate", json={"input_ids": [5] * (CONTEXT_LENGTH - 4),
-                                                 "sampling_params": {"max_new_tokens": 4}}, timeout=TIMEOUT_S)
+                                                 "sampling_params": {"max_new_tokens": 5}}, timeout=TIMEOUT_S)
     assert r.status_code == 400
     assert "exceeds the model's maximum context length of 256 tokens" in r.json()["error"]["message"]
     # Without an explicit max_new_tokens the default (128) is capped to fit instead.
     out = requests.post(server + "/generate", json={"input_ids": [5] * (CONTEXT_LENGTH - 4),
                                                    "sampling_params": {"ignore_eos": True}}, timeout=TIMEOUT_S).json()
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+
+
+def test_n_samples_per_prompt_answer_a_prompt_major_list(server, tokenizer):
+    a, b = prompt(tokenizer, "Pem Varo"), prompt(tokenizer, "Ilvan")
+    out = requests.post(server + "/generate", json={
+        "input_ids": [a, b], "sampling_params": {"max_new_tokens": 5, "n": 3, "ignore_eos": True}},
+        timeout=TIMEOUT_S).json()
+    assert len(out) == 6 and [o["meta_info"]["prompt_tokens"] for o in out] == [len(a)] * 3 + [len(b)] * 3
+    assert len({o["meta_info"]["id"] for o in out}) == 6
 
 
 def test_same_sampling_seed_gives_same_tokens(server, tokenizer):
@@ -263,14 +272,14 @@ def _in_background(fn, *args):
 
 
 def test_request_sent_while_paused_completes_only_after_continue(server, tokenizer):
-    assert post(server, "/pause_generation", {"mode": "in_place"}).json() == {"status": "ok"}
+    assert post(server, "/pause_generation", {"mode": "in_place"}).json()["status"] == "ok"
     try:
         pending = _in_background(greedy, server, prompt(tokenizer), 4)
         time.sleep(1.0)
         assert not pending.done()
         assert requests.get(server + "/health", timeout=5).status_code == 200  # still answering
     finally:
-        assert post(server, "/continue_generation").json() == {"status": "ok"}
+        assert post(server, "/continue_generation").json()["status"] == "ok"
     assert pending.result(timeout=TIMEOUT_S)["meta_info"]["finish_reason"]["type"] == "length"
 
 
@@ -287,11 +296,12 @@ def test_pause_in_abort_mode_ends_running_requests_with_their_tokens_so_far(serv
     running = _in_background(greedy, server, ids, CONTEXT_LENGTH - len(ids) - 1)
     _wait_until_running(server)
     try:
-        assert post(server, "/pause_generation", {"mode": "abort"}).json() == {"status": "ok"}
+        assert post(server, "/pause_generation", {}).json()["status"] == "ok"  # SGLang's default mode: abort
         out = running.result(timeout=TIMEOUT_S)
     finally:
         post(server, "/continue_generation")
-    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert out["meta_info"]["finish_reason"] == {"type": "abort", "message": "Aborted", "status_code": None,
+                                                 "err_type": None}
     n = len(out["output_ids"])
     assert 0 < n < CONTEXT_LENGTH - len(ids) - 1
     assert len(out["meta_info"]["output_token_logprobs"]) == n
@@ -344,6 +354,26 @@ def test_update_weights_from_disk_changes_outputs(server, tokenizer, model_dir, 
     finally:
         _update_from_disk(server, model_dir, weight_version="default")
     assert greedy(server, ids) ["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"]
+
+
+@pytest.mark.slow
+def test_update_without_pause_waits_for_in_flight_requests_and_holds_new_ones(server, tokenizer, model_dir, tmp_path):
+    ids = prompt(tokenizer)
+    n = CONTEXT_LENGTH - len(ids) - 1
+    expected = greedy(server, ids, n)
+    perturbed = _save(model_dir, _perturbed_state_dict(model_dir, seed=3), tmp_path / "perturbed")
+    running = _in_background(greedy, server, ids, n)
+    _wait_until_running(server)
+    try:
+        _update_from_disk(server, perturbed, weight_version="v3")
+        update_done_ts = time.time()
+        out = running.result(timeout=TIMEOUT_S)
+        assert out["meta_info"]["response_sent_to_client_ts"] < update_done_ts
+        assert out["meta_info"]["weight_version"] == "default"
+        assert out["meta_info"]["output_token_logprobs"] == expected["meta_info"]["output_token_logprobs"]
+        assert greedy(server, ids, 4)["meta_info"]["weight_version"] == "v3"
+    finally:
+        _update_from_disk(server, model_dir, weight_version="default")
 
 
 def test_update_weights_from_disk_with_a_bad_path_is_a_400_and_keeps_weights(server, tokenizer, tmp_path):
