@@ -1,0 +1,279 @@
+"""train_reflect.py: reward, reflection boundary, discount, data loading, and 2-step runs of both modes."""
+import asyncio
+import json
+import os
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import train_reflect as tr
+
+
+# --- reward ---
+@pytest.mark.parametrize("completion, answer", [
+    ("3 + 4 = 7.\n#### 7", "3 + 4 = 7.\n#### 7"),
+    ("#### 1,000", "#### 1000"),
+    ("#### 1000", "#### 1,000"),
+    ("The total is $5.00.", "#### 5"),
+    ("So she has 18 marbles", "#### 18"),
+    ("#### 12 apples", "#### 12"),
+    ("The answer is \\boxed{42}.", "#### 42"),
+    ("\\boxed{\\frac{3}{4}}", "#### 0.75"),
+    ("\\boxed{\\dfrac{10}{4}}", "#### 2.5"),
+    ("\\boxed{5 \\text{ dollars}}", "#### 5"),
+    ("#### 3/4", "#### 0.75"),
+    ("The change is -5", "#### -5"),
+    ("#### 7.0", "#### 7"),
+    ("#### 0.5", "#### .5"),
+    ("She scored 50%", "#### 50"),
+    ("First 3 + 4 = 7, then 7 * 2 = 14", "#### 14"),
+    ("#### 9\nwait, no: 10", "#### 9"),  # the #### line wins over a later number
+    ("\\boxed{8} and then 9", "#### 8"),  # the boxed answer wins over a later number
+])
+def test_reward_is_one_for_the_gold_number_in_any_accepted_format(completion, answer):
+    assert tr.reward_fn(completion, answer) == 1.0
+
+
+@pytest.mark.parametrize("completion, answer", [
+    ("#### 8", "#### 7"),
+    ("I do not know.", "#### 7"),
+    ("", "#### 7"),
+    ("#### -5", "#### 5"),
+    ("#### 1.5", "#### 15"),
+    ("#### 1,0000", "#### 10000"),  # not a thousands separator: reads as 1, then 0000
+    ("\\boxed{}", "#### 0"),
+    ("#### 7", "no gold number here"),
+])
+def test_reward_is_zero_for_wrong_or_missing_answers(completion, answer):
+    assert tr.reward_fn(completion, answer) == 0.0
+
+
+ADVERSARIAL = {
+    "code in boxed": "\\boxed{__import__('os').system('touch {marker}')}",
+    "python eval bait": "#### __import__('os').system('touch {marker}') or 123456789",
+    "100k characters": "9 " * 50_000,
+    "deeply nested latex": "\\boxed{" + "{\\frac{1}{" * 20_000 + "2" + "}}" * 20_000 + "}",
+    "huge exponent": "#### 10^{10^{10^{100}}} \\boxed{9**9**9**9}",
+    "huge number": "#### " + "9" * 100_000,
+    "unclosed boxed": "\\boxed{" * 10_000,
+    "many hashes": "####" * 25_000,
+}
+
+
+@pytest.mark.parametrize("name", sorted(ADVERSARIAL))
+def test_adversarial_outputs_finish_fast_and_execute_nothing(name, tmp_path):
+    marker = tmp_path / "executed"
+    completion = ADVERSARIAL[name].replace("{marker}", str(marker))
+    t0 = time.monotonic()
+    reward = tr.reward_fn(completion, "#### 123456789")
+    assert time.monotonic() - t0 < 1.0
+    assert reward == 0.0  # the bait's number comes after code that is never run: the first number wins
+    assert not marker.exists()
+
+
+def sleep_forever(completion, answer):
+    time.sleep(3600)
+
+
+def kill_worker(completion, answer):
+    os._exit(1)
+
+
+@pytest.fixture(scope="module")
+def reward_pool():
+    pool = tr.RewardPool(num_workers=1, timeout_s=2.0)
+    yield pool
+    pool.close()
+
+
+def test_reward_pool_scores_in_a_worker_process(reward_pool):
+    assert asyncio.run(reward_pool.score(tr.reward_fn, "#### 7", "#### 7")) == 1.0
+
+
+def test_a_hanging_reward_scores_zero_within_the_timeout_and_the_pool_recovers(reward_pool):
+    asyncio.run(reward_pool.score(tr.reward_fn, "#### 1", "#### 1"))  # workers up before timing
+    timeouts = reward_pool.num_timeouts
+    t0 = time.monotonic()
+    assert asyncio.run(reward_pool.score(sleep_forever, "", "")) == 0.0
+    assert time.monotonic() - t0 < 2.0 + 1.0
+    assert reward_pool.num_timeouts == timeouts + 1
+    assert asyncio.run(reward_pool.score(tr.reward_fn, "#### 7", "#### 7")) == 1.0
+
+
+def test_a_dying_worker_scores_zero_is_counted_and_the_pool_recovers(reward_pool):
+    failures = reward_pool.num_failures
+    assert asyncio.run(reward_pool.score(kill_worker, "", "")) == 0.0
+    assert reward_pool.num_failures == failures + 1
+    assert asyncio.run(reward_pool.score(tr.reward_fn, "#### 7", "#### 7")) == 1.0
+
+
+# --- episodes against a scripted server ---
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from lib.tiny_model import default_tiny_model_dir
+
+    return AutoTokenizer.from_pretrained(default_tiny_model_dir())
+
+
+class ScriptedClient:
+    """Answers each generate call with the next scripted reply: text -> its token ids (+ eos
+    unless the reply is marked as cut by length), made-up log-probs and the current version."""
+
+    def __init__(self, tokenizer, replies: list[tuple[str, bool]], version: int = 3):
+        self.tokenizer, self.replies, self.version = tokenizer, list(replies), version
+        self.sent: list[dict] = []  # what the server "sampled": ids and log-probs per call
+        self.prompts: list[list[int]] = []
+
+    async def generate(self, input_ids, *, max_new_tokens, temperature, stop_token_ids, trajectory_id, **kw):
+        text, ends_turn = self.replies.pop(0)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"][:max_new_tokens]
+        if ends_turn and len(ids) < max_new_tokens:
+            ids = ids + [self.tokenizer.eos_token_id]
+        logprobs = [-0.01 * (i + 1) for i in range(len(ids))]
+        self.prompts.append(list(input_ids))
+        self.sent.append({"ids": ids, "logprobs": logprobs})
+        return SimpleNamespace(output_ids=ids, logprobs=logprobs, versions=[self.version] * len(ids),
+                               finish_reason="stop" if ends_turn else "length")
+
+    def end_trajectory(self, trajectory_id):
+        pass
+
+
+class InlinePool:
+    """The reward pool's interface without processes, for episode tests."""
+
+    async def score(self, fn, *args):
+        return fn(*args)
+
+
+ITEM = {"question": "Tom has 3 apples. He buys 4 more apples. How many apples does Tom have now?",
+        "answer": "3 + 4 = 7.\n#### 7"}
+
+
+def run_episode(tokenizer, replies, **cfg_overrides):
+    cfg = tr.Config(**{"max_turns": 3, "turn_discount": 0.9, "max_tokens": 1024, **cfg_overrides})
+    client = ScriptedClient(tokenizer, replies)
+    reflection_ids = tr.build_reflection_ids(tokenizer, cfg.apply_chat_template)
+    episode = asyncio.run(tr.arun_episode(client, tokenizer, reflection_ids, InlinePool(), cfg, ITEM, 1.0))
+    return episode, client
+
+
+def test_reflection_trajectory_is_the_chat_template_rendering_of_the_conversation(tokenizer):
+    replies = [("3 + 4 = 8.\n#### 8", True), ("#### 6", True), ("3 + 4 = 7.\n#### 7", True)]
+    episode, _ = run_episode(tokenizer, replies)
+    conversation = [{"role": "user", "content": tr.PROMPT_TEMPLATE.format(question=ITEM["question"])}]
+    for text, _ in replies:
+        conversation += [{"role": "assistant", "content": text}, {"role": "user", "content": tr.REFLECTION}]
+    rendered = tokenizer.apply_chat_template(conversation[:-1], tokenize=False)
+    ids = episode["input_ids"][0].tolist()
+    assert tokenizer.decode(ids, skip_special_tokens=False) == rendered.rstrip("\n")
+    assert ids == tokenizer(rendered, add_special_tokens=False)["input_ids"][: len(ids)]
+
+
+def test_every_sampled_token_is_trained_on_once_with_the_servers_logprob(tokenizer):
+    episode, client = run_episode(tokenizer, [("#### 8", True), ("#### 7", True)])
+    mask = episode["loss_mask"][0].bool()
+    assert episode["input_ids"][0][mask].tolist() == [t for s in client.sent for t in s["ids"]]
+    assert episode["logprobs"][0][mask].tolist() == pytest.approx([lp for s in client.sent for lp in s["logprobs"]])
+    assert (episode["logprobs"][0][~mask] == 0).all()
+    assert (episode["versions"][0][mask] == 3).all() and (episode["versions"][0][~mask] == -1).all()
+    # the second call saw exactly the trajectory so far: prompt, first turn, reflection
+    assert client.prompts[1] == episode["input_ids"][0].tolist()[: len(client.prompts[1])]
+
+
+def test_a_turn_cut_by_length_is_closed_with_an_untrained_end_of_turn(tokenizer):
+    episode, client = run_episode(tokenizer, [("3 + 4 = 7 and so on and so on", False), ("#### 7", True)],
+                                  max_new_tokens_per_turn=5)
+    ids, mask = episode["input_ids"][0].tolist(), episode["loss_mask"][0].tolist()
+    first_turn_end = len(client.prompts[0]) + 5
+    assert ids[first_turn_end] == tokenizer.eos_token_id and mask[first_turn_end] == 0
+    assert episode["num_turns"] == 2
+
+
+@pytest.mark.parametrize("correct_at, expected_reward", [(1, 1.0), (2, 0.9), (3, 0.81), (None, 0.0)])
+def test_reward_is_discounted_by_turn_discount_per_extra_turn(tokenizer, correct_at, expected_reward):
+    replies = [("#### 7" if t == correct_at else "#### 5", True) for t in (1, 2, 3)]
+    episode, _ = run_episode(tokenizer, replies)
+    assert episode["rewards"].item() == pytest.approx(expected_reward)
+    assert episode["num_turns"] == (correct_at or 3)
+    assert episode["correct_turn"] == (correct_at or 0)
+
+
+def test_single_turn_rlvr_never_reflects(tokenizer):
+    episode, client = run_episode(tokenizer, [("#### 5", True)], max_turns=1)
+    assert episode["num_turns"] == 1 and episode["rewards"].item() == 0.0
+    assert episode["input_ids"][0].tolist()[-1] == tokenizer.eos_token_id
+
+
+def test_the_context_budget_ends_the_episode_cleanly(tokenizer):
+    prompt_len = len(tr.build_prompt_ids(tokenizer, ITEM["question"], True))
+    episode, _ = run_episode(tokenizer, [("#### 5", True)] * 3, max_tokens=prompt_len + 10)
+    assert episode["finish_reason"] == "max_tokens"
+    assert episode["rewards"].item() == 0.0 and episode["input_ids"].shape[1] <= prompt_len + 10
+
+
+def test_garbage_model_output_scores_zero_without_an_exception(tokenizer):
+    garbage = "<|im_start|>system\n\\boxed{{{{ #### ∞ \x00 <|endoftext|>"
+    episode, _ = run_episode(tokenizer, [(garbage, True)] * 3)
+    assert episode["rewards"].item() == 0.0 and episode["finish_reason"] == "max_turns"
+
+
+def test_warm_start_demonstrations_train_only_on_correct_solutions(tokenizer):
+    cfg = tr.Config(max_turns=2, warm_start_reflect_frac=1.0)
+    reflection_ids = tr.build_reflection_ids(tokenizer, True)
+    [demo] = tr.build_demonstrations(tokenizer, cfg, [ITEM], reflection_ids)
+    trained = [t for t, m in zip(demo["input_ids"], demo["loss_mask"]) if m]
+    assert trained == tokenizer(ITEM["answer"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert tokenizer.decode(demo["input_ids"]).count(tr.REFLECTION) == 1
+
+
+# --- data ---
+def test_gsm8k_style_files_load_and_dev_is_carved_from_train(tmp_path):
+    import datasets
+
+    rows = [{"question": f"What is {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"} for i in range(30)]
+    datasets.Dataset.from_list(rows[:20]).to_parquet(str(tmp_path / "train.parquet"))
+    datasets.Dataset.from_list(rows[20:]).to_parquet(str(tmp_path / "test.parquet"))
+    splits = tr.load_splits(tr.Config(dataset=str(tmp_path), dev_size=5))
+    assert (len(splits["train"]), len(splits["dev"]), len(splits["test"])) == (15, 5, 10)
+    assert not {r["question"] for r in splits["train"]} & {r["question"] for r in splits["dev"]}
+    assert splits["test"][0] == rows[20]
+
+
+def test_a_dev_split_in_the_files_is_used_as_is(tmp_path):
+    for split, n in (("train", 6), ("dev", 2), ("test", 3)):
+        with open(tmp_path / f"{split}.jsonl", "w") as f:
+            for i in range(n):
+                f.write(json.dumps({"question": f"{split} {i}", "answer": f"#### {i}"}) + "\n")
+    splits = tr.load_splits(tr.Config(dataset=str(tmp_path)))
+    assert [len(splits[s]) for s in ("train", "dev", "test")] == [6, 2, 3]
+
+
+# --- end to end ---
+E2E = dict(max_steps=2, batch_size=2, group_size=2, max_turns=2, max_new_tokens_per_turn=24,
+           eval_every=0, eval_size=4, test_size=4, warm_start_steps=4, warm_start_batch_size=4,
+           checkpoint_every=1, tensorboard=False, trainer_threads=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_two_grpo_steps_run_end_to_end_and_resume(mode, tmp_path):
+    run_dir = str(tmp_path / mode)
+    result = tr.main(config="configs/reflect_tiny.yaml", run_dir=run_dir, mode=mode, **E2E)
+    assert set(result) == {"acc_turn1", "acc_final", "turns", "reward"}
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    steps = [r for r in rows if "loss/pg" in r or "rollout/reward" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["logprob/server_trainer_abs_diff_mean"] < 0.05  # trainer and server agree on the policy
+        assert r["rollout/staleness_max"] <= (1 if mode == "async" else 0)
+    assert any("test/acc_final" in r for r in rows)
+    assert os.path.exists(os.path.join(run_dir, "traces.jsonl"))
+    # resume continues from step 2's checkpoint to step 3
+    tr.main(config="configs/reflect_tiny.yaml", run_dir=run_dir, mode=mode, resume=True, **{**E2E, "max_steps": 3})
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    assert [r["step"] for r in rows if "rollout/reward" in r] == [1, 2, 3]

@@ -1,0 +1,667 @@
+"""Train a math agent that reflects on wrong answers, with GRPO, synchronously or asynchronously.
+
+The model solves a GSM8K-style word problem and ends with `#### N`. When the answer is wrong it
+receives a reflection turn ("Your answer is either wrong or not parsable ...") and tries again, up
+to `max_turns`; the reward is 1 for a correct answer, times `turn_discount` per extra turn.
+
+    python train_reflect.py                                   # embedded default, CPU, no hub
+    python train_reflect.py --mode async --max_staleness 2    # rollouts overlap the update
+    python train_reflect.py --config configs/reflect_qwen2.5_1.5b.yaml   # Qwen2.5 + SGLang on GPUs
+
+Reads top to bottom: config, prompt, reward, one episode, group rollout, evaluation, data, warm
+start (embedded default only), main() with the GRPO loop.
+"""
+import asyncio
+import concurrent.futures
+import functools
+import json
+import multiprocessing
+import os
+import random
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+import fire
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from lib.actor import Actor, grpo_advantages
+from lib.async_rollout import BackgroundLoop, RolloutProducer
+from lib.client import InferenceClient
+from lib.config import load_config, to_dict
+from lib.launch import launch_cpu_server, launch_sglang
+from lib.metrics import MetricsLogger
+from lib.padding import concat_padded_tensors
+from lib.weight_sync import sync_weights_from_disk
+
+
+@dataclass
+class Config:
+    # --- run ---
+    run_dir: str = "runs/reflect"  # metrics.jsonl, traces.jsonl, checkpoints/
+    seed: int = 0
+    max_steps: int = 200  # GRPO steps
+    mode: str = "sync"  # "sync": rollout, then update; "async": rollouts keep running during the update
+    resume: bool = False  # continue from the latest checkpoint in run_dir
+    checkpoint_every: int = 10  # steps; 0 = never
+    # --- model and inference server ---
+    model_path: str = ""  # HF dir or hub id; "" = the embedded tiny model, SFT warm-started
+    server: str = "cpu"  # "cpu" (lib/cpu_server), "sglang", or "external" (server_addrs)
+    server_addrs: list = field(default_factory=list)  # external servers, ["http://host:port", ...]
+    server_device: str = "cpu"  # device of the CPU-capable server ("cuda" works too)
+    server_threads: int = 1  # torch threads of the CPU server (the trainer keeps the rest)
+    base_gpu_id: int = 1  # first GPU of the SGLang server (the trainer uses GPU 0)
+    tp_size: int = 1
+    dp_size: int = 1
+    mem_fraction_static: float | None = None
+    sglang_extra_args: str = "--attention-backend triton --sampling-backend pytorch --grammar-backend none"
+    max_concurrent_requests: int = 256
+    trainer_dtype: str = "float32"  # "bfloat16" on GPUs
+    trainer_threads: int = 0  # torch threads of the trainer; 0 = torch's default
+    # --- data ---
+    dataset: str = ""  # "" = bundled synthetic problems; a hub id ("openai/gsm8k"); or a local dir of {train,dev,test}.{jsonl,parquet}
+    dataset_config: str = "main"  # hub config name
+    dev_size: int = 300  # held out of train when the dataset has no dev/validation split
+    # --- episode ---
+    max_turns: int = 2  # 1 = single-turn RLVR
+    turn_discount: float = 0.9  # reward x turn_discount^(turns - 1)
+    max_tokens: int = 1024  # context budget of one episode: prompt + all turns + reflections
+    max_new_tokens_per_turn: int = 128
+    temperature: float = 1.0
+    apply_chat_template: bool = True  # wrap prompts in the tokenizer's chat template
+    # --- reward ---
+    reward_timeout_s: float = 5.0  # per call; a timeout scores 0 and is counted
+    reward_workers: int = 1  # processes of the reward pool
+    # --- GRPO ---
+    batch_size: int = 8  # questions per step
+    group_size: int = 4  # episodes per question
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"  # or "cosine"
+    grad_clip: float = 1.0
+    eps_clip_low: float = 0.2
+    eps_clip_high: float = 0.28
+    kl_coef: float = 0.0  # k3 KL to the initial model; 0 = no reference model
+    scale_adv_by_std: bool = True  # False = Dr. GRPO
+    drop_equal_groups: bool = False  # dynamic sampling: drop groups whose rewards are all equal
+    loss_agg: str = "token-mean"  # or "seq-mean-token-mean"
+    max_tokens_per_mb: int = 16384  # micro-batch token budget of the trainer
+    # --- async mode ---
+    async_capacity: int = 0  # groups started and not yet trained on; 0 = 2 x batch_size
+    max_staleness: int = 1  # drop a group whose oldest token is more than this many versions old
+    # --- warm start (embedded default only) ---
+    warm_start_steps: int = 300
+    warm_start_lr: float = 2e-3
+    warm_start_batch_size: int = 16
+    warm_start_reflect_frac: float = 0.3  # demonstrations that recover from a wrong first answer
+    # --- evaluation and logging ---
+    eval_every: int = 10  # steps; 0 = only at the end
+    eval_size: int = 200  # dev questions per evaluation
+    test_size: int = 500  # test questions at the end
+    trace_every: int = 1  # write decoded trajectories every N steps
+    tensorboard: bool = True
+    wandb_project: str | None = None
+
+
+# --- prompt ---
+PROMPT_TEMPLATE = "{question}\nSolve the problem step by step. Put the final answer after ####."
+REFLECTION = "Your answer is either wrong or not parsable to the reference answer. Please try to answer it more accurately."
+
+
+def render_ids(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def build_prompt_ids(tokenizer, question: str, apply_chat_template: bool) -> list[int]:
+    text = PROMPT_TEMPLATE.format(question=question)
+    if apply_chat_template and tokenizer.chat_template:
+        return render_ids(tokenizer, [{"role": "user", "content": text}], add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def build_reflection_ids(tokenizer, apply_chat_template: bool) -> list[int]:
+    """Tokens that follow the end-of-turn token of a model turn: the reflection as a user turn and
+    the opening of the next assistant turn. Cut from two templated conversations that differ only
+    by that user turn, so a trajectory's tokens are the chat template's rendering of the dialogue."""
+    if not (apply_chat_template and tokenizer.chat_template):
+        return tokenizer(f"\n\n{REFLECTION}\n\n", add_special_tokens=False)["input_ids"]
+    eos = tokenizer.eos_token_id
+    dialogue = [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "#### 2"}]
+    before = render_ids(tokenizer, dialogue, add_generation_prompt=False)
+    after = render_ids(tokenizer, dialogue + [{"role": "user", "content": REFLECTION}], add_generation_prompt=True)
+    if eos not in before:
+        raise ValueError(f"the chat template does not end an assistant turn with eos {tokenizer.eos_token!r}; "
+                         "set the tokenizer's eos_token to the end-of-turn token")
+    end = len(before) - 1 - before[::-1].index(eos)
+    if after[: end + 1] != before[: end + 1]:
+        raise ValueError("the chat template renders an assistant turn differently when a user turn follows it; "
+                         "the reflection turn cannot be cut by difference")
+    return after[end + 1:]
+
+
+# --- reward ---
+# Never evaluates the completion: it extracts one number with linear-time regexes and compares it
+# as an exact fraction. math-verify is not used: GSM8K gold answers are plain numbers, which this
+# handles, and its LaTeX parsing of untrusted text is slower and has no time bound of its own.
+_NUMBER = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?|(?<![\w.])-?\.\d+")
+_FRAC = re.compile(r"\\[dt]?frac\s*\{\s*(-?[\d.,]+)\s*\}\s*\{\s*(-?[\d.,]+)\s*\}")
+_MAX_NUMBER_CHARS = 64  # gold answers are short; longer "numbers" are junk and costly to convert
+_MAX_BOXED_CHARS = 1000
+
+
+def to_fraction(token: str) -> Fraction | None:
+    token = token.replace(",", "").replace(" ", "")
+    if not token or len(token) > _MAX_NUMBER_CHARS:
+        return None
+    try:
+        if "/" in token:
+            num, den = token.split("/", 1)
+            return Fraction(num) / Fraction(den)
+        return Fraction(token)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def numbers_in(text: str) -> list[str]:
+    return _NUMBER.findall(_FRAC.sub(r"\1/\2", text))
+
+
+def last_boxed(text: str) -> str | None:
+    start = text.rfind("\\boxed")
+    if start < 0:
+        return None
+    i = text.find("{", start)
+    if i < 0 or i - start > 8:
+        return None
+    depth, j = 0, i
+    for j in range(i, min(len(text), i + _MAX_BOXED_CHARS)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1 : j]
+    return None
+
+
+def extract_answer(completion: str) -> Fraction | None:
+    """The final answer: the number after the last `####`, else the last number in the last
+    `\\boxed{}`, else the last number in the text. Thousands separators, currency signs, unit words,
+    `%`, trailing `.0` and simple fractions (`3/4`, `\\frac{3}{4}`) are normalised away."""
+    marker = completion.rfind("####")
+    if marker >= 0:
+        found = numbers_in(completion[marker + 4 :].split("\n", 1)[0])
+        if found:
+            return to_fraction(found[0])
+    boxed = last_boxed(completion)
+    if boxed is not None:
+        found = numbers_in(boxed)
+        if found:
+            return to_fraction(found[-1])
+    found = numbers_in(completion)
+    return to_fraction(found[-1]) if found else None
+
+
+def gold_answer(answer: str) -> Fraction | None:
+    """GSM8K's gold: the text after the last `####`."""
+    return to_fraction(answer.rsplit("####", 1)[-1].strip())
+
+
+def reward_fn(completion: str, answer: str) -> float:
+    pred, gold = extract_answer(completion), gold_answer(answer)
+    return float(pred is not None and gold is not None and pred == gold)
+
+
+def _ready() -> bool:
+    return True
+
+
+class RewardPool:
+    """Runs reward calls in worker processes, each bounded by `timeout_s`. A call that times out or
+    whose worker dies scores 0 and is counted; the pool is then replaced, since a hung worker
+    cannot be interrupted any other way."""
+
+    def __init__(self, num_workers: int, timeout_s: float, startup_timeout_s: float = 120.0):
+        self.num_workers, self.timeout_s, self.startup_timeout_s = num_workers, timeout_s, startup_timeout_s
+        self.num_timeouts = 0
+        self.num_failures = 0
+        self._pool, self._warm = None, None
+        self._new_pool()
+
+    def _new_pool(self):
+        # spawn, not fork: the trainer has threads (rollout loop, torch) and forking those can deadlock.
+        self._pool = concurrent.futures.ProcessPoolExecutor(self.num_workers, mp_context=multiprocessing.get_context("spawn"))
+        # Start the workers now; their start-up (importing this script) must not count against a call.
+        self._warm = [self._pool.submit(_ready) for _ in range(self.num_workers)]
+
+    def _replace(self, pool):
+        if pool is not self._pool:
+            return  # a concurrent call already replaced it
+        self._new_pool()
+        for process in list(getattr(pool, "_processes", {}).values()):  # the public API cannot stop a hung worker
+            process.kill()
+        pool.shutdown(wait=False, cancel_futures=True)
+
+    async def score(self, fn, *args) -> float:
+        for _ in range(2):  # a second try only when another call's timeout killed our worker
+            pool, warm = self._pool, self._warm
+            try:
+                await asyncio.wait_for(asyncio.gather(*[asyncio.wrap_future(f) for f in warm]), self.startup_timeout_s)
+            except (concurrent.futures.process.BrokenProcessPool, asyncio.TimeoutError) as e:
+                if pool is not self._pool:
+                    continue
+                # Scoring every episode 0 would look like a policy that never learns: fail loudly.
+                raise RuntimeError("reward worker processes did not start; run `python -c 'import train_reflect'` "
+                                   "to see the import error") from e
+            try:
+                return await asyncio.wait_for(asyncio.wrap_future(pool.submit(fn, *args)), self.timeout_s)
+            except asyncio.TimeoutError:
+                self.num_timeouts += 1
+                self._replace(pool)
+                return 0.0
+            except concurrent.futures.process.BrokenProcessPool:
+                if pool is self._pool:
+                    self.num_failures += 1
+                    self._replace(pool)
+                    return 0.0
+        self.num_failures += 1
+        return 0.0
+
+    def close(self):
+        for process in list(getattr(self._pool, "_processes", {}).values()):
+            process.kill()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+# --- one episode ---
+async def arun_episode(client: InferenceClient, tokenizer, reflection_ids: list[int], reward_pool: RewardPool,
+                       cfg: Config, item: dict, temperature: float) -> dict:
+    """One trajectory in DESIGN §3 format: answer, and after a wrong answer reflect and answer again.
+    Token ids in, token ids out: generated tokens enter the trajectory exactly as the server sampled
+    them, with its log-probs; the end-of-turn and reflection tokens have loss_mask 0."""
+    eos = tokenizer.eos_token_id
+    prompt_ids = build_prompt_ids(tokenizer, item["question"], cfg.apply_chat_template)
+    input_ids, loss_mask, logprobs, versions = list(prompt_ids), [0] * len(prompt_ids), [0.0] * len(prompt_ids), [-1] * len(prompt_ids)
+
+    def append(ids, lps=None, vers=None):
+        input_ids.extend(ids)
+        loss_mask.extend([1 if lps is not None else 0] * len(ids))
+        logprobs.extend(lps if lps is not None else [0.0] * len(ids))
+        versions.extend(vers if vers is not None else [-1] * len(ids))
+
+    trajectory_id = uuid.uuid4().hex
+    score, turns, finish, texts = 0.0, 0, "max_turns", []
+    try:
+        for turn in range(cfg.max_turns):
+            budget = cfg.max_tokens - len(input_ids)
+            if budget <= 0:
+                finish = "max_tokens"
+                break
+            gen = await client.generate(
+                input_ids, max_new_tokens=min(cfg.max_new_tokens_per_turn, budget), temperature=temperature,
+                stop_token_ids=[eos], trajectory_id=trajectory_id)
+            turns += 1
+            append(gen.output_ids, gen.logprobs, gen.versions)
+            if not gen.output_ids or gen.output_ids[-1] != eos:
+                append([eos])  # close the turn as the chat template would; not sampled, so not trained on
+            text = tokenizer.decode(gen.output_ids, skip_special_tokens=True)
+            texts.append(text)
+            score = await reward_pool.score(reward_fn, text, item["answer"])
+            if score > 0:
+                finish = "correct"
+                break
+            if turn + 1 < cfg.max_turns:
+                if len(input_ids) + len(reflection_ids) >= cfg.max_tokens:
+                    finish = "max_tokens"
+                    break
+                append(reflection_ids)
+    finally:
+        client.end_trajectory(trajectory_id)
+    reward = score * cfg.turn_discount ** (turns - 1) if turns else 0.0
+    t = lambda xs, dtype: torch.tensor([xs], dtype=dtype)  # noqa: E731
+    return {
+        "input_ids": t(input_ids, torch.long),
+        "loss_mask": t(loss_mask, torch.long),
+        "logprobs": t(logprobs, torch.float32),
+        "versions": t(versions, torch.long),
+        "attention_mask": torch.ones(1, len(input_ids), dtype=torch.long),
+        "rewards": torch.tensor([reward], dtype=torch.float32),
+        "num_turns": turns,
+        "correct_turn": turns if score > 0 else 0,  # 0 = never correct
+        "finish_reason": finish,
+        "question": item["question"],
+        "gold": item["answer"],
+        "turn_texts": texts,
+    }
+
+
+# --- group rollout ---
+async def rollout_group(client, tokenizer, reflection_ids, reward_pool, cfg, item, temperature, group_size) -> list[dict]:
+    return list(await asyncio.gather(*[
+        arun_episode(client, tokenizer, reflection_ids, reward_pool, cfg, item, temperature) for _ in range(group_size)]))
+
+
+async def rollout_groups(client, tokenizer, reflection_ids, reward_pool, cfg, items, temperature, group_size) -> list[list[dict]]:
+    """All groups at once; the client's concurrency limit and the server's batching decide how many
+    generate at the same time."""
+    return list(await asyncio.gather(*[
+        rollout_group(client, tokenizer, reflection_ids, reward_pool, cfg, item, temperature, group_size) for item in items]))
+
+
+# --- evaluation ---
+async def evaluate(client, tokenizer, reflection_ids, reward_pool, cfg, items) -> dict:
+    """Greedy, one episode per question: accuracy at the first turn, after reflection, mean turns."""
+    groups = await rollout_groups(client, tokenizer, reflection_ids, reward_pool, cfg, items, 0.0, 1)
+    episodes = [g[0] for g in groups]
+    return {
+        "acc_turn1": float(np.mean([e["correct_turn"] == 1 for e in episodes])),
+        "acc_final": float(np.mean([e["correct_turn"] > 0 for e in episodes])),
+        "turns": float(np.mean([e["num_turns"] for e in episodes])),
+        "reward": float(np.mean([e["rewards"].item() for e in episodes])),
+    }
+
+
+# --- data ---
+def load_splits(cfg: Config) -> dict[str, list[dict]]:
+    """train/dev/test lists of {"question", "answer"} (GSM8K's columns)."""
+    if not cfg.dataset:
+        from lib.math_data import default_math_dir, read_split
+
+        data_dir = default_math_dir(seed=0)
+        return {split: read_split(data_dir, split) for split in ("train", "dev", "test")}
+    import datasets
+
+    if os.path.isdir(cfg.dataset):
+        files = {}
+        for name in sorted(os.listdir(cfg.dataset)):
+            split, _, ext = name.partition(".")
+            if ext in ("jsonl", "json", "parquet"):
+                files[split] = os.path.join(cfg.dataset, name)
+        if not files:
+            raise FileNotFoundError(f"no {{train,dev,test}}.{{jsonl,parquet}} files in {cfg.dataset}")
+        kind = "parquet" if next(iter(files.values())).endswith(".parquet") else "json"
+        ds = datasets.load_dataset(kind, data_files=files)
+    else:
+        ds = datasets.load_dataset(cfg.dataset, cfg.dataset_config)
+    rows = lambda split: [{"question": r["question"], "answer": r["answer"]} for r in ds[split]]  # noqa: E731
+    train = rows("train")
+    dev_name = next((s for s in ("dev", "validation") if s in ds), None)
+    if dev_name:
+        dev = rows(dev_name)
+    else:  # GSM8K has only train and test: hold a fixed random slice of train out for dev
+        order = np.random.RandomState(1234).permutation(len(train))
+        dev = [train[i] for i in order[: cfg.dev_size]]
+        train = [train[i] for i in order[cfg.dev_size:]]
+    return {"train": train, "dev": dev, "test": rows("test")}
+
+
+# --- warm start (embedded default only) ---
+def wrong_attempt(answer: str, rng: random.Random) -> str:
+    """The worked solution with its final result changed: a plausible wrong first turn."""
+    gold = answer.rsplit("####", 1)[-1].strip()
+    wrong = str(int(gold) + rng.choice([-3, -2, -1, 1, 2, 3, 10]))
+    head, _, _ = answer.rpartition("####")
+    head = head[::-1].replace(gold[::-1], wrong[::-1], 1)[::-1]  # the last occurrence: the final step's result
+    return f"{head}#### {wrong}"
+
+
+def build_demonstrations(tokenizer, cfg: Config, items: list[dict], reflection_ids: list[int]) -> list[dict]:
+    """Successful trajectories for SFT, tokenized exactly as arun_episode builds them. Some recover
+    from a wrong first answer after the reflection turn; the wrong answer is not trained on."""
+    rng = random.Random(cfg.seed)
+    eos = tokenizer.eos_token_id
+    examples = []
+    for item in items:
+        ids = build_prompt_ids(tokenizer, item["question"], cfg.apply_chat_template)
+        mask = [0] * len(ids)
+        if cfg.max_turns > 1 and rng.random() < cfg.warm_start_reflect_frac:
+            wrong = tokenizer(wrong_attempt(item["answer"], rng), add_special_tokens=False)["input_ids"] + [eos]
+            ids, mask = ids + wrong + reflection_ids, mask + [0] * (len(wrong) + len(reflection_ids))
+        solution = tokenizer(item["answer"], add_special_tokens=False)["input_ids"] + [eos]
+        ids, mask = ids + solution, mask + [1] * len(solution)
+        if len(ids) <= cfg.max_tokens:
+            examples.append({"input_ids": ids, "loss_mask": mask})
+    return examples
+
+
+def embedded_model(cfg: Config) -> str:
+    """Build (once, cached) the tiny model, the synthetic problems and the SFT warm start."""
+    from transformers import AutoTokenizer
+
+    from lib.math_data import default_math_dir, read_split
+    from lib.tiny_model import default_tiny_model_dir
+    from lib.warm_start import sft_warm_start, warm_start_dir
+
+    data_dir = default_math_dir(seed=0)
+    base = default_tiny_model_dir()
+    settings = {"base": base, "data": data_dir, "steps": cfg.warm_start_steps, "lr": cfg.warm_start_lr,
+                "batch": cfg.warm_start_batch_size, "prompt": PROMPT_TEMPLATE, "reflection": REFLECTION,
+                "reflect_frac": cfg.warm_start_reflect_frac if cfg.max_turns > 1 else 0.0,
+                "chat": cfg.apply_chat_template, "seed": cfg.seed, "v": 1}
+    out = warm_start_dir("reflect-warm-start", settings)
+    if not os.path.exists(os.path.join(out, "model.safetensors")):
+        tokenizer = AutoTokenizer.from_pretrained(base)
+        demos = build_demonstrations(tokenizer, cfg, read_split(data_dir, "warmstart"),
+                                     build_reflection_ids(tokenizer, cfg.apply_chat_template))
+        print(f"warm start: {len(demos)} demonstrations, {cfg.warm_start_steps} SFT steps")
+        sft_warm_start(base, demos, out, steps=cfg.warm_start_steps, lr=cfg.warm_start_lr,
+                       batch_size=cfg.warm_start_batch_size, seed=cfg.seed)
+    return out
+
+
+# --- main: the GRPO loop ---
+def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
+    cfg = load_config(Config, config, overrides)
+    if cfg.mode not in ("sync", "async"):
+        raise ValueError(f"mode must be 'sync' or 'async', got {cfg.mode!r}")
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    if cfg.trainer_threads:
+        torch.set_num_threads(cfg.trainer_threads)
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    from transformers import AutoTokenizer
+
+    model_path = cfg.model_path or embedded_model(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    reflection_ids = build_reflection_ids(tokenizer, cfg.apply_chat_template)
+    splits = load_splits(cfg)
+    train_items, dev_items, test_items = splits["train"], splits["dev"][: cfg.eval_size], splits["test"][: cfg.test_size]
+
+    @functools.lru_cache(maxsize=2)
+    def epoch_order(epoch: int):
+        return np.random.RandomState(cfg.seed + epoch).permutation(len(train_items))
+
+    def item_at(index: int) -> dict:
+        # The data order is a function of (seed, index), so a resumed run sees the same questions.
+        epoch, offset = divmod(index, len(train_items))
+        return train_items[epoch_order(epoch)[offset]]
+
+    # Servers: started here and killed with this process, or given by the user.
+    servers = []
+    if cfg.server == "external":
+        addrs = list(cfg.server_addrs)
+    elif cfg.server == "sglang":
+        server = launch_sglang(model_path, base_gpu_id=cfg.base_gpu_id, tp_size=cfg.tp_size, dp_size=cfg.dp_size,
+                               mem_fraction_static=cfg.mem_fraction_static, random_seed=cfg.seed,
+                               extra_args=cfg.sglang_extra_args.split(),
+                               log_path=os.path.join(cfg.run_dir, "sglang.log"))
+        servers.append(server)
+        addrs = [server.address]
+    else:
+        server = launch_cpu_server(model_path, device=cfg.server_device, num_threads=cfg.server_threads,
+                                   random_seed=cfg.seed, log_path=os.path.join(cfg.run_dir, "cpu_server.log"))
+        servers.append(server)
+        addrs = [server.address]
+
+    # Every client call runs on one event loop in a background thread, so in async mode the
+    # trainer (this thread) can update while episodes run.
+    bg = BackgroundLoop()
+    run = bg.run
+    client = InferenceClient(addrs, max_concurrent_requests=cfg.max_concurrent_requests)
+    reward_pool = RewardPool(cfg.reward_workers, cfg.reward_timeout_s)
+    actor = Actor(model_path, lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
+                  total_steps=cfg.max_steps, lr_schedule=cfg.lr_schedule, grad_clip=cfg.grad_clip,
+                  temperature=cfg.temperature, max_tokens_per_mb=cfg.max_tokens_per_mb, dtype=cfg.trainer_dtype,
+                  kl_coef=cfg.kl_coef, ref_model_path=model_path if cfg.kl_coef > 0 else None,
+                  eps_clip_low=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high, loss_agg=cfg.loss_agg)
+
+    step, version, data_position = 0, 0, 0
+    ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
+    if cfg.resume and os.path.exists(os.path.join(ckpt_dir, "latest")):
+        extra = actor.load_checkpoint(os.path.join(ckpt_dir, "latest"))
+        step, version, data_position = extra["step"], extra["version"], extra["data_position"]
+        random.setstate(extra["python_rng"])
+        np.random.set_state(extra["numpy_rng"])
+        torch.set_rng_state(extra["torch_rng"])
+        # The server still holds the initial weights: give it the resumed policy.
+        run(sync_weights_from_disk(actor, client, os.path.join(cfg.run_dir, "weights"), version))
+        print(f"resumed from step {step} (policy version {version}, data position {data_position})")
+    client.set_version(version)
+    logger = MetricsLogger(cfg.run_dir, to_dict(cfg), tensorboard=cfg.tensorboard, wandb_project=cfg.wandb_project)
+    trace_file = open(os.path.join(cfg.run_dir, "traces.jsonl"), "a")
+    episode_args = (client, tokenizer, reflection_ids, reward_pool, cfg)
+
+    producer = None
+    if cfg.mode == "async":
+        producer = RolloutProducer(
+            bg, lambda item: rollout_group(*episode_args, item, cfg.temperature, cfg.group_size), item_at,
+            capacity=cfg.async_capacity or 2 * cfg.batch_size, max_staleness=cfg.max_staleness,
+            start_index=data_position, version=version)
+
+    try:
+        if step == 0 and cfg.eval_every:
+            metrics = run(evaluate(*episode_args, dev_items))
+            logger.log(0, {f"eval/{k}": v for k, v in metrics.items()})
+            print(f"step 0 dev: {metrics}")
+        if producer is not None:
+            producer.start()
+        progress = tqdm(total=cfg.max_steps, initial=step, desc=f"GRPO ({cfg.mode})")
+        while step < cfg.max_steps:
+            t0 = time.time()
+            reward_timeouts, reward_failures = reward_pool.num_timeouts, reward_pool.num_failures
+
+            # 1. rollout: sync mode runs this step's groups now; async mode takes groups that have
+            # been generating in the background, dropping any that are too stale.
+            if producer is None:
+                items = [item_at(data_position + i) for i in range(cfg.batch_size)]
+                groups = run(rollout_groups(*episode_args, items, cfg.temperature, cfg.group_size))
+                data_position += cfg.batch_size
+            else:
+                groups = producer.get_groups(cfg.batch_size)
+                data_position = producer.data_position()
+            episodes = [e for g in groups for e in g]
+            t_rollout = time.time() - t0
+            batch = concat_padded_tensors([{k: v for k, v in e.items() if isinstance(v, torch.Tensor)} for e in episodes])
+            rewards = batch["rewards"]
+            mask = batch["loss_mask"].bool()
+            token_staleness = (version - batch["versions"])[mask].float()
+
+            # 2. advantages (per sequence, broadcast over its tokens by the loss)
+            advantages = grpo_advantages(rewards, cfg.group_size, scale_by_std=cfg.scale_adv_by_std)
+            keep = torch.ones_like(rewards, dtype=torch.bool)
+            if cfg.drop_equal_groups:
+                keep = rewards.view(-1, cfg.group_size).std(dim=1).gt(0).repeat_interleave(cfg.group_size)
+            batch["advantages"] = advantages
+
+            # 3. proximal log-probs, recomputed by the trainer (decoupled PPO: `logprobs` stays the
+            # behaviour policy's, as the server reported them). In sync mode the two policies are
+            # the same, so their gap is a bug detector.
+            t1 = time.time()
+            batch["proximal_logprobs"] = actor.compute_logprobs(batch)
+            logp_gap = (batch["proximal_logprobs"] - batch["logprobs"]).abs()[mask]
+            t_logp = time.time() - t1
+
+            # 4. PPO update
+            t2 = time.time()
+            if keep.any():
+                stats = actor.update({k: v[keep] for k, v in batch.items() if isinstance(v, torch.Tensor)})
+            else:
+                stats = {}
+            t_update = time.time() - t2
+
+            # 5. weight sync: pause generation, push the new weights, continue; bump the version
+            t3 = time.time()
+            version += 1
+            run(client.pause_generation())
+            run(sync_weights_from_disk(actor, client, os.path.join(cfg.run_dir, "weights"), version))
+            client.set_version(version)
+            if producer is not None:
+                producer.set_version(version)
+            run(client.continue_generation())
+            t_sync = time.time() - t3
+            step += 1
+
+            # 6. log
+            step_s = time.time() - t0
+            gen_tokens = int(batch["loss_mask"].sum())
+            metrics = {
+                "rollout/reward": rewards.mean().item(),
+                "rollout/acc_turn1": float(np.mean([e["correct_turn"] == 1 for e in episodes])),
+                "rollout/acc_final": float(np.mean([e["correct_turn"] > 0 for e in episodes])),
+                "rollout/turns": float(np.mean([e["num_turns"] for e in episodes])),
+                "rollout/max_tokens_hit": float(np.mean([e["finish_reason"] == "max_tokens" for e in episodes])),
+                "rollout/seq_len": batch["attention_mask"].sum(1).float().mean().item(),
+                "rollout/gen_tokens": gen_tokens,
+                "rollout/kept_groups": int(keep.sum()) // cfg.group_size,
+                "rollout/staleness_mean": token_staleness.mean().item() if token_staleness.numel() else 0.0,
+                "rollout/staleness_max": token_staleness.max().item() if token_staleness.numel() else 0.0,
+                "rollout/dropped_stale_groups": producer.num_dropped_stale if producer else 0,
+                "rollout/failed_groups": producer.num_failed if producer else 0,
+                "reward/timeouts": reward_pool.num_timeouts - reward_timeouts,
+                "reward/worker_failures": reward_pool.num_failures - reward_failures,
+                "logprob/server_trainer_abs_diff_mean": logp_gap.mean().item() if logp_gap.numel() else 0.0,
+                "logprob/server_trainer_abs_diff_max": logp_gap.max().item() if logp_gap.numel() else 0.0,
+                "perf/step_s": step_s, "perf/rollout_s": t_rollout, "perf/logp_s": t_logp,
+                "perf/update_s": t_update, "perf/sync_s": t_sync,
+                "perf/trained_tokens_per_s": gen_tokens / max(step_s, 1e-6),
+                **{f"loss/{k}": v for k, v in stats.items()},
+            }
+            if cfg.eval_every and step % cfg.eval_every == 0:
+                ev = run(evaluate(*episode_args, dev_items))
+                metrics.update({f"eval/{k}": v for k, v in ev.items()})
+            logger.log(step, metrics)
+            progress.update(1)
+            progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", dev_acc=metrics.get("eval/acc_final", ""))
+            if cfg.trace_every and step % cfg.trace_every == 0:
+                for e in episodes[: cfg.group_size]:
+                    trace_file.write(json.dumps({"step": step, "question": e["question"], "gold": e["gold"],
+                                                 "reward": e["rewards"].item(), "finish": e["finish_reason"],
+                                                 "turns": e["turn_texts"]}) + "\n")
+                trace_file.flush()
+
+            # 7. checkpoint
+            if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.max_steps):
+                actor.save_checkpoint(os.path.join(ckpt_dir, "latest"), extra={
+                    "step": step, "version": version, "data_position": data_position,
+                    "python_rng": random.getstate(), "numpy_rng": np.random.get_state(),
+                    "torch_rng": torch.get_rng_state()})
+        progress.close()
+        if producer is not None:
+            producer.stop()
+            producer = None
+
+        test_metrics = run(evaluate(*episode_args, test_items))
+        logger.log(step, {f"test/{k}": v for k, v in test_metrics.items()})
+        print(f"test after {step} steps: {test_metrics}")
+        actor.save_hf(os.path.join(cfg.run_dir, "final"))
+        return test_metrics
+    finally:
+        if producer is not None:
+            producer.stop()
+        trace_file.close()
+        logger.close()
+        reward_pool.close()
+        try:
+            run(client.close(), timeout_s=30)
+        finally:
+            bg.close()
+            for s in servers:
+                s.terminate()
+
+
+if __name__ == "__main__":
+    fire.Fire(main)
