@@ -802,8 +802,10 @@ def build_app(server: Server) -> web.Application:
         req, _ = server.build_requests({"input_ids": [runner.pad_token_id],
                                         "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
         try:
-            await asyncio.wait_for(server.submit(req), timeout=server.args.health_timeout_s)
+            await asyncio.wait_for(asyncio.shield(server.submit(req)), timeout=server.args.health_timeout_s)
         except asyncio.TimeoutError:
+            req[0].abort_message = "health check timed out"
+            server.wakeup.set()
             return _error(503, f"a 1-token generation did not finish within {server.args.health_timeout_s} s"
                                + (" (generation is paused)" if server.paused else ""))
         return web.Response(status=200)
@@ -841,10 +843,13 @@ def build_app(server: Server) -> web.Application:
             raise BadRequest(f"mode must be 'abort', 'in_place' or 'retract', got {mode!r}")
         server.paused = True
         if mode == "abort":
+            # Requests sent from now on wait for /continue_generation; only these are aborted.
+            in_flight = server.waiting + server.runner.rows
             server.abort()
-        # Return only once no forward is in flight (and aborted requests have been answered), so a
-        # weight update that follows never overlaps a step.
-        while not server.idle.is_set() or (mode == "abort" and (server.runner.rows or server.waiting)):
+            await asyncio.gather(*(r.future for r in in_flight))
+        # Return only once no forward is in flight, so a weight update that follows never
+        # overlaps a step.
+        while not server.idle.is_set():
             await asyncio.sleep(0.005)
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
