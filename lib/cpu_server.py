@@ -59,6 +59,7 @@ logger = logging.getLogger("cpu_server")
 
 MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)
 SCHEDULER_TASK = web.AppKey("scheduler", asyncio.Task)
+MAX_ITEMS_PER_CALL = 4096  # prompts x n of one /generate call; bounds what one request can queue
 GREEDY_TEMPERATURE = 1e-6  # SGLang's _SAMPLING_EPS: below it a request is decoded greedily
 
 
@@ -632,6 +633,8 @@ class Server:
             if not isinstance(rid, str):
                 raise BadRequest("rid must be a string")
             rids = [rid]
+        if n * n_samples > MAX_ITEMS_PER_CALL:
+            raise BadRequest(f"{n * n_samples} generations in one call; at most {MAX_ITEMS_PER_CALL}, send several calls")
         if len(set(rids)) != len(rids):
             raise BadRequest("rid values must be unique within a batch")
         if n_samples > 1:  # SGLang: prompt-major copies with fresh rids, answered as a list

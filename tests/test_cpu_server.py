@@ -449,6 +449,8 @@ def test_distributed_update_on_an_unknown_group_is_a_400(server):
     (b'{"input_ids": [1, 2], "sampling_params": [{}, {}]}', "list of 2"),
     (b'{"input_ids": [1, 2], "return_logprob": "yes"}', "return_logprob"),
     (b'{"input_ids": [1, 2], "stream": true}', "stream"),
+    (b'{"input_ids": [1, 2], "sampling_params": {"n": 100000}}', "at most"),
+    (b'{"input_ids": [[1, 2], [3]], "rid": ["a", "a"]}', "unique"),
     (b'{"input_ids": [' + b"1, " * CONTEXT_LENGTH + b'1]}', "context length"),
 ])
 def test_malformed_generate_gets_a_400_json_error_and_the_server_keeps_serving(server, body, fragment):
