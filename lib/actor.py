@@ -1,0 +1,545 @@
+"""The trainer's policy: token log-probs, GRPO advantages, the decoupled PPO-clip loss, and the
+`Actor` that owns model + optimizer + schedule (one process, or FSDP2 under torchrun).
+
+Conventions (DESIGN.md §3): tensors are right padded `[B, T]`; `logprobs[:, t]` is the log-prob
+of token t given tokens < t (0 at position 0 and on padding), the same layout the server's
+behaviour log-probs use in a trajectory; `loss_mask` is 1 on generated tokens.
+"""
+import contextlib
+import math
+import os
+import shutil
+import warnings
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from lib.padding import pack_sequences, sequence_lengths, split_by_token_budget, unpack_sequences
+
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean")
+
+
+# --- log-probs ---
+
+class PolicyForward(nn.Module):
+    """A causal LM whose forward returns token log-probs instead of logits.
+
+    It exists so that FSDP2 can shard it as the root module: its pre-forward hook then gathers the
+    embedding, final norm and LM head, which `token_logprobs` uses outside the HF forward (it
+    applies the head in chunks so a [N, vocab] fp32 tensor is never built at once)."""
+
+    def __init__(self, causal_lm: nn.Module, logits_chunk_tokens: int = 2048):
+        super().__init__()
+        self.lm = causal_lm
+        self.logits_chunk_tokens = logits_chunk_tokens
+
+    def forward(self, input_ids, position_ids=None, attention_mask=None, temperature=1.0, return_entropy=False):
+        return token_logprobs(self.lm, input_ids, position_ids, attention_mask, temperature, return_entropy,
+                              self.logits_chunk_tokens)
+
+
+def token_logprobs(causal_lm: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                   attention_mask: torch.Tensor | None = None, temperature: float = 1.0,
+                   return_entropy: bool = False, logits_chunk_tokens: int = 2048):
+    """logprobs [R, L] (and entropy [R, L] or None) for `input_ids [R, L]`, one forward pass.
+
+    Position 0 of each row, and every position whose `position_ids` is 0 (a packed sequence's
+    start), gets 0. Padding positions are not zeroed here (callers mask them).
+    """
+    # use_cache=False matters: with a cache object present, transformers skips the detection of
+    # packed sequences from position_ids and lets packed sequences attend to each other.
+    hidden = causal_lm.get_decoder()(input_ids=input_ids, position_ids=position_ids,
+                                     attention_mask=attention_mask, use_cache=False).last_hidden_state
+    rows, length = input_ids.shape
+    head = causal_lm.get_output_embeddings()
+    hidden_prev = hidden[:, :-1].reshape(-1, hidden.shape[-1])  # predicts the next token
+    targets = input_ids[:, 1:].reshape(-1)
+    lp_parts, ent_parts = [], []
+    for start in range(0, targets.shape[0], logits_chunk_tokens):
+        h, t = hidden_prev[start:start + logits_chunk_tokens], targets[start:start + logits_chunk_tokens]
+        if torch.is_grad_enabled() and h.requires_grad:
+            # Recompute the chunk's logits in backward instead of keeping [chunk, vocab] fp32
+            # activations for every chunk alive until then.
+            lp, ent = torch.utils.checkpoint.checkpoint(_chunk_logprobs, h, t, head, temperature, return_entropy,
+                                                        use_reentrant=False)
+        else:
+            lp, ent = _chunk_logprobs(h, t, head, temperature, return_entropy)
+        lp_parts.append(lp)
+        ent_parts.append(ent)
+    zero_col = hidden.new_zeros(rows, 1, dtype=torch.float32)
+    logprobs = torch.cat([zero_col, torch.cat(lp_parts).view(rows, length - 1)], dim=1)
+    entropy = torch.cat([zero_col, torch.cat(ent_parts).view(rows, length - 1)], dim=1) if return_entropy else None
+    if position_ids is not None:
+        starts = position_ids.expand(rows, -1) == 0
+        logprobs = logprobs.masked_fill(starts, 0.0)
+        entropy = entropy.masked_fill(starts, 0.0) if entropy is not None else None
+    return logprobs, entropy
+
+
+def _chunk_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: nn.Module, temperature: float,
+                    return_entropy: bool):
+    # float32 before the softmax: bf16 log-probs are off by ~1e-2, far above the server/trainer
+    # agreement we check. Temperature-scaled logits, as SGLang reports its sampled log-probs.
+    logits = head(hidden).float() / temperature
+    log_z = torch.logsumexp(logits, dim=-1)
+    logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - log_z
+    entropy = torch.zeros_like(logprobs)
+    if return_entropy:  # for logging only: no gradient
+        with torch.no_grad():
+            entropy = log_z - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logprobs, entropy
+
+
+def compute_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     temperature: float = 1.0, packed: bool = True, return_entropy: bool = False):
+    """logprobs [B, T] with `logprobs[:, t] = log p(input_ids[:, t] | input_ids[:, :t])`, from
+    float32 `log_softmax(logits / temperature)`; 0 at position 0 and on padding.
+
+    `model`: an HF causal LM or a `PolicyForward`. `packed`: run the rows as one padding-free row
+    with position_ids restarting per sequence (transformers isolates the sequences from those);
+    otherwise a padded [B, T] forward with the attention mask. With `return_entropy` returns
+    `(logprobs, entropy [B, T])` (detached entropy of the next-token distribution at each position).
+    Gradients flow when called with grad enabled.
+    """
+    forward = model if isinstance(model, PolicyForward) else PolicyForward(model)
+    if packed:
+        packed_batch = pack_sequences({"input_ids": input_ids, "attention_mask": attention_mask})
+        lp, ent = forward(packed_batch["input_ids"], position_ids=packed_batch["position_ids"],
+                          temperature=temperature, return_entropy=return_entropy)
+        cu = packed_batch["cu_seqlens"]
+        logprobs = unpack_sequences(lp, cu, tuple(input_ids.shape))
+        entropy = unpack_sequences(ent, cu, tuple(input_ids.shape)) if return_entropy else None
+    else:
+        sequence_lengths(attention_mask)  # right padding, or the zeroing below would be wrong
+        lp, ent = forward(input_ids, attention_mask=attention_mask, temperature=temperature,
+                          return_entropy=return_entropy)
+        logprobs = lp * attention_mask
+        entropy = ent * attention_mask if return_entropy else None
+    return (logprobs, entropy) if return_entropy else logprobs
+
+
+# --- advantages ---
+
+def grpo_advantages(rewards: torch.Tensor, group_size: int, *, scale_by_std: bool = True,
+                    eps: float = 1e-6) -> torch.Tensor:
+    """advantages [B] = (r − group mean) / (group std + eps) for consecutive groups of
+    `group_size` rows; without `scale_by_std` just r − group mean (Dr. GRPO).
+
+    std is the sample std (Bessel-corrected), as TRL and verl compute it; a group of one has
+    advantage 0.
+    """
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    grouped = rewards.float().view(-1, group_size)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale_by_std:
+        std = grouped.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(centred[:, :1])
+        centred = centred / (std + eps)
+    return centred.reshape(-1)
+
+
+def equal_reward_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """bool [B], True on every row of a group whose rewards are all equal (zero advantage, no
+    learning signal). Dynamic sampling keeps `~equal_reward_groups(...)`."""
+    grouped = rewards.view(-1, group_size)
+    equal = (grouped == grouped[:, :1]).all(dim=1)
+    return equal.repeat_interleave(group_size)
+
+
+def logprob_agreement(trainer_logprobs: torch.Tensor, server_logprobs: torch.Tensor,
+                      loss_mask: torch.Tensor) -> dict:
+    """mean and max |trainer − server| log-prob over generated tokens: a bug detector (a gap well
+    above bf16 noise means the two sides do not compute the same policy)."""
+    gap = (trainer_logprobs - server_logprobs).abs()[loss_mask.bool()]
+    if gap.numel() == 0:
+        return {"abs_diff_mean": 0.0, "abs_diff_max": 0.0}
+    return {"abs_diff_mean": gap.mean().item(), "abs_diff_max": gap.max().item()}
+
+
+# --- loss ---
+
+def ppo_loss(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
+             advantages: torch.Tensor, loss_mask: torch.Tensor, *, eps_clip_low: float = 0.2,
+             eps_clip_high: float = 0.28, agg: str = "token-mean", behaviour_weight_cap: float | None = None,
+             ref_logprobs: torch.Tensor | None = None, kl_coef: float = 0.0, entropy: torch.Tensor | None = None,
+             total_loss_tokens: float | None = None, total_loss_seqs: float | None = None):
+    """Decoupled PPO-clip loss (AReaL's form): returns `(loss scalar, stats dict of floats)`.
+
+    All token tensors are `[B, T]`; `advantages` is `[B]` (one per sequence) or `[B, T]`.
+    Per token: ratio = exp(logprobs − proximal); objective max(−A·ratio, −A·clip(ratio, 1−ε_low,
+    1+ε_high)) times the behaviour importance weight exp(proximal − behaviour) (no gradient), which
+    corrects for the server's policy being older than the proximal one. Tokens whose weight exceeds
+    `behaviour_weight_cap` contribute 0 (they stay in the denominator, so the loss scale does not
+    depend on how many were capped). When proximal == behaviour this is plain PPO. With
+    `ref_logprobs` and `kl_coef`, adds kl_coef · k3(current ‖ ref) per token.
+
+    Aggregation: "token-mean" = Σ over tokens / `total_loss_tokens`; "seq-mean-token-mean" =
+    Σ over sequences of (that sequence's token mean) / `total_loss_seqs`. Both denominators default
+    to this batch's; pass the whole batch's counts when it is split into micro-batches so that the
+    accumulated gradient equals the one-big-batch gradient exactly.
+    """
+    if agg not in LOSS_AGGS:
+        raise ValueError(f"agg must be one of {LOSS_AGGS}, got {agg!r}")
+    mask = loss_mask.to(logprobs.dtype)
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]
+    advantages = advantages.to(logprobs.dtype)
+    # Masked before exp: prompt/padding positions may hold arbitrary values, and inf * 0 is nan.
+    log_ratio = (logprobs - proximal_logprobs) * mask
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - eps_clip_low, 1.0 + eps_clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    with torch.no_grad():
+        behaviour_weight = torch.exp((proximal_logprobs - behaviour_logprobs) * mask)
+        kept = torch.ones_like(mask, dtype=torch.bool)
+        if behaviour_weight_cap is not None:
+            kept = behaviour_weight <= behaviour_weight_cap
+    per_token = per_token * torch.where(kept, behaviour_weight, 0.0)
+    kl_ref = None
+    if ref_logprobs is not None and kl_coef:
+        ref_log_ratio = (ref_logprobs - logprobs) * mask
+        kl_ref = torch.exp(ref_log_ratio) - ref_log_ratio - 1.0  # k3: unbiased, always >= 0
+        per_token = per_token + kl_coef * kl_ref
+
+    if agg == "token-mean":
+        denom = mask.sum() if total_loss_tokens is None else total_loss_tokens
+        loss = (per_token * mask).sum() / max(float(denom), 1.0)
+    else:
+        tokens_per_seq = mask.sum(dim=1)
+        seq_means = (per_token * mask).sum(dim=1) / tokens_per_seq.clamp(min=1.0)
+        denom = (tokens_per_seq > 0).sum() if total_loss_seqs is None else total_loss_seqs
+        loss = seq_means.sum() / max(float(denom), 1.0)
+
+    with torch.no_grad():
+        on = mask.bool()
+        n = int(on.sum())
+        stats = {"num_tokens": n}
+        if n:
+            stats["clip_fraction"] = (clipped > unclipped)[on].float().mean().item()
+            stats["approx_kl"] = (ratio - 1.0 - log_ratio)[on].mean().item()  # k3(proximal ‖ current)
+            stats["behaviour_weight_mean"] = behaviour_weight[on].mean().item()
+            stats["behaviour_weight_max"] = behaviour_weight[on].max().item()
+            stats["behaviour_capped_fraction"] = (~kept)[on].float().mean().item()
+            if entropy is not None:
+                stats["entropy"] = entropy[on].mean().item()
+            if kl_ref is not None:
+                stats["kl_ref"] = kl_ref[on].mean().item()
+    return loss, stats
+
+
+# --- the actor ---
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> float:
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _merge_stats(per_mb: list[dict]) -> dict:
+    """Token-weighted means across micro-batches; `*_max` keys take the max; counts add up."""
+    total = sum(s["num_tokens"] for s in per_mb)
+    merged = {"num_tokens": total}
+    for key in {k for s in per_mb for k in s} - {"num_tokens"}:
+        values = [(s[key], s["num_tokens"]) for s in per_mb if key in s]
+        if key.endswith("_max"):
+            merged[key] = max(v for v, _ in values)
+        else:
+            merged[key] = sum(v * n for v, n in values) / max(1, sum(n for _, n in values))
+    return merged
+
+
+class Actor:
+    """Model + optimizer + LR schedule of the policy being trained.
+
+    One process: a plain module on `device` (default: cuda if available). Under torchrun
+    (`torch.distributed` initialised, world size > 1): FSDP2, each decoder layer and then the root
+    sharded over all ranks. Parameters, gradients and optimizer state are float32 (master
+    weights); `dtype="bfloat16"` makes the forward/backward compute in bf16 (autocast on one
+    process, `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)` under FSDP2).
+
+    Under FSDP every rank calls every method (they hold collectives), each with its own shard of
+    the batch (or all with the same batch: the result is the same either way).
+    """
+
+    def __init__(self, model_path: str, *, lr: float = 1e-6, weight_decay: float = 0.0,
+                 betas: tuple = (0.9, 0.999), warmup_steps: int = 0, total_steps: int = 1000,
+                 lr_schedule: str = "constant", grad_clip: float = 1.0, temperature: float = 1.0,
+                 max_tokens_per_mb: int = 16384, dtype: str = "float32", device: str | None = None,
+                 gradient_checkpointing: bool = False, ref_model_path: str | None = None, kl_coef: float = 0.0,
+                 eps_clip_low: float = 0.2, eps_clip_high: float = 0.28, loss_agg: str = "token-mean",
+                 behaviour_weight_cap: float | None = None, logits_chunk_tokens: int = 2048):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {lr_schedule!r}")
+        if loss_agg not in LOSS_AGGS:
+            raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r}")
+        if dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+        self.compute_dtype = getattr(torch, dtype)
+        self.grad_clip, self.temperature, self.max_tokens_per_mb = grad_clip, temperature, max_tokens_per_mb
+        self.kl_coef, self.eps_clip_low, self.eps_clip_high = kl_coef, eps_clip_low, eps_clip_high
+        self.loss_agg, self.behaviour_weight_cap = loss_agg, behaviour_weight_cap
+        self.world_size = _world_size()
+        self.rank = dist.get_rank() if self.world_size > 1 else 0
+        if device is None:
+            if torch.cuda.is_available():
+                device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+            else:
+                device = "cpu"
+        self.device = torch.device(device)
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.model.config.use_cache = False
+        if gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers 5 makes an empty tokenizer for a weights-only directory: look before loading.
+        has_tokenizer = not os.path.isdir(model_path) or any(
+            os.path.exists(os.path.join(model_path, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path) if has_tokenizer else None
+        self.policy = self._wrap(self.model, logits_chunk_tokens)
+        self.ref_policy = None
+        if ref_model_path is not None:
+            ref = AutoModelForCausalLM.from_pretrained(ref_model_path, dtype=torch.float32)
+            ref.requires_grad_(False)
+            self.ref_policy = self._wrap(ref, logits_chunk_tokens).eval()
+
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=tuple(betas),
+                                           weight_decay=weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: _lr_factor(step, warmup_steps, total_steps, lr_schedule))
+
+    def _wrap(self, causal_lm: nn.Module, logits_chunk_tokens: int) -> PolicyForward:
+        policy = PolicyForward(causal_lm, logits_chunk_tokens)
+        if self.world_size == 1:
+            return policy.to(self.device)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        for layer in causal_lm.get_decoder().layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(policy, mesh=mesh, mp_policy=mp)  # root: embedding, final norm, LM head
+        return policy
+
+    def _autocast(self):
+        # Under FSDP2 the mixed-precision policy casts; on one process autocast does.
+        enabled = self.world_size == 1 and self.compute_dtype != torch.float32
+        return torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=enabled)
+
+    def _micro_batches(self, attention_mask: torch.Tensor) -> list[list[int]]:
+        groups = split_by_token_budget(sequence_lengths(attention_mask).tolist(), self.max_tokens_per_mb)
+        if self.world_size > 1:
+            # Every forward/backward is a collective: all ranks must run the same number. Ranks with
+            # fewer run extra micro-batches that contribute nothing (marked by None).
+            count = torch.tensor(len(groups), device=self.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            groups = groups + [None] * (int(count) - len(groups))
+        return groups
+
+    def _rows(self, batch: dict, rows: list[int] | None, keys: tuple) -> dict:
+        """The micro-batch `rows` of `batch` on the device, trimmed to its longest row."""
+        idx = torch.tensor(rows if rows is not None else [0])
+        mask = batch["attention_mask"][idx]
+        length = max(1, int(mask.sum(dim=1).max()))
+        return {k: batch[k][idx][:, :length].to(self.device) if batch[k].dim() > 1 else batch[k][idx].to(self.device)
+                for k in keys if k in batch}
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: dict, policy: PolicyForward | None = None) -> torch.Tensor:
+        """logprobs [B, T] of `batch["input_ids"]` under the current weights (no grad), micro-batched
+        by token budget and packed; returned on the batch's device."""
+        policy = policy or self.policy
+        input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+        out = torch.zeros(input_ids.shape, dtype=torch.float32)
+        policy.eval()
+        for rows in self._micro_batches(attention_mask):
+            mb = self._rows(batch, rows, ("input_ids", "attention_mask"))
+            with self._autocast():
+                lp = compute_logprobs(policy, mb["input_ids"], mb["attention_mask"], self.temperature)
+            if rows is not None:
+                out[rows, :lp.shape[1]] = lp.float().cpu()
+        return out.to(input_ids.device)
+
+    def update(self, batch: dict) -> dict:
+        """One optimizer step on `batch`: input_ids, attention_mask, loss_mask, logprobs (behaviour),
+        advantages ([B] or [B, T]), and optionally proximal_logprobs (default: the behaviour ones,
+        i.e. plain PPO) and ref_logprobs (default: computed when kl_coef > 0 and a reference model
+        is loaded). Gradients accumulate over token-budget micro-batches, then clip, AdamW, LR step.
+
+        Returns floats: loss, grad_norm, lr (the one this step used), num_micro_batches, and the
+        token-weighted `ppo_loss` stats (clip_fraction, approx_kl, entropy, behaviour weights, ...;
+        local to this rank under FSDP). A non-finite grad norm skips the step (`skipped` = 1).
+        """
+        batch = dict(batch)
+        batch.setdefault("proximal_logprobs", batch["logprobs"])
+        if self.kl_coef and self.ref_policy is not None and "ref_logprobs" not in batch:
+            batch["ref_logprobs"] = self.compute_logprobs(batch, policy=self.ref_policy)
+        if batch["advantages"].dim() == 1:
+            batch["advantages"] = batch["advantages"][:, None].expand_as(batch["loss_mask"])
+        loss_mask = batch["loss_mask"]
+        counts = torch.tensor([float(loss_mask.sum()), float((loss_mask.sum(dim=1) > 0).sum())], device=self.device)
+        if self.world_size > 1:
+            dist.all_reduce(counts)
+        total_tokens, total_seqs = counts.tolist()
+        lr = self.optimizer.param_groups[0]["lr"]
+        keys = ("input_ids", "attention_mask", "loss_mask", "logprobs", "proximal_logprobs", "advantages",
+                "ref_logprobs")
+
+        self.policy.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum, per_mb = 0.0, []
+        groups = self._micro_batches(batch["attention_mask"])
+        for rows in groups:
+            mb = self._rows(batch, rows, keys)
+            with self._autocast():
+                logprobs, entropy = compute_logprobs(self.policy, mb["input_ids"], mb["attention_mask"],
+                                                     self.temperature, return_entropy=True)
+            loss, stats = ppo_loss(
+                logprobs, mb["proximal_logprobs"].float(), mb["logprobs"].float(), mb["advantages"].float(),
+                mb["loss_mask"], eps_clip_low=self.eps_clip_low, eps_clip_high=self.eps_clip_high,
+                agg=self.loss_agg, behaviour_weight_cap=self.behaviour_weight_cap,
+                ref_logprobs=mb["ref_logprobs"].float() if "ref_logprobs" in mb else None, kl_coef=self.kl_coef,
+                entropy=entropy, total_loss_tokens=total_tokens, total_loss_seqs=total_seqs)
+            if rows is None:  # a padding micro-batch under FSDP: run the collectives, add nothing
+                loss = loss * 0.0
+            else:
+                per_mb.append(stats)
+                loss_sum += loss.item()
+            # FSDP averages gradients over ranks; the loss is already normalised by the global token
+            # count, so scale back up to get the sum.
+            (loss * self.world_size).backward()
+
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        grad_norm = float(grad_norm)
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return {"loss": loss_sum, "grad_norm": grad_norm, "lr": lr, "num_micro_batches": len(groups),
+                "skipped": float(skipped), **_merge_stats(per_mb)}
+
+    # --- weights out: HF export, weight sync, checkpoints ---
+
+    @torch.no_grad()
+    def named_full_parameters(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) for every parameter, cast to `dtype` (default: the compute dtype),
+        on the trainer's device. Under FSDP each tensor is all-gathered, so every rank must drain the
+        iterator in step; all ranks get the full tensors. Tied weights appear once."""
+        dtype = dtype or self.compute_dtype
+        for name, param in self.model.named_parameters():
+            full = param.full_tensor() if hasattr(param, "full_tensor") else param
+            yield name, full.detach().to(dtype)
+
+    def _full_state_dict(self, dtype: torch.dtype) -> dict:
+        if self.world_size == 1:
+            return {k: v.detach().to(dtype) for k, v in self.model.state_dict().items()}
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {k: v.to(dtype) for k, v in full.items()}  # empty on ranks > 0
+
+    def save_hf(self, path: str, dtype: torch.dtype | None = None) -> None:
+        """Write an HF model directory (config + safetensors + tokenizer if one was loaded) that
+        transformers, SGLang and vLLM load. Weights in `dtype` (default: the compute dtype).
+        Written to a temporary directory and swapped in, so a reader never sees half a model."""
+        dtype = dtype or self.compute_dtype
+        state_dict = self._full_state_dict(dtype)
+        if self.rank == 0:
+            tmp = _fresh_tmp(path)
+            config_dtype = self.model.config.dtype
+            self.model.config.dtype = dtype
+            try:
+                self.model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+            finally:
+                self.model.config.dtype = config_dtype
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(tmp)
+            _swap_in(tmp, path)
+        if self.world_size > 1:
+            dist.barrier()
+
+    def save_checkpoint(self, path: str, extra: dict | None = None) -> None:
+        """Model, optimizer and scheduler state to directory `path` (torch.distributed.checkpoint:
+        sharded files under FSDP, resharding-capable), plus `extra` (data position, RNG, step, ...:
+        anything torch.save handles). Atomic: written beside `path`, then swapped in."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        tmp = _fresh_tmp(path) if self.rank == 0 else path + ".tmp"
+        if self.world_size > 1:
+            dist.barrier()
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        with _single_process_dcp_quiet():
+            dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp, no_dist=self.world_size == 1)
+        if self.rank == 0:
+            torch.save({"scheduler": self.scheduler.state_dict(), "extra": extra or {}},
+                       os.path.join(tmp, "trainer_state.pt"))
+        if self.world_size > 1:
+            dist.barrier()
+        if self.rank == 0:
+            _swap_in(tmp, path)
+        if self.world_size > 1:
+            dist.barrier()
+
+    def load_checkpoint(self, path: str) -> dict:
+        """Restore what `save_checkpoint(path, extra)` wrote; returns `extra`."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        if not os.path.exists(path) and os.path.exists(os.path.join(path.rstrip("/") + ".old", "trainer_state.pt")):
+            path = path.rstrip("/") + ".old"  # killed in the middle of _swap_in: the previous one is whole
+        if not os.path.exists(os.path.join(path, "trainer_state.pt")):
+            raise FileNotFoundError(f"no checkpoint at {path} (trainer_state.pt missing); "
+                                    f"start without --resume or point at a directory save_checkpoint wrote")
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optimizer": optim_state}
+        with _single_process_dcp_quiet():
+            dcp.load(state, checkpoint_id=path, no_dist=self.world_size == 1)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+        # Holds the caller's extra (RNG states, tuples): not a weights-only file.
+        trainer_state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+        self.scheduler.load_state_dict(trainer_state["scheduler"])
+        return trainer_state["extra"]
+
+
+@contextlib.contextmanager
+def _single_process_dcp_quiet():
+    # dcp warns on every single-process save/load that it assumes a single process, which it is.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _fresh_tmp(path: str) -> str:
+    tmp = path.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    return tmp
+
+
+def _swap_in(tmp: str, path: str) -> None:
+    """Replace directory `path` by `tmp`: at every moment one complete version exists on disk."""
+    path = path.rstrip("/")
+    old = path + ".old"
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(path):
+        os.rename(path, old)
+    os.rename(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,253 @@
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from lib.actor import Actor, compute_logprobs, equal_reward_groups, grpo_advantages, ppo_loss
+from lib.padding import concat_padded_tensors
+
+ARCH = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=64)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    path = str(tmp_path_factory.mktemp("actor") / "model")
+    Qwen2ForCausalLM(Qwen2Config(**ARCH)).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def make_batch(lengths, prompt_len=2, seed=0, advantages=None):
+    """Right-padded batch of random trajectories; tokens after `prompt_len` are generated."""
+    g = torch.Generator().manual_seed(seed)
+    episodes = []
+    for T in lengths:
+        generated = (torch.arange(T) >= prompt_len)[None]
+        episodes.append({
+            "input_ids": torch.randint(0, ARCH["vocab_size"], (1, T), generator=g),
+            "attention_mask": torch.ones(1, T, dtype=torch.long),
+            "loss_mask": generated.long(),
+            "logprobs": torch.where(generated, -torch.rand(1, T, generator=g) - 4.0, 0.0),
+        })
+    batch = concat_padded_tensors(episodes)
+    if advantages is not None:
+        batch["advantages"] = torch.tensor(advantages, dtype=torch.float32)
+    return batch
+
+
+def reference_logprobs(model, ids: list[int], temperature=1.0) -> list[float]:
+    """One unpadded forward of a single sequence: log p(ids[t] | ids[:t]) for t >= 1."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float() / temperature
+    lp = torch.log_softmax(logits, dim=-1)
+    return [lp[t - 1, ids[t]].item() for t in range(1, len(ids))]
+
+
+# --- log-probs ---
+
+def test_logprobs_are_next_token_logprobs_with_zero_at_position_0_and_padding(model):
+    batch = make_batch([6, 3])
+    lp = compute_logprobs(model, batch["input_ids"], batch["attention_mask"])
+    for row, T in enumerate([6, 3]):
+        ids = batch["input_ids"][row, :T].tolist()
+        assert lp[row, 0].item() == 0.0
+        assert lp[row, 1:T].tolist() == pytest.approx(reference_logprobs(model, ids), abs=1e-5)
+        assert (lp[row, T:] == 0).all()
+
+
+def test_packed_logprobs_equal_the_padded_forward(model):
+    batch = make_batch([7, 2, 5, 4], seed=1)
+    packed = compute_logprobs(model, batch["input_ids"], batch["attention_mask"], packed=True)
+    padded = compute_logprobs(model, batch["input_ids"], batch["attention_mask"], packed=False)
+    assert torch.allclose(packed, padded, atol=1e-5, rtol=0)
+
+
+def test_logprobs_are_of_temperature_scaled_logits(model):
+    batch = make_batch([5])
+    lp = compute_logprobs(model, batch["input_ids"], batch["attention_mask"], temperature=0.7)
+    expected = reference_logprobs(model, batch["input_ids"][0].tolist(), temperature=0.7)
+    assert lp[0, 1:].tolist() == pytest.approx(expected, abs=1e-5)
+
+
+def test_entropy_is_that_of_the_next_token_distribution(model):
+    batch = make_batch([4])
+    _, entropy = compute_logprobs(model, batch["input_ids"], batch["attention_mask"], return_entropy=True)
+    with torch.no_grad():
+        p = torch.softmax(model(batch["input_ids"]).logits[0].float(), dim=-1)
+    expected = -(p * p.log()).sum(-1)[:-1]
+    assert entropy[0, 1:].tolist() == pytest.approx(expected.tolist(), abs=1e-5)
+
+
+# --- advantages ---
+
+def test_grpo_advantages_are_group_normalised_with_sample_std():
+    # group 1: mean 0.25, sample std 0.5; group 2: mean 0.5, sample std sqrt(1/3)
+    adv = grpo_advantages(torch.tensor([1.0, 0, 0, 0, 1, 1, 0, 0]), 4, eps=0.0)
+    s = math.sqrt(1 / 3)
+    assert adv.tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5, 0.5 / s, 0.5 / s, -0.5 / s, -0.5 / s], abs=1e-6)
+
+
+def test_dr_grpo_advantages_only_subtract_the_group_mean():
+    adv = grpo_advantages(torch.tensor([1.0, 0, 0, 0, 1, 1, 0, 0]), 4, scale_by_std=False)
+    assert adv.tolist() == pytest.approx([0.75, -0.25, -0.25, -0.25, 0.5, 0.5, -0.5, -0.5])
+
+
+def test_a_group_with_equal_rewards_has_zero_advantage():
+    assert grpo_advantages(torch.tensor([0.7, 0.7, 0.7]), 3).tolist() == [0.0, 0.0, 0.0]
+
+
+def test_equal_reward_groups_marks_every_row_of_an_all_equal_group():
+    mask = equal_reward_groups(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0]), 2)
+    assert mask.tolist() == [True, True, False, False, True, True]
+
+
+# --- loss ---
+
+def two_token_case():
+    """Two sequences of [prompt, generated]. Generated token of row 0: A = +1, ratio 1.5 (past
+    1 + eps_high = 1.28), behaviour weight 2. Row 1: A = -1, ratio 0.5 (below 1 - eps_low = 0.8),
+    behaviour weight 1."""
+    proximal = torch.tensor([[0.0, -1.0], [0.0, -2.0]])
+    logprobs = (proximal + torch.tensor([[0.0, math.log(1.5)], [0.0, math.log(0.5)]])).requires_grad_()
+    behaviour = proximal - torch.tensor([[0.0, math.log(2.0)], [0.0, 0.0]])
+    return logprobs, proximal, behaviour, torch.tensor([1.0, -1.0]), torch.tensor([[0, 1], [0, 1]])
+
+
+def test_ppo_loss_clips_high_and_low_and_weights_by_behaviour_ratio():
+    logprobs, proximal, behaviour, adv, mask = two_token_case()
+    loss, stats = ppo_loss(logprobs, proximal, behaviour, adv, mask)
+    # row 0: max(-1.5, -1.28) * 2 = -2.56; row 1: max(0.5, 0.8) * 1 = 0.8; token mean over 2 tokens
+    assert loss.item() == pytest.approx((-2.56 + 0.8) / 2)
+    assert stats["clip_fraction"] == 1.0
+    assert stats["behaviour_weight_mean"] == pytest.approx(1.5)
+    assert stats["behaviour_weight_max"] == pytest.approx(2.0)
+    assert stats["num_tokens"] == 2
+    loss.backward()
+    assert logprobs.grad.abs().max().item() == 0.0  # both tokens clipped: no gradient
+
+
+def test_ppo_loss_gradient_inside_the_clip_range_is_minus_advantage_times_ratio():
+    proximal = torch.tensor([[0.0, -1.0]])
+    logprobs = (proximal + torch.tensor([[0.0, math.log(1.1)]])).requires_grad_()
+    loss, stats = ppo_loss(logprobs, proximal, proximal, torch.tensor([2.0]), torch.tensor([[0, 1]]))
+    assert loss.item() == pytest.approx(-2.2)
+    loss.backward()
+    assert logprobs.grad.tolist()[0] == pytest.approx([0.0, -2.2])  # d(-A·exp(lp - prox))/dlp
+    assert stats["clip_fraction"] == 0.0
+
+
+def test_ppo_loss_masks_tokens_whose_behaviour_weight_exceeds_the_cap():
+    logprobs, proximal, behaviour, adv, mask = two_token_case()
+    loss, stats = ppo_loss(logprobs, proximal, behaviour, adv, mask, behaviour_weight_cap=1.5)
+    assert loss.item() == pytest.approx((0.0 + 0.8) / 2)  # row 0 dropped, still in the denominator
+    assert stats["behaviour_capped_fraction"] == 0.5
+
+
+def test_ppo_loss_adds_k3_kl_to_the_reference():
+    proximal = torch.tensor([[0.0, -1.0]])
+    ref = proximal + math.log(2.0)  # k3 = 2 - ln 2 - 1
+    loss, stats = ppo_loss(proximal.clone(), proximal, proximal, torch.tensor([0.0]), torch.tensor([[0, 1]]),
+                           ref_logprobs=ref, kl_coef=0.1)
+    assert stats["kl_ref"] == pytest.approx(1 - math.log(2))
+    assert loss.item() == pytest.approx(0.1 * (1 - math.log(2)))
+
+
+def test_seq_mean_token_mean_weights_each_sequence_equally():
+    # row 0: one token with per-token loss -A = -1; row 1: three tokens with -A = +1 each.
+    lp = torch.zeros(2, 4)
+    mask = torch.tensor([[0, 1, 0, 0], [0, 1, 1, 1]])
+    adv = torch.tensor([1.0, -1.0])
+    token_mean, _ = ppo_loss(lp, lp, lp, adv, mask, agg="token-mean")
+    seq_mean, _ = ppo_loss(lp, lp, lp, adv, mask, agg="seq-mean-token-mean")
+    assert token_mean.item() == pytest.approx((-1 + 3) / 4)
+    assert seq_mean.item() == pytest.approx((-1 + 1) / 2)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_micro_batch_gradients_accumulate_to_the_full_batch_gradient(model_dir, agg):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    batch = make_batch([6, 3, 5, 4], advantages=[1.0, -0.5, 0.25, -1.0])
+    proximal = batch["logprobs"] + 0.01
+
+    def loss_of(rows, **totals):
+        lp = compute_logprobs(model, batch["input_ids"][rows], batch["attention_mask"][rows])
+        return ppo_loss(lp, proximal[rows], batch["logprobs"][rows], batch["advantages"][rows],
+                        batch["loss_mask"][rows], agg=agg, **totals)[0]
+
+    model.zero_grad()
+    loss_of([0, 1, 2, 3]).backward()
+    full = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    totals = {"total_loss_tokens": float(batch["loss_mask"].sum()), "total_loss_seqs": 4.0}
+    for rows in ([0, 2], [1], [3]):
+        loss_of(rows, **totals).backward()
+    for g_full, p in zip(full, model.parameters()):
+        assert torch.allclose(p.grad, g_full, atol=1e-7, rtol=1e-5)
+
+
+# --- Actor ---
+
+def test_actor_updates_on_a_fixed_batch_lower_the_loss_and_move_logprobs_with_the_advantage(model_dir):
+    actor = Actor(model_dir, lr=3e-3, grad_clip=100.0)
+    batch = make_batch([6, 6, 5, 5], advantages=[1.0, 1.0, -1.0, -1.0])
+    before = actor.compute_logprobs(batch)
+    batch["logprobs"] = batch["proximal_logprobs"] = before  # the policy that sampled the batch
+    losses = [actor.update(batch)["loss"] for _ in range(3)]
+    change = ((actor.compute_logprobs(batch) - before) * batch["loss_mask"]).sum(1)
+    assert (change[:2] > 0).all() and (change[2:] < 0).all()
+    assert losses[0] == pytest.approx(-(2 * 4 - 2 * 3) / 14)  # ratio 1 at the start: -mean(A) per token
+    assert losses[2] < losses[1] < losses[0]
+
+
+def test_actor_update_gives_the_same_step_for_any_token_budget(model_dir):
+    batch = make_batch([6, 3, 5, 4], advantages=[1.0, -0.5, 0.25, -1.0])
+    one = Actor(model_dir, lr=1e-3, max_tokens_per_mb=10_000).update(batch)
+    many = Actor(model_dir, lr=1e-3, max_tokens_per_mb=7).update(batch)
+    assert one["num_micro_batches"] == 1 and many["num_micro_batches"] == 3
+    assert many["loss"] == pytest.approx(one["loss"], abs=1e-6)
+    assert many["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+
+
+def test_actor_lr_warms_up_then_follows_the_cosine(model_dir):
+    actor = Actor(model_dir, lr=1.0, warmup_steps=2, total_steps=6, lr_schedule="cosine")
+    lrs = []
+    for _ in range(6):
+        lrs.append(actor.optimizer.param_groups[0]["lr"])
+        actor.scheduler.step()
+    # warm-up 1/2, 2/2; then 0.5 (1 + cos(pi * k / 4)) for k = 0..3
+    assert lrs == pytest.approx([0.5, 1.0, 1.0, 0.5 * (1 + math.cos(math.pi / 4)), 0.5, 0.5 * (1 + math.cos(3 * math.pi / 4))])
+
+
+def test_checkpoint_restores_weights_optimizer_scheduler_and_extra(model_dir, tmp_path):
+    batch = make_batch([5, 4], advantages=[1.0, -1.0])
+    actor = Actor(model_dir, lr=1e-3, warmup_steps=3)
+    actor.update(batch)
+    actor.save_checkpoint(str(tmp_path / "ckpt"), extra={"step": 1, "rng": torch.get_rng_state()})
+    resumed = Actor(model_dir, lr=1e-3, warmup_steps=3)
+    extra = resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    assert extra["step"] == 1 and torch.equal(extra["rng"], torch.get_rng_state())
+    assert resumed.scheduler.last_epoch == actor.scheduler.last_epoch
+    # Identical state means the next step is identical too (Adam moments and step count included).
+    actor.update(batch)
+    resumed.update(batch)
+    for (name, a), b in zip(actor.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b), name
+    assert not (tmp_path / "ckpt.tmp").exists()
+
+
+def test_save_hf_writes_a_model_that_transformers_loads_with_the_same_weights(model_dir, tmp_path):
+    actor = Actor(model_dir, lr=1e-3)
+    actor.update(make_batch([5, 4], advantages=[1.0, -1.0]))
+    actor.save_hf(str(tmp_path / "export"))
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"), dtype=torch.float32)
+    exported = dict(actor.named_full_parameters())
+    assert set(exported) == {n for n, _ in loaded.named_parameters()}
+    for name, p in loaded.named_parameters():
+        assert torch.equal(p, exported[name]), name
