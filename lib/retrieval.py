@@ -1,0 +1,565 @@
+"""Retrieval server speaking the Search-R1 / ASearcher HTTP API, its launcher, and in-process BM25.
+
+    python -m lib.retrieval --corpus corpus.jsonl --port 5001 [--retriever bm25|dense]
+
+`POST /retrieve {"queries": [...], "topk": 3, "return_scores": false}` answers
+`{"result": [[doc, ...] per query]}`, with `return_scores` each item is `{"document": doc,
+"score": s}` (Search-R1's `retrieval_server.py` shape). A doc is `{"id", "title", "text",
+"contents", "url"}`: Search-R1's agent reads `contents` ('"Title"\\ntext'), ASearcher's reads
+`contents` and `url`. Like Search-R1's BM25 (pyserini), a query gets only the passages that share
+a term with it, so it may get fewer than `topk`.
+`POST /access {"title"|"url"|"id": ...}` answers `{"result": page}` or a 404; a page joins the
+passages that share a title (wiki-18 splits articles into such passages). `{"urls": [...]}`
+(ASearcher's client) answers `{"result": [page or null, ...]}`. `GET /health`.
+Errors are 4xx/5xx with `{"error": "message"}`. Docs: docs/retrieval.md.
+"""
+import argparse
+import asyncio
+import atexit
+import concurrent.futures
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+
+logger = logging.getLogger("retrieval")
+
+# Bump when the cached index layout or tokenization changes, so old caches are rebuilt.
+INDEX_FORMAT_VERSION = 1
+STOPWORDS = "en"
+DEFAULT_TOPK = 3  # Search-R1's default when a request has no topk
+
+
+# --- corpus ---
+@dataclass
+class Corpus:
+    ids: list[str]
+    contents: list[str]  # '"Title"\ntext' per passage, as in Search-R1's wiki-18 jsonl
+    # normalised title -> rows, and id -> row; built on the first /access (costly on wiki-18)
+    _pages: dict | None = field(default=None, repr=False)
+    _rows: dict | None = field(default=None, repr=False)
+
+
+def read_corpus(corpus_path: str) -> Corpus:
+    """Read a jsonl corpus: `{"id", "contents"}` per line (Search-R1), or `{"id", "title", "text"}`."""
+    ids, contents = [], []
+    with open(corpus_path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if "contents" in row:
+                text = row["contents"]
+            elif "text" in row:
+                text = f'"{row.get("title", "")}"\n{row["text"]}'
+            else:
+                raise ValueError(f"{corpus_path}:{line_no + 1} has neither 'contents' nor 'text'; each line must be "
+                                 '{"id": ..., "contents": "\\"Title\\"\\ntext"}')
+            ids.append(str(row.get("id", len(ids))))
+            contents.append(text)
+    if not ids:
+        raise ValueError(f"{corpus_path} holds no passages")
+    return Corpus(ids, contents)
+
+
+def split_contents(contents: str) -> tuple[str, str]:
+    title, _, text = contents.partition("\n")
+    return title.strip().strip('"'), text
+
+
+def page_url(title: str) -> str:
+    return "wiki://" + urllib.parse.quote(title.replace(" ", "_"))
+
+
+def make_doc(corpus: Corpus, row: int) -> dict:
+    title, text = split_contents(corpus.contents[row])
+    return {"id": corpus.ids[row], "title": title, "text": text, "contents": corpus.contents[row],
+            "url": page_url(title)}
+
+
+def _normalise_title(title: str) -> str:
+    return " ".join(title.replace("_", " ").strip().strip('"').casefold().split())
+
+
+def _build_lookup(corpus: Corpus):
+    pages, rows = {}, {}
+    for row, (pid, contents) in enumerate(zip(corpus.ids, corpus.contents)):
+        pages.setdefault(_normalise_title(split_contents(contents)[0]), []).append(row)
+        rows.setdefault(pid, row)
+    corpus._pages, corpus._rows = pages, rows
+
+
+def _title_from_url(url: str) -> str:
+    # wiki://Title, https://en.wikipedia.org/wiki/Title, or index.php?title=Title
+    parsed = urllib.parse.urlparse(url.strip())
+    query_title = urllib.parse.parse_qs(parsed.query).get("title")
+    if query_title:
+        return query_title[0]
+    tail = (parsed.netloc + parsed.path) if parsed.scheme == "wiki" else parsed.path
+    return urllib.parse.unquote(tail.rstrip("/").rsplit("/", 1)[-1] if "/" in tail else tail)
+
+
+def access_page(corpus: Corpus, id: str | None = None, url: str | None = None,
+                title: str | None = None) -> dict | None:
+    """The page (all passages with one title, in corpus order) of a passage id, a url or a title;
+    titles match ignoring case, quotes, underscores and extra spaces. None when there is none."""
+    if corpus._pages is None:
+        _build_lookup(corpus)
+    if id is not None:
+        row = corpus._rows.get(str(id))
+        if row is None:
+            return None
+        title = split_contents(corpus.contents[row])[0]
+    elif url is not None:
+        title = _title_from_url(url)
+    rows = corpus._pages.get(_normalise_title(title or ""))
+    if not rows:
+        return None
+    page_title = split_contents(corpus.contents[rows[0]])[0]
+    text = " ".join(split_contents(corpus.contents[r])[1] for r in rows)
+    return {"id": corpus.ids[rows[0]], "title": page_title, "text": text, "contents": f'"{page_title}"\n{text}',
+            "url": page_url(page_title)}
+
+
+# --- BM25 ---
+@dataclass
+class Bm25Index:
+    corpus: Corpus
+    retriever: object  # bm25s.BM25
+
+
+def _corpus_key(corpus_path: str) -> dict:
+    import bm25s
+
+    st = os.stat(corpus_path)
+    return {"format": INDEX_FORMAT_VERSION, "bm25s": bm25s.__version__, "stopwords": STOPWORDS,
+            "corpus_bytes": st.st_size, "corpus_mtime_ns": st.st_mtime_ns}
+
+
+def default_index_dir(corpus_path: str) -> str:
+    """`<corpus>.bm25s/` next to the corpus, or under $AGENTRL_CACHE when that folder is read-only."""
+    beside = os.path.abspath(corpus_path) + ".bm25s"
+    if os.access(os.path.dirname(beside), os.W_OK):
+        return beside
+    import hashlib
+
+    digest = hashlib.sha1(os.path.abspath(corpus_path).encode()).hexdigest()[:12]
+    root = os.environ.get("AGENTRL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "agentrl"))
+    return os.path.join(root, "bm25s", f"{os.path.basename(corpus_path)}-{digest}")
+
+
+def load_bm25(corpus_path: str, index_dir: str | None = None) -> Bm25Index:
+    """The corpus and its BM25 index, built on first use and cached in `index_dir` (default
+    `<corpus>.bm25s/`); rebuilt when the corpus file's size or mtime changes."""
+    import bm25s
+
+    corpus = read_corpus(corpus_path)
+    index_dir = index_dir or default_index_dir(corpus_path)
+    key = _corpus_key(corpus_path)
+    meta_path = os.path.join(index_dir, "agentrl_meta.json")
+    try:
+        with open(meta_path) as f:
+            cached = json.load(f) == key
+    except (OSError, ValueError):
+        cached = False
+    if cached:
+        retriever = bm25s.BM25.load(index_dir, show_progress=False)
+        if retriever.scores["num_docs"] == len(corpus.ids):
+            return Bm25Index(corpus, retriever)
+    start_s = time.perf_counter()
+    tokens = bm25s.tokenize(corpus.contents, stopwords=STOPWORDS, show_progress=False)
+    retriever = bm25s.BM25()
+    retriever.index(tokens, show_progress=False)
+    # Written beside, then swapped in, so a killed build never leaves an index that looks valid.
+    parent = os.path.dirname(os.path.abspath(index_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=".tmp-bm25s-")
+    try:
+        retriever.save(tmp, show_progress=False)
+        with open(os.path.join(tmp, "agentrl_meta.json"), "w") as f:
+            json.dump(key, f)
+        old = None
+        if os.path.exists(index_dir):
+            old = tempfile.mkdtemp(dir=parent, prefix=".old-bm25s-")
+            os.rename(index_dir, os.path.join(old, "index"))
+        os.rename(tmp, index_dir)
+        if old:
+            import shutil
+
+            shutil.rmtree(old, ignore_errors=True)
+    except OSError as e:
+        logger.warning("could not cache the BM25 index in %s (%s); it will be rebuilt next time", index_dir, e)
+    finally:
+        if os.path.isdir(tmp):
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("built BM25 index of %d passages in %.1f s", len(corpus.ids), time.perf_counter() - start_s)
+    return Bm25Index(corpus, retriever)
+
+
+def bm25_search(index: Bm25Index, queries: list[str], topk: int, return_scores: bool = False) -> list[list[dict]]:
+    """Top-`topk` docs per query, best first; with `return_scores`, `{"document", "score"}` items.
+    Only passages sharing a term with the query are returned."""
+    import bm25s
+    import numpy as np
+    import torch
+
+    retriever = index.retriever
+    num_docs = len(index.corpus.ids)
+    k = min(topk, num_docs)
+    tokens = bm25s.tokenize(queries, stopwords=STOPWORDS, return_ids=False, show_progress=False)
+    rows, scores = [], []
+    for start in range(0, len(queries), 16):  # bounds the dense [queries, passages] score block
+        chunk = tokens[start:start + 16]
+        block = np.zeros((len(chunk), num_docs), dtype=np.float32)
+        for i, query_tokens in enumerate(chunk):
+            ids = retriever.get_tokens_ids(query_tokens)
+            if ids:
+                block[i] = retriever.get_scores_from_ids(ids)
+        # Not bm25s' own top-k: numpy's argpartition crawls on the many tied scores of short
+        # passages (3 ms at 20k passages, 170 ms at 1M); torch.topk takes 0.06 / 2.5 ms.
+        top_scores, top_rows = torch.topk(torch.from_numpy(block), k, dim=1)
+        rows += top_rows.tolist()
+        scores += top_scores.tolist()
+    out = []
+    for query_rows, query_scores in zip(rows, scores):
+        hits = [(r, s) for r, s in zip(query_rows, query_scores) if s > 0]
+        if return_scores:
+            out.append([{"document": make_doc(index.corpus, r), "score": s} for r, s in hits])
+        else:
+            out.append([make_doc(index.corpus, r) for r, _ in hits])
+    return out
+
+
+# --- dense (e5 + faiss), optional ---
+@dataclass
+class DenseIndex:
+    corpus: Corpus
+    encoder: object  # sentence_transformers.SentenceTransformer
+    faiss_index: object
+
+
+def _import_dense():
+    try:
+        import faiss
+        import sentence_transformers
+    except ImportError as e:
+        raise ImportError(f"--retriever dense needs sentence-transformers and faiss ({e}); install them with "
+                          "`pip install sentence-transformers faiss-cpu` (or faiss-gpu), or use --retriever bm25") from e
+    return faiss, sentence_transformers
+
+
+def load_dense(corpus_path: str, model_name: str = "intfloat/e5-base-v2", faiss_index_path: str | None = None,
+               device: str | None = None, batch_size: int = 256) -> DenseIndex:
+    """e5 embeddings with an inner-product faiss index: `faiss_index_path` if it exists (e.g.
+    Search-R1's wiki-18 `e5_Flat.index`, rows in corpus order), else built by encoding the corpus
+    and saved there (default `<corpus>.<model>.faiss`)."""
+    faiss, sentence_transformers = _import_dense()
+    corpus = read_corpus(corpus_path)
+    encoder = sentence_transformers.SentenceTransformer(model_name, device=device)
+    path = faiss_index_path or f"{os.path.abspath(corpus_path)}.{os.path.basename(model_name.rstrip('/'))}.faiss"
+    if os.path.exists(path):
+        faiss_index = faiss.read_index(path)
+    else:
+        passages = [f"passage: {c}" for c in corpus.contents]  # e5 was trained with these prefixes
+        emb = encoder.encode(passages, batch_size=batch_size, normalize_embeddings=True, convert_to_numpy=True,
+                             show_progress_bar=True)
+        faiss_index = faiss.IndexFlatIP(emb.shape[1])
+        faiss_index.add(emb.astype("float32"))
+        faiss.write_index(faiss_index, path)
+    if faiss_index.ntotal != len(corpus.ids):
+        raise ValueError(f"{path} holds {faiss_index.ntotal} vectors but {corpus_path} has {len(corpus.ids)} "
+                         "passages; point --dense-index at the index built from this corpus")
+    return DenseIndex(corpus, encoder, faiss_index)
+
+
+def dense_search(index: DenseIndex, queries: list[str], topk: int, return_scores: bool = False) -> list[list[dict]]:
+    emb = index.encoder.encode([f"query: {q}" for q in queries], normalize_embeddings=True, convert_to_numpy=True)
+    scores, rows = index.faiss_index.search(emb.astype("float32"), min(topk, len(index.corpus.ids)))
+    out = []
+    for query_rows, query_scores in zip(rows.tolist(), scores.tolist()):
+        hits = [(r, s) for r, s in zip(query_rows, query_scores) if r >= 0]
+        if return_scores:
+            out.append([{"document": make_doc(index.corpus, r), "score": s} for r, s in hits])
+        else:
+            out.append([make_doc(index.corpus, r) for r, _ in hits])
+    return out
+
+
+def search(index, queries: list[str], topk: int, return_scores: bool = False) -> list[list[dict]]:
+    if isinstance(index, DenseIndex):
+        return dense_search(index, queries, topk, return_scores)
+    return bm25_search(index, queries, topk, return_scores)
+
+
+# --- HTTP server ---
+class BadRequest(ValueError):
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+def parse_retrieve(body, max_batch: int, max_query_chars: int, topk_max: int) -> tuple[list[str], int, bool]:
+    """(queries, topk, return_scores) of a /retrieve body, or BadRequest naming the problem.
+    Unknown fields are ignored, as Search-R1's server does."""
+    if not isinstance(body, dict):
+        raise BadRequest('the body must be a JSON object like {"queries": ["..."], "topk": 3}')
+    queries = body.get("queries")
+    if isinstance(queries, str):
+        raise BadRequest('"queries" must be a list of strings; wrap a single query in a list')
+    if not isinstance(queries, list) or not queries:
+        raise BadRequest('"queries" must be a non-empty list of strings')
+    if len(queries) > max_batch:
+        raise BadRequest(f'"queries" holds {len(queries)} queries; at most {max_batch} per request '
+                         "(split the batch or raise the server's --max-batch)", 413)
+    for i, q in enumerate(queries):
+        if not isinstance(q, str):
+            raise BadRequest(f'"queries"[{i}] is {type(q).__name__}, not a string')
+        if len(q) > max_query_chars:
+            raise BadRequest(f'"queries"[{i}] has {len(q)} characters; at most {max_query_chars} '
+                             "(shorten it or raise the server's --max-query-chars)", 413)
+    topk = body.get("topk")
+    if topk is None:
+        topk = DEFAULT_TOPK
+    if isinstance(topk, bool) or not isinstance(topk, int):
+        raise BadRequest(f'"topk" must be an integer in [1, {topk_max}], got {json.dumps(topk)[:50]}')
+    if not 1 <= topk <= topk_max:
+        raise BadRequest(f'"topk" must be in [1, {topk_max}], got {topk} (raise the server\'s --topk-max for more)')
+    return_scores = body.get("return_scores", False)
+    if not isinstance(return_scores, bool):
+        raise BadRequest(f'"return_scores" must be true or false, got {json.dumps(return_scores)[:50]}')
+    return queries, topk, return_scores
+
+
+def _error(status: int, message: str):
+    from aiohttp import web
+
+    return web.json_response({"error": message}, status=status)
+
+
+async def _json_body(request):
+    from aiohttp import web
+
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise BadRequest(f"request body larger than {request.app['max_body_bytes']} bytes; "
+                         "send fewer or shorter queries", 413)
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the body is not valid JSON ({e})")
+
+
+def build_app(index, topk_max: int = 50, max_batch: int = 512, max_query_chars: int = 2000,
+              request_timeout_s: float = 60.0, num_workers: int = 2, max_body_bytes: int = 4 * 2**20):
+    """The aiohttp app over a loaded index. Searches run in a thread pool so the loop keeps
+    answering (health checks, bad requests) while one runs."""
+    from aiohttp import web
+
+    pool = concurrent.futures.ThreadPoolExecutor(num_workers, thread_name_prefix="retrieval")
+    kind = "dense" if isinstance(index, DenseIndex) else "bm25"
+
+    @web.middleware
+    async def errors_as_json(request, handler):
+        try:
+            return await handler(request)
+        except BadRequest as e:
+            return _error(e.status, str(e))
+        except web.HTTPException as e:
+            if e.status >= 400:
+                return _error(e.status, f"{e.reason}: {request.method} {request.path}; the endpoints are "
+                                        "POST /retrieve, POST /access, GET /health")
+            raise
+        except Exception as e:
+            logger.exception("%s failed", request.path)
+            return _error(500, f"internal error: {e!r}")
+
+    async def run_in_pool(fn, *args):
+        try:
+            return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(pool, fn, *args),
+                                          request_timeout_s)
+        except asyncio.TimeoutError:
+            raise BadRequest(f"the search took longer than {request_timeout_s} s; send smaller batches or "
+                             "raise the server's --request-timeout-s", 503)
+
+    async def retrieve(request):
+        queries, topk, return_scores = parse_retrieve(await _json_body(request), max_batch, max_query_chars, topk_max)
+        result = await run_in_pool(search, index, queries, topk, return_scores)
+        return web.json_response({"result": result})
+
+    async def access(request):
+        body = await _json_body(request)
+        if not isinstance(body, dict):
+            raise BadRequest('the body must be a JSON object like {"title": "..."}, {"url": "..."}, {"id": "..."} '
+                             'or {"urls": [...]}')
+        if "urls" in body:  # ASearcher's client: a batch, null for pages not found
+            urls = body["urls"]
+            if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
+                raise BadRequest('"urls" must be a list of strings')
+            if len(urls) > max_batch:
+                raise BadRequest(f'"urls" holds {len(urls)} urls; at most {max_batch} per request', 413)
+            pages = await run_in_pool(lambda: [access_page(index.corpus, url=u) for u in urls])
+            return web.json_response({"result": pages})
+        keys = [k for k in ("id", "url", "title") if k in body]
+        if len(keys) != 1:
+            raise BadRequest('give exactly one of "id", "url" or "title" (or "urls": [...])')
+        value = body[keys[0]]
+        if not isinstance(value, str) and not (keys[0] == "id" and isinstance(value, int) and not isinstance(value, bool)):
+            raise BadRequest(f'"{keys[0]}" must be a string')
+        if isinstance(value, str) and len(value) > max_query_chars:
+            raise BadRequest(f'"{keys[0]}" has {len(value)} characters; at most {max_query_chars}', 413)
+        page = await run_in_pool(lambda: access_page(index.corpus, **{keys[0]: value}))
+        if page is None:
+            return _error(404, f"no page with {keys[0]} {json.dumps(value)}; search first and use a title "
+                               "or url from the results")
+        return web.json_response({"result": page})
+
+    async def health(request):
+        return web.json_response({"status": "ok", "retriever": kind, "num_passages": len(index.corpus.ids)})
+
+    async def on_cleanup(app):
+        pool.shutdown(wait=False, cancel_futures=True)
+
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[errors_as_json])
+    app["max_body_bytes"] = max_body_bytes
+    app.on_cleanup.append(on_cleanup)
+    app.router.add_post("/retrieve", retrieve)
+    app.router.add_post("/access", access)
+    app.router.add_get("/health", health)
+    return app
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Search-R1/ASearcher-compatible retrieval server (BM25 or e5 + faiss).")
+    p.add_argument("--corpus", required=True, help='jsonl with {"id", "contents": "\\"Title\\"\\ntext"} per line')
+    p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to serve other machines")
+    p.add_argument("--port", type=int, default=5001)
+    p.add_argument("--retriever", choices=["bm25", "dense"], default="bm25")
+    p.add_argument("--index-dir", default=None, help="BM25 index cache (default <corpus>.bm25s/)")
+    p.add_argument("--dense-model", default="intfloat/e5-base-v2")
+    p.add_argument("--dense-index", default=None, help="faiss index file (e.g. Search-R1's e5_Flat.index)")
+    p.add_argument("--device", default=None, help="dense encoder device (cuda, cpu); default: sentence-transformers' choice")
+    p.add_argument("--topk-max", type=int, default=50)
+    p.add_argument("--max-batch", type=int, default=512, help="queries per request at most")
+    p.add_argument("--max-query-chars", type=int, default=2000)
+    p.add_argument("--request-timeout-s", type=float, default=60.0)
+    p.add_argument("--num-workers", type=int, default=2, help="search threads")
+    p.add_argument("--log-level", default="info")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    from aiohttp import web
+
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    start_s = time.perf_counter()
+    if args.retriever == "dense":
+        index = load_dense(args.corpus, args.dense_model, args.dense_index, args.device)
+    else:
+        index = load_bm25(args.corpus, args.index_dir)
+    logger.info("loaded %d passages (%s) in %.1f s; serving on http://%s:%d", len(index.corpus.ids), args.retriever,
+                time.perf_counter() - start_s, args.host, args.port)
+    app = build_app(index, args.topk_max, args.max_batch, args.max_query_chars, args.request_timeout_s,
+                    args.num_workers)
+    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+
+
+# --- launcher ---
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent():
+    # Linux: the child gets SIGTERM when the launching process dies, even by SIGKILL.
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass
+class RetrievalServer:
+    process: subprocess.Popen
+    address: str  # "http://127.0.0.1:PORT"
+    log_path: str
+
+    def terminate(self, timeout_s: float = 10.0):
+        """Kill the server's process group: SIGTERM, then SIGKILL after `timeout_s`."""
+        if self.process.poll() is not None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        except ProcessLookupError:
+            pass
+
+
+def _log_tail(path: str, num_chars: int = 3000) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-num_chars:]
+    except OSError:
+        return "(no log)"
+
+
+def launch_retrieval_server(corpus_path: str, host: str = "127.0.0.1", port: int | None = None,
+                            timeout_s: float = 120.0, log_path: str | None = None,
+                            extra_args: tuple[str, ...] = ()) -> RetrievalServer:
+    """Start `python -m lib.retrieval` in its own process group and wait for /health. The server
+    is killed at interpreter exit, on `.terminate()`, and (Linux) when this process dies."""
+    if not os.path.exists(corpus_path):
+        raise FileNotFoundError(f"corpus {corpus_path} not found; build one with lib.wiki_data.build_wiki_data "
+                                "or point at a Search-R1 jsonl corpus")
+    port = port or _free_port(host)
+    if log_path is None:
+        fd, log_path = tempfile.mkstemp(prefix="retrieval-", suffix=".log")
+        os.close(fd)
+    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo_root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    cmd = [sys.executable, "-m", "lib.retrieval", "--corpus", os.path.abspath(corpus_path), "--host", host,
+           "--port", str(port), *extra_args]
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                   start_new_session=True, preexec_fn=_die_with_parent)
+    address = f"http://{host}:{port}"
+    server = RetrievalServer(process, address, log_path)
+    atexit.register(server.terminate)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"retrieval server exited with code {process.returncode} before answering /health "
+                               f"(command: {' '.join(cmd)}); log {log_path}:\n{_log_tail(log_path)}")
+        try:
+            with urllib.request.urlopen(f"{address}/health", timeout=2) as r:
+                if r.status == 200:
+                    return server
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            server.terminate()
+            raise RuntimeError(f"retrieval server at {address} did not answer /health within {timeout_s} s "
+                               f"(a large corpus takes longer to index: raise timeout_s); log {log_path}:\n"
+                               f"{_log_tail(log_path)}")
+        time.sleep(0.2)
+
+
+if __name__ == "__main__":
+    main()
