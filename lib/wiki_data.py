@@ -183,10 +183,14 @@ def _passage_text(ent: dict, which: str) -> str:
     }[(ent["kind"], which)]()
 
 
-def _scaled_counts(num_passages: int, fraction: float) -> dict[str, int]:
+def _scaled_counts(num_passages: float) -> dict[str, int]:
     per_unit = sum(KIND_SHARES[k] * len(PASSAGES[k]) for k in KIND_SHARES)
-    scale = num_passages * fraction / per_unit
-    return {k: max(3, int(KIND_SHARES[k] * scale)) for k in KIND_SHARES}
+    scale = num_passages / per_unit
+    counts = {k: max(3, int(KIND_SHARES[k] * scale)) for k in KIND_SHARES}
+    # The floor of 3 per kind can overshoot a tiny budget: take the excess from the people.
+    while sum(n * len(PASSAGES[k]) for k, n in counts.items()) > num_passages and counts["person"] > 3:
+        counts["person"] -= 1
+    return counts
 
 
 # --- questions ---
@@ -279,12 +283,14 @@ def build_wiki_data(out_dir: str, seed: int = 0, num_passages: int = 20000,
                     num_questions: int = 10000) -> dict[str, str]:
     """Write `corpus.jsonl` (exactly `num_passages` passages) and the four question splits into
     `out_dir`; returns {"corpus": path, split: path, ...}."""
-    if num_passages < 200:
-        raise ValueError(f"num_passages={num_passages} is too small for a world with distractors; use >= 200")
+    if num_passages < 300:
+        raise ValueError(f"num_passages={num_passages} is too small for a world with distractors; use >= 300")
     rng = random.Random(seed)
     taken: set[str] = set()
-    worlds = {"warmstart": _make_world(rng, _scaled_counts(num_passages, WARMSTART_WORLD_FRACTION), taken),
-              "main": _make_world(rng, _scaled_counts(num_passages, 1 - WARMSTART_WORLD_FRACTION), taken)}
+    warm_counts = _scaled_counts(num_passages * WARMSTART_WORLD_FRACTION)
+    warm_passages = sum(n * len(PASSAGES[kind]) for kind, n in warm_counts.items())
+    worlds = {"warmstart": _make_world(rng, warm_counts, taken),
+              "main": _make_world(rng, _scaled_counts(num_passages - warm_passages), taken)}
 
     # Pages in random order; the passage budget is filled with filler passages about random people
     # (they mention the name, so they act as distractors too).
