@@ -1,0 +1,400 @@
+"""Async client for SGLang's native HTTP API (and lib.cpu_server, which speaks the same subset).
+
+Token ids in, token ids and the server's per-token log-probs out (`/generate` with `input_ids` and
+`return_logprob`). With several servers, a trajectory is routed to the least loaded server on its
+first turn and stays there (its prefix is in that server's cache). Control calls (pause, weight
+updates, ...) go to every server. Field names and their sources: docs/client.md and
+docs/sglang_contract.md.
+
+Pause handling, for async RL: `pause_generation()` (mode "abort", SGLang's default) makes every
+server answer its in-flight requests with finish_reason abort and their partial output. A
+`generate()` call that gets such an answer while the client is paused waits for
+`continue_generation()` and then re-sends prompt + output so far for the remaining tokens; the
+tokens of each piece are tagged in `Generation.versions` with the client's policy version when that
+piece was sent, so the trainer knows which tokens came from which weights.
+"""
+import asyncio
+import dataclasses
+import json
+
+import aiohttp
+
+
+@dataclasses.dataclass
+class Generation:
+    output_ids: list[int]
+    logprobs: list[float]  # server's log-prob of each output id, same length as output_ids
+    finish_reason: str  # "stop" | "length" | "abort"
+    matched: int | str | None  # the stop token id or stop string that ended it (finish_reason "stop")
+    text: str  # decoded by the server, matched stop trimmed; for display only, never re-encode it
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache, summed over resumed pieces
+    weight_version: str  # the server's weight_version when the last piece finished
+    versions: list[int]  # per output token: client policy version when its piece was sent
+    num_resumes: int = 0  # how many times a pause cut this generation and it was re-sent
+
+
+class InferenceServerError(RuntimeError):
+    """A request the server refused (4xx, `success: false`) or that failed after all retries."""
+
+    def __init__(self, message: str, *, address: str, status: int | None = None):
+        super().__init__(message)
+        self.address = address
+        self.status = status
+
+
+class InferenceClient:
+    def __init__(self, addresses: list[str], *, max_concurrent_requests: int = 256, request_timeout_s: float = 3600.0,
+                 max_retries: int = 3, retry_backoff_s: float = 1.0, connect_timeout_s: float = 30.0):
+        if isinstance(addresses, str):
+            addresses = [addresses]
+        if not addresses:
+            raise ValueError("InferenceClient needs at least one server address, e.g. ['http://127.0.0.1:30000']")
+        self.addresses = [a.rstrip("/") if "://" in a else "http://" + a.rstrip("/") for a in addresses]
+        self.max_concurrent_requests = max_concurrent_requests
+        self.request_timeout_s = request_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.max_retries = max_retries
+        self.retry_backoff_s = retry_backoff_s
+        self.version = 0
+        self._routes: dict = {}  # trajectory_id -> address
+        self._live_trajectories = {a: 0 for a in self.addresses}
+        self._in_flight = {a: 0 for a in self.addresses}
+        self._paused = False
+        # Bumped by every pause: an abort answer to a request sent before the latest pause began is
+        # a pause-abort even if the client has been continued by the time the answer is read.
+        self._pause_count = 0
+        # Event-loop-bound state, created inside the loop that uses the client (see _bind_loop).
+        self._loop = None
+        self._session = None
+        self._semaphore = None
+        self._resumed = None
+
+    def set_version(self, version: int):
+        """The policy version tagged on tokens of requests sent from now on (call after each weight sync)."""
+        self.version = int(version)
+
+    # --- generation ---
+    async def generate(self, input_ids: list[int], *, max_new_tokens: int, temperature: float = 1.0,
+                       top_p: float = 1.0, top_k: int = -1, stop: list[str] | None = None,
+                       stop_token_ids: list[int] | None = None, trajectory_id=None) -> Generation:
+        """Generate up to `max_new_tokens` after `input_ids`. Give the same `trajectory_id` for every turn
+        of one episode (and call `end_trajectory` at its end) to keep it on one server."""
+        self._bind_loop()
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if isinstance(stop, str):
+            stop = [stop]
+        sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+        if stop:
+            sampling["stop"] = list(stop)
+        if stop_token_ids:
+            sampling["stop_token_ids"] = [int(t) for t in stop_token_ids]
+        address = self._route(trajectory_id)
+        prompt = [int(t) for t in input_ids]
+        output_ids, logprobs, versions, texts, token_texts = [], [], [], [], []
+        cached_tokens, num_resumes, first_piece_len = 0, 0, None
+        self._in_flight[address] += 1
+        try:
+            while True:
+                await self._acquire_send_slot()
+                try:
+                    version, pause_count = self.version, self._pause_count
+                    body = {"input_ids": prompt + output_ids,
+                            "sampling_params": {**sampling, "max_new_tokens": max_new_tokens - len(output_ids)},
+                            "return_logprob": True,
+                            # A resumed piece needs its tokens' texts to find a stop string that
+                            # straddles the cut (each server looks only at its own output).
+                            "return_text_in_logprobs": bool(num_resumes and stop)}
+                    answer = await self._request("POST", address, "/generate", body)
+                finally:
+                    self._semaphore.release()
+                piece = _parse_generation(answer, address)
+                output_ids += piece["output_ids"]
+                logprobs += piece["logprobs"]
+                versions += [version] * len(piece["output_ids"])
+                texts.append(piece["text"])
+                if num_resumes:
+                    token_texts += piece["token_texts"]
+                cached_tokens += piece["cached_tokens"]
+                finish_reason, matched, weight_version = piece["finish_reason"], piece["matched"], piece["weight_version"]
+                if finish_reason != "abort" or not (self._paused or self._pause_count != pause_count):
+                    break
+                # Cut by a pause. The step that saw the abort still sampled a token, which may end the
+                # generation: SGLang checks abort before length, stop strings and stop tokens.
+                first_piece_len = len(output_ids) if first_piece_len is None else first_piece_len
+                if len(output_ids) >= max_new_tokens:
+                    finish_reason, matched = "length", None
+                    break
+                if stop and _stop_across_pieces(texts[0], token_texts, stop) is not None:
+                    break  # finish_reason and the cut are set below
+                if stop_token_ids and output_ids and output_ids[-1] in stop_token_ids:
+                    finish_reason, matched = "stop", output_ids[-1]
+                    break
+                num_resumes += 1
+        finally:
+            self._in_flight[address] -= 1
+        text = "".join(texts)
+        cut = _stop_across_pieces(texts[0], token_texts, stop) if stop and first_piece_len is not None else None
+        if cut is not None:
+            index, stop_string = cut
+            end = first_piece_len + index + 1
+            # A stop at the very last token of a normal finish is the server's own verdict; keep it.
+            if end < len(output_ids) or finish_reason == "abort":
+                output_ids, logprobs, versions = output_ids[:end], logprobs[:end], versions[:end]
+                finish_reason, matched = "stop", stop_string
+                text = texts[0] + "".join(token_texts[:index + 1])
+                text = text[:text.find(stop_string)]
+        return Generation(output_ids=output_ids, logprobs=logprobs, finish_reason=finish_reason, matched=matched,
+                          text=text, prompt_tokens=len(prompt), cached_tokens=cached_tokens,
+                          weight_version=weight_version, versions=versions, num_resumes=num_resumes)
+
+    def end_trajectory(self, trajectory_id):
+        """Forget the route of a finished trajectory (it no longer counts towards its server's load)."""
+        address = self._routes.pop(trajectory_id, None)
+        if address is not None:
+            self._live_trajectories[address] -= 1
+
+    def server_of(self, trajectory_id) -> str | None:
+        """The address a live trajectory is routed to (None if it has none)."""
+        return self._routes.get(trajectory_id)
+
+    def _route(self, trajectory_id) -> str:
+        if trajectory_id is not None and trajectory_id in self._routes:
+            return self._routes[trajectory_id]
+        index = min(range(len(self.addresses)),
+                    key=lambda i: (self._live_trajectories[self.addresses[i]], self._in_flight[self.addresses[i]], i))
+        address = self.addresses[index]
+        if trajectory_id is not None:
+            self._routes[trajectory_id] = address
+            self._live_trajectories[address] += 1
+        return address
+
+    async def _acquire_send_slot(self):
+        # Requests wait here, not at the server, while paused: a request the server held through a
+        # weight update would be generated by the new weights but tagged with the old version.
+        while True:
+            await self._resumed.wait()
+            await self._semaphore.acquire()
+            if not self._paused:
+                return
+            self._semaphore.release()
+
+    # --- control calls, sent to every server ---
+    async def pause_generation(self, mode: str = "abort") -> list[dict]:
+        """Stop generation on every server. mode "abort" (needed for weight updates that flush the
+        cache) answers in-flight requests, which `generate` re-sends after `continue_generation`."""
+        self._bind_loop()
+        self._paused = True
+        self._pause_count += 1
+        self._resumed.clear()
+        return await self._fan_out("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self, version: int | None = None) -> list[dict]:
+        """Resume every server, then release waiting and paused requests; with `version`, set it
+        first so that the re-sent pieces are tagged with the new policy version."""
+        self._bind_loop()
+        try:
+            return await self._fan_out("POST", "/continue_generation", {})
+        finally:
+            if version is not None:
+                self.set_version(version)
+            self._paused = False
+            self._resumed.set()
+
+    async def flush_cache(self) -> list[str]:
+        """Drop every server's prefix cache. SGLang refuses (400) while requests run or wait."""
+        return await self._fan_out("POST", "/flush_cache", None, expect_json=False)
+
+    async def abort_request(self, rid: str | None = None, abort_all: bool = True) -> None:
+        """Abort request `rid` (an SGLang rid prefix) or, with no rid, every request on every server.
+        Aborted `generate` calls return finish_reason "abort" (not re-sent unless paused)."""
+        await self._fan_out("POST", "/abort_request", {"rid": rid or "", "abort_all": rid is None and abort_all})
+
+    async def get_server_info(self) -> list[dict]:
+        return await self._fan_out("GET", "/server_info", None)
+
+    async def get_model_info(self) -> list[dict]:
+        return await self._fan_out("GET", "/model_info", None)
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None, *,
+                                      flush_cache: bool = True, abort_all_requests: bool = False) -> list[dict]:
+        """Every server loads the HF checkpoint at `model_path` (on a failed load SGLang keeps the old weights)."""
+        body = {"model_path": model_path, "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        return await self._fan_out("POST", "/update_weights_from_disk", body, retry=False)
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offsets: list[int] | int,
+                                        world_size: int, group_name: str = "weight_update_group",
+                                        backend: str = "nccl") -> list[dict]:
+        """Every server joins the trainer's process group (trainer = rank 0, server i's TP ranks start at
+        rank_offsets[i]). Blocks until all ranks have joined: the trainer must join concurrently."""
+        if isinstance(rank_offsets, int):
+            if len(self.addresses) > 1:
+                raise ValueError(f"rank_offsets must be a list with one offset per server ({len(self.addresses)} "
+                                 f"servers), e.g. [1, 1 + tp_size, ...]")
+            rank_offsets = [rank_offsets]
+        if len(rank_offsets) != len(self.addresses):
+            raise ValueError(f"rank_offsets has {len(rank_offsets)} entries for {len(self.addresses)} servers")
+        bodies = [{"master_address": master_address, "master_port": int(master_port), "rank_offset": int(offset),
+                   "world_size": int(world_size), "group_name": group_name, "backend": backend}
+                  for offset in rank_offsets]
+        return await self._fan_out("POST", "/init_weights_update_group", bodies, retry=False)
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list,
+                                              group_name: str = "weight_update_group", flush_cache: bool = True,
+                                              weight_version: str | None = None, load_format: str | None = None,
+                                              abort_all_requests: bool = False) -> list[dict]:
+        """Every server receives one broadcast(src=0) per name, in this order, with these dtypes
+        ("bfloat16" or torch.bfloat16) and full shapes; the trainer broadcasts concurrently."""
+        body = {"names": list(names), "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
+                "shapes": [[int(x) for x in s] for s in shapes], "group_name": group_name,
+                "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        if load_format is not None:
+            body["load_format"] = load_format
+        return await self._fan_out("POST", "/update_weights_from_distributed", body, retry=False)
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> list[dict]:
+        return await self._fan_out("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
+    async def close(self):
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+        self._session = None
+
+    # --- HTTP ---
+    def _bind_loop(self):
+        loop = asyncio.get_running_loop()
+        if loop is self._loop:
+            return
+        if self._loop is not None and not self._loop.is_closed() and self._loop.is_running():
+            raise RuntimeError("this InferenceClient is already in use on another running event loop; call it from "
+                               "one loop only (e.g. through lib.async_rollout.BackgroundLoop.run) or make one "
+                               "client per loop")
+        self._loop = loop
+        self._session = None
+        self._semaphore = asyncio.Semaphore(self.max_concurrent_requests)
+        self._resumed = asyncio.Event()
+        if not self._paused:
+            self._resumed.set()
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            # limit=0: the semaphore bounds generation; control calls (pause!) must never queue
+            # behind generation requests for a pooled connection.
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        return self._session
+
+    async def _fan_out(self, method: str, path: str, body, *, retry: bool = True, expect_json: bool = True) -> list:
+        self._bind_loop()
+        bodies = body if isinstance(body, list) else [body] * len(self.addresses)
+        # Every server gets the call even if one fails, so none is left e.g. paused alone.
+        results = await asyncio.gather(*(self._request(method, a, path, b, retry=retry, expect_json=expect_json)
+                                         for a, b in zip(self.addresses, bodies)), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        for address, result in zip(self.addresses, results):
+            if isinstance(result, dict) and result.get("success") is False:
+                raise InferenceServerError(f"{method} {address}{path} failed: {result.get('message')}", address=address)
+        return results
+
+    async def _request(self, method: str, address: str, path: str, body=None, *, retry: bool = True,
+                       expect_json: bool = True):
+        """One HTTP call with retries: connection failures always retry (nothing reached the server),
+        timeouts, dropped connections and 5xx only when `retry` (the call is safe to repeat), 4xx never."""
+        url = address + path
+        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=self.connect_timeout_s)
+        attempt = 0
+        while True:
+            try:
+                async with self._http().request(method, url, json=body, timeout=timeout) as response:
+                    text = await response.text()
+                    if response.status < 400:
+                        if not expect_json:
+                            return text
+                        return json.loads(text) if text.strip() else {}
+                    message = f"HTTP {response.status}: {_error_message(text)}"
+                    if response.status < 500:
+                        raise InferenceServerError(f"{method} {url} was refused with {message}", address=address,
+                                                   status=response.status)
+                    error, may_retry = message, retry
+            except aiohttp.ClientConnectorError as e:
+                error, may_retry = f"cannot connect ({e})", True
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                error, may_retry = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__, retry
+            if not may_retry or attempt >= self.max_retries:
+                raise InferenceServerError(
+                    f"{method} {url} failed after {attempt + 1} attempt(s): {error}. Check that the inference "
+                    f"server is running and reachable (its log says why it stopped), or raise max_retries / "
+                    f"request_timeout_s ({self.request_timeout_s} s)", address=address)
+            await asyncio.sleep(self.retry_backoff_s * 2 ** attempt)
+            attempt += 1
+
+
+def _parse_generation(answer: dict, address: str) -> dict:
+    """The fields of one /generate answer that a Generation is built from (see docs/client.md)."""
+    try:
+        meta = answer["meta_info"]
+        output_ids = [int(t) for t in answer["output_ids"]]
+        rows = meta.get("output_token_logprobs") or []
+        reason = meta["finish_reason"] or {}
+        finish_reason = reason["type"]
+    except (KeyError, TypeError, ValueError) as e:
+        raise InferenceServerError(f"/generate at {address} answered without {e}; expected SGLang's shape "
+                                   f"(output_ids, meta_info.finish_reason, meta_info.output_token_logprobs): "
+                                   f"{str(answer)[:500]}", address=address) from None
+    agree = len(rows) == len(output_ids) and all(row[1] == t for row, t in zip(rows, output_ids))
+    if not agree:
+        if finish_reason != "abort":
+            raise InferenceServerError(
+                f"/generate at {address} returned {len(output_ids)} output_ids but {len(rows)} log-prob rows whose "
+                f"token ids {'differ' if len(rows) == len(output_ids) else 'do not line up'}; every sampled token "
+                f"needs its log-prob", address=address)
+        # An aborted piece is re-sent from what it kept: keep only the tokens that have their log-prob.
+        keep = 0
+        while keep < min(len(rows), len(output_ids)) and rows[keep][1] == output_ids[keep]:
+            keep += 1
+        output_ids, rows = output_ids[:keep], rows[:keep]
+    return {"output_ids": output_ids, "logprobs": [float(row[0]) for row in rows],
+            "token_texts": [row[2] if len(row) > 2 and row[2] is not None else "" for row in rows],
+            "finish_reason": finish_reason, "matched": reason.get("matched"), "text": answer.get("text", ""),
+            "cached_tokens": int(meta.get("cached_tokens") or 0),
+            "weight_version": str(meta.get("weight_version", ""))}
+
+
+def _stop_across_pieces(first_text: str, token_texts: list[str], stop: list[str]):
+    """Where the output first completes a stop string, when a pause cut it into pieces: (-1, s) if
+    the first piece's text holds s (its last token completed it as the abort landed), else (i, s)
+    for the i-th token after the first cut. None if no stop string occurs. Each server saw only its
+    own piece, so a stop string that began before a cut went unnoticed there."""
+    for s in stop:
+        if s in first_text:
+            return -1, s
+    text = first_text
+    for index, token_text in enumerate(token_texts):
+        text += token_text
+        for s in stop:
+            if s in text[-(len(s) + len(token_text)):]:
+                return index, s
+    return None
+
+
+def _error_message(text: str) -> str:
+    """The message in SGLang's error bodies ({"error": {"message"}}, {"message"}, or plain text)."""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return text.strip()[:2000]
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+        if isinstance(error, str):
+            return error
+        if body.get("message"):
+            return str(body["message"])
+    return text.strip()[:2000]

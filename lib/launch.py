@@ -1,0 +1,274 @@
+"""Start an inference server (SGLang, or lib.cpu_server), wait until it really generates, and make
+sure it dies with the trainer.
+
+Each server runs in its own process group (its own session), so `terminate()` reaches every process
+it spawned (SGLang's scheduler and detokenizer processes too), and Ctrl-C in the terminal reaches
+only the trainer, which then tears the servers down itself. Three ways a server is stopped:
+`ServerProcess.terminate()`, an atexit hook and SIGTERM/SIGINT handlers (trainer exits or is
+interrupted), and PR_SET_PDEATHSIG on Linux (trainer is SIGKILLed or crashes hard).
+"""
+import atexit
+import ctypes
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import requests
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclasses.dataclass(eq=False)  # identity equality: kept in a set of live servers
+class ServerProcess:
+    address: str  # "http://HOST:PORT"
+    process: subprocess.Popen
+    log_path: str
+
+    def terminate(self, timeout_s: float = 10.0):
+        """SIGTERM to the server's whole process group, SIGKILL to what is left after `timeout_s`."""
+        _live_servers.discard(self)
+        pgid = self.process.pid  # start_new_session made the server the leader of its own group
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.process.poll()  # reap the leader, or it stays a zombie member of the group
+            if not _group_alive(pgid):
+                return
+            time.sleep(0.05)
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def log_tail(self, num_lines: int = 40) -> str:
+        return _log_tail(self.log_path, num_lines)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (another process may still take it before the server binds)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_for_server(address: str, timeout_s: float = 300.0, *, process: subprocess.Popen | None = None,
+                    log_path: str | None = None, input_ids: tuple = (0,)) -> None:
+    """Block until `address` answers a real 2-token `/generate`; raise TimeoutError after `timeout_s`.
+
+    A `/health` that answers is not enough: SGLang opens its port before the first forward (kernel
+    compilation, CUDA graphs) and a half-started server fails later, in the middle of a rollout.
+    With `process` given, fail as soon as it exits, with the tail of `log_path` in the error.
+    """
+    address = address.rstrip("/")
+    body = {"input_ids": list(input_ids), "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}}
+    deadline = time.monotonic() + timeout_s
+    last_error = "no answer yet"
+    with requests.Session() as http:
+        http.trust_env = False  # an HTTP(S)_PROXY from the environment must not capture 127.0.0.1
+        while True:
+            if process is not None and process.poll() is not None:
+                raise RuntimeError(f"inference server for {address} exited with code {process.returncode} before "
+                                   f"it answered a generation; last log lines ({log_path}):\n{_log_tail(log_path)}")
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:
+                tail = f"; last log lines ({log_path}):\n{_log_tail(log_path)}" if log_path else ""
+                raise TimeoutError(f"inference server at {address} did not answer a 2-token /generate within "
+                                   f"{timeout_s:.0f} s (last error: {last_error}); check that it is running and "
+                                   f"reachable, or raise the timeout{tail}")
+            try:
+                # Short attempts, so a server process that dies mid-request is noticed promptly.
+                r = http.post(address + "/generate", json=body, timeout=(5, max(1.0, min(remaining_s, 30.0))))
+                if r.status_code == 200 and "output_ids" in _json_or_empty(r):
+                    return
+                if 400 <= r.status_code < 500:
+                    raise RuntimeError(f"inference server at {address} refused the start-up probe /generate "
+                                       f"{body} with HTTP {r.status_code}: {r.text[:500]}")
+                last_error = f"HTTP {r.status_code}: {r.text[:200]}"
+            except (requests.ConnectionError, requests.Timeout) as e:
+                last_error = f"{type(e).__name__}: {e}"
+            time.sleep(0.5)
+
+
+def launch_sglang(model_path: str, *, tokenizer_path: str | None = None, host: str = "127.0.0.1",
+                  port: int | None = None, base_gpu_id: int = 0, tp_size: int = 1, dp_size: int = 1,
+                  mem_fraction_static: float | None = None, context_length: int | None = None,
+                  dtype: str = "auto", random_seed: int | None = None, extra_args=(), log_path: str | None = None,
+                  timeout_s: float = 900.0, env: dict | None = None) -> ServerProcess:
+    """Run `python -m sglang.launch_server` and return once it answers a generation.
+
+    `extra_args` go to SGLang unchanged (e.g. `["--attention-backend", "triton"]`).
+    """
+    port = port or free_port(host)
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
+           "--port", str(port), "--base-gpu-id", str(base_gpu_id), "--tp-size", str(tp_size),
+           "--dp-size", str(dp_size), "--dtype", dtype]
+    if tokenizer_path:
+        cmd += ["--tokenizer-path", tokenizer_path]
+    if mem_fraction_static is not None:
+        cmd += ["--mem-fraction-static", str(mem_fraction_static)]
+    if context_length is not None:
+        cmd += ["--context-length", str(context_length)]
+    if random_seed is not None:
+        cmd += ["--random-seed", str(random_seed)]
+    cmd += [str(a) for a in extra_args]
+    # Without it the first NCCL weight broadcast fails with "Cuda failure 'invalid argument'"
+    # (seen with SGLang 0.5.15, shared/gpu-sglang/README.md).
+    env = {"NCCL_CUMEM_ENABLE": "0", **(env or {})}
+    return launch_server_process(cmd, host=host, port=port, log_path=log_path, timeout_s=timeout_s, env=env,
+                                 name="sglang", hint="run the command above by hand to see why; is sglang "
+                                                     "installed (requirements-gpu.txt) and is the GPU free?")
+
+
+def launch_cpu_server(model_path: str, *, host: str = "127.0.0.1", port: int | None = None, device: str = "cpu",
+                      dtype: str = "float32", max_running_requests: int = 32, context_length: int | None = None,
+                      num_threads: int | None = None, random_seed: int | None = None, log_path: str | None = None,
+                      timeout_s: float = 300.0, extra_args=()) -> ServerProcess:
+    """Run `python -m lib.cpu_server` (SGLang's HTTP API on transformers) and return once it answers."""
+    port = port or free_port(host)
+    cmd = [sys.executable, "-m", "lib.cpu_server", "--model-path", model_path, "--host", host, "--port", str(port),
+           "--device", device, "--dtype", dtype, "--max-running-requests", str(max_running_requests)]
+    if context_length is not None:
+        cmd += ["--context-length", str(context_length)]
+    if num_threads is not None:
+        cmd += ["--num-threads", str(num_threads)]
+    if random_seed is not None:
+        cmd += ["--random-seed", str(random_seed)]
+    cmd += [str(a) for a in extra_args]
+    # `lib` must import in the child whatever the trainer's working directory is.
+    pythonpath = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
+    return launch_server_process(cmd, host=host, port=port, log_path=log_path, timeout_s=timeout_s,
+                                 env={"PYTHONPATH": pythonpath}, name="cpu_server",
+                                 hint="run the command above by hand to see why")
+
+
+def launch_server_process(cmd: list, *, host: str, port: int, log_path: str | None = None, timeout_s: float = 300.0,
+                          env: dict | None = None, name: str = "server", hint: str = "") -> ServerProcess:
+    """Run `cmd` (a server speaking SGLang's /generate on host:port) in its own process group, logging to
+    `log_path` (a temporary file if None), and return once it answers a generation."""
+    if log_path is None:
+        fd, log_path = tempfile.mkstemp(prefix=f"{name}-{port}-", suffix=".log")
+        os.close(fd)
+    else:
+        os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        # PDEATHSIG fires when the forking *thread* ends, so only a main-thread launch gets it: a
+        # server started from a worker thread would otherwise die with that thread.
+        die_with_parent = sys.platform == "linux" and threading.current_thread() is threading.main_thread()
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   env={**os.environ, **(env or {})}, start_new_session=True,
+                                   preexec_fn=_die_with_parent if die_with_parent else None)
+    server = ServerProcess(address=f"http://{host}:{port}", process=process, log_path=log_path)
+    _register(server)
+    try:
+        wait_for_server(server.address, timeout_s, process=process, log_path=log_path)
+    except BaseException as e:
+        server.terminate()
+        if isinstance(e, (RuntimeError, TimeoutError)):
+            raise type(e)(f"{e}\ncommand: {' '.join(cmd)}" + (f"\nhint: {hint}" if hint else "")) from None
+        raise
+    return server
+
+
+# Looked up in the parent: between fork and exec (where _die_with_parent runs) a dlopen could
+# deadlock on a lock another thread of the trainer held at fork time.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+
+
+def _die_with_parent():
+    # Runs in the child between fork and exec: ask the kernel to SIGKILL it when the thread that
+    # forked it dies, which covers a trainer killed by SIGKILL or the OOM killer.
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any process of group `pgid` still runs (zombies, which the kernel keeps until their
+    parent reaps them, do not count)."""
+    if not os.path.isdir("/proc"):
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses, so split after it
+        fields = stat[stat.rfind(")") + 2:].split()
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            return True
+    return False
+
+
+def _log_tail(log_path: str | None, num_lines: int = 40) -> str:
+    if not log_path:
+        return "(no log)"
+    try:
+        with open(log_path, errors="replace") as f:
+            return "".join(f.readlines()[-num_lines:])
+    except OSError as e:
+        return f"(log unreadable: {e})"
+
+
+def _json_or_empty(r: requests.Response) -> dict:
+    try:
+        body = r.json()
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+# --- teardown of every server this process started ---
+_live_servers: set = set()
+_handlers_installed = False
+_previous_handlers: dict = {}
+
+
+def terminate_all(timeout_s: float = 10.0):
+    """Terminate every server launched by this process that is still registered."""
+    for server in list(_live_servers):
+        server.terminate(timeout_s)
+
+
+def _register(server: ServerProcess):
+    global _handlers_installed
+    _live_servers.add(server)
+    if _handlers_installed:
+        return
+    _handlers_installed = True
+    atexit.register(terminate_all)
+    # Signal handlers can only be set from the main thread; elsewhere atexit and PDEATHSIG remain.
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            _previous_handlers[sig] = signal.signal(sig, _on_signal)
+
+
+def _on_signal(signum, frame):
+    terminate_all(timeout_s=5.0)
+    previous = _previous_handlers.get(signum)
+    if callable(previous):
+        return previous(signum, frame)  # e.g. SIGINT's default: raise KeyboardInterrupt
+    if previous == signal.SIG_IGN:
+        return
+    # SIGTERM's default would end the process without running `finally` blocks or atexit hooks.
+    raise SystemExit(128 + signum)

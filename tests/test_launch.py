@@ -1,0 +1,161 @@
+"""lib.launch starts a server in its own process group, waits for a real generation, reports a failed
+start with the server's log, and makes sure the server's whole process group dies with the trainer.
+
+A few lines of stdlib HTTP stand in for SGLang here (its /generate answer shape, and a child process
+of its own, as SGLang's scheduler is); the real CPU server is launched in tests/test_client.py.
+"""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import requests
+
+from lib.launch import ServerProcess, free_port, launch_server_process, wait_for_server
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Spawns a grandchild (`sleep`) in the server's process group, logs both pids, serves /generate.
+FAKE_SERVER = textwrap.dedent("""
+    import http.server, json, subprocess, sys, os
+    helper = subprocess.Popen(["sleep", "300"])
+    print(f"server pid {os.getpid()} helper pid {helper.pid}", flush=True)
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = json.dumps({"text": "", "output_ids": [1, 2], "meta_info": {
+                "finish_reason": {"type": "length", "length": 2}}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        def log_message(self, *args):
+            pass
+    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+""")
+
+
+def _pids_from_log(log_path: str) -> tuple[int, int]:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for line in open(log_path):
+            if line.startswith("server pid"):
+                words = line.split()
+                return int(words[2]), int(words[5])
+        time.sleep(0.05)
+    raise AssertionError(f"fake server logged no pids; log:\n{open(log_path).read()}")
+
+
+def _gone(pid: int, within_s: float = 10.0) -> bool:
+    """True once `pid` no longer runs (a zombie left for its parent to reap counts as gone)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _launch_fake(tmp_path) -> ServerProcess:
+    port = free_port()
+    return launch_server_process([sys.executable, "-c", FAKE_SERVER, str(port)], host="127.0.0.1", port=port,
+                                 log_path=str(tmp_path / "fake.log"), timeout_s=30)
+
+
+def test_launch_returns_once_the_server_answers_a_generation(tmp_path):
+    server = _launch_fake(tmp_path)
+    try:
+        r = requests.post(server.address + "/generate", json={"input_ids": [1]}, timeout=5)
+        assert r.json()["output_ids"] == [1, 2]
+    finally:
+        server.terminate()
+
+
+def test_a_server_that_exits_at_start_up_raises_with_its_exit_code_and_log_tail(tmp_path):
+    script = "print('loading weights from /nonexistent/model'); print('OSError: no such model'); raise SystemExit(3)"
+    port = free_port()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        launch_server_process([sys.executable, "-c", script], host="127.0.0.1", port=port,
+                              log_path=str(tmp_path / "bad.log"), timeout_s=60, hint="check --model-path")
+    message = str(info.value)
+    assert "exited with code 3" in message
+    assert "OSError: no such model" in message
+    assert "check --model-path" in message
+    assert time.monotonic() - t0 < 10, "a dead server must be noticed at once, not at the timeout"
+
+
+def test_wait_for_server_times_out_naming_the_address():
+    address = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(TimeoutError, match=f"{address} did not answer"):
+        wait_for_server(address, timeout_s=1.0)
+
+
+def test_terminate_kills_the_servers_whole_process_group(tmp_path):
+    server = _launch_fake(tmp_path)
+    server_pid, helper_pid = _pids_from_log(server.log_path)
+    assert not _gone(server_pid, within_s=0) and not _gone(helper_pid, within_s=0)
+    server.terminate(timeout_s=5)
+    assert _gone(server_pid) and _gone(helper_pid)
+
+
+TRAINER = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {repo!r})
+    from lib.launch import free_port, launch_server_process
+    port = free_port()
+    server = launch_server_process([sys.executable, "-c", {fake!r}, str(port)], host="127.0.0.1", port=port,
+                                   log_path={log!r}, timeout_s=30)
+    print("ready", flush=True)
+    time.sleep(300)
+""")
+
+
+def _start_trainer(tmp_path) -> tuple[subprocess.Popen, str]:
+    log = str(tmp_path / "fake.log")
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER.format(repo=REPO, fake=FAKE_SERVER, log=log)],
+                               stdout=subprocess.PIPE, text=True)
+    assert trainer.stdout.readline().strip() == "ready"
+    return trainer, log
+
+
+def _kill_group(trainer: subprocess.Popen, pgid: int):
+    trainer.kill()
+    trainer.wait()
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def test_sigterm_to_the_trainer_terminates_its_servers(tmp_path):
+    trainer, log = _start_trainer(tmp_path)
+    server_pid, helper_pid = _pids_from_log(log)
+    try:
+        trainer.send_signal(signal.SIGTERM)
+        assert trainer.wait(timeout=20) == 128 + signal.SIGTERM
+        assert _gone(server_pid) and _gone(helper_pid)
+    finally:
+        _kill_group(trainer, server_pid)
+
+
+def test_a_sigkilled_trainer_takes_its_server_with_it(tmp_path):
+    trainer, log = _start_trainer(tmp_path)
+    server_pid, _ = _pids_from_log(log)
+    try:
+        trainer.kill()
+        trainer.wait(timeout=10)
+        # PR_SET_PDEATHSIG reaches the server itself; SGLang's own children follow their parent the
+        # same way (the fake's `sleep` does not, and is cleaned up below).
+        assert _gone(server_pid)
+    finally:
+        _kill_group(trainer, server_pid)
