@@ -379,9 +379,9 @@ class Actor:
         i.e. plain PPO) and ref_logprobs (default: computed when kl_coef > 0 and a reference model
         is loaded). Gradients accumulate over token-budget micro-batches, then clip, AdamW, LR step.
 
-        Returns floats: loss, grad_norm, lr (the one this step used), num_micro_batches, and the
-        token-weighted `ppo_loss` stats (clip_fraction, approx_kl, entropy, behaviour weights, ...;
-        local to this rank under FSDP). A non-finite grad norm skips the step (`skipped` = 1).
+        Returns floats: loss (global), grad_norm, lr (the one this step used), num_micro_batches,
+        and the token-weighted `ppo_loss` stats (clip_fraction, approx_kl, entropy, behaviour
+        weights, ...; those are local to this rank under FSDP). A non-finite grad norm skips the step (`skipped` = 1).
         """
         batch = dict(batch)
         batch.setdefault("proximal_logprobs", batch["logprobs"])
@@ -422,6 +422,10 @@ class Actor:
             # count, so scale back up to get the sum.
             (loss * self.world_size).backward()
 
+        if self.world_size > 1:  # each rank's part is already over the global count: the sum is the loss
+            loss_total = torch.tensor(loss_sum, device=self.device)
+            dist.all_reduce(loss_total)
+            loss_sum = loss_total.item()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()

@@ -220,6 +220,7 @@ def test_actor_lr_warms_up_then_follows_the_cosine(model_dir):
     lrs = []
     for _ in range(6):
         lrs.append(actor.optimizer.param_groups[0]["lr"])
+        actor.optimizer.step()  # no gradients: changes nothing, keeps the scheduler's order check quiet
         actor.scheduler.step()
     # warm-up 1/2, 2/2; then 0.5 (1 + cos(pi * k / 4)) for k = 0..3
     assert lrs == pytest.approx([0.5, 1.0, 1.0, 0.5 * (1 + math.cos(math.pi / 4)), 0.5, 0.5 * (1 + math.cos(3 * math.pi / 4))])
@@ -251,3 +252,60 @@ def test_save_hf_writes_a_model_that_transformers_loads_with_the_same_weights(mo
     assert set(exported) == {n for n, _ in loaded.named_parameters()}
     for name, p in loaded.named_parameters():
         assert torch.equal(p, exported[name]), name
+
+
+# --- FSDP2 (2 CPU processes over gloo) ---
+
+def _fsdp_rank(rank: int, port: int, model_dir: str, out_dir: str):
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # two ranks on a 2-core machine
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        # Unequal budgets: rank 0 runs 3 micro-batches, rank 1 one, so rank 1 must pad with empty ones.
+        actor = Actor(model_dir, lr=1e-3, device="cpu", max_tokens_per_mb=8 if rank == 0 else 100)
+        batch = make_batch([6, 3, 5, 4], advantages=[1.0, -0.5, 0.25, -1.0])
+        logprobs = actor.compute_logprobs(batch)
+        stats = actor.update(batch)
+        params = dict(actor.named_full_parameters())
+        actor.save_hf(os.path.join(out_dir, "export"))
+        actor.save_checkpoint(os.path.join(out_dir, "ckpt"), extra={"step": 1})
+        extra = actor.load_checkpoint(os.path.join(out_dir, "ckpt"))
+        restored = dict(actor.named_full_parameters())
+        if rank == 0:
+            torch.save({"logprobs": logprobs, "stats": stats, "params": params, "extra": extra, "restored": restored},
+                       os.path.join(out_dir, "rank0.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp2_update_on_two_processes_equals_the_single_process_update(model_dir, tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # fork: the children start with torch and transformers already imported (spawn re-imports
+    # them, ~15 s on 2 cores).
+    mp.start_processes(_fsdp_rank, args=(port, model_dir, str(tmp_path)), nprocs=2, start_method="fork")
+    fsdp = torch.load(tmp_path / "rank0.pt", weights_only=False)
+
+    actor = Actor(model_dir, lr=1e-3)
+    batch = make_batch([6, 3, 5, 4], advantages=[1.0, -0.5, 0.25, -1.0])
+    assert torch.allclose(fsdp["logprobs"], actor.compute_logprobs(batch), atol=1e-6)
+    stats = actor.update(batch)
+    # Both ranks passed the same batch: the global token mean is the single-process one.
+    assert fsdp["stats"]["loss"] == pytest.approx(stats["loss"], abs=1e-6)
+    assert fsdp["stats"]["grad_norm"] == pytest.approx(stats["grad_norm"], rel=1e-5)
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"), dtype=torch.float32)
+    for name, p in actor.model.named_parameters():
+        assert torch.allclose(fsdp["params"][name], p, atol=1e-6), name
+        assert torch.equal(dict(exported.named_parameters())[name], fsdp["params"][name]), name
+        assert torch.equal(fsdp["restored"][name], fsdp["params"][name]), name
+    assert fsdp["extra"] == {"step": 1}
