@@ -468,6 +468,7 @@ def main(argv=None):
         index = load_dense(args.corpus, args.dense_model, args.dense_index, args.device)
     else:
         index = load_bm25(args.corpus, args.index_dir)
+    search(index, ["warm up"], 1)  # imports and first-call costs land here, not on the first request
     logger.info("loaded %d passages (%s) in %.1f s; serving on http://%s:%d", len(index.corpus.ids), args.retriever,
                 time.perf_counter() - start_s, args.host, args.port)
     app = build_app(index, args.topk_max, args.max_batch, args.max_query_chars, args.request_timeout_s,
