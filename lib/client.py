@@ -77,15 +77,17 @@ class InferenceClient:
     # --- generation ---
     async def generate(self, input_ids: list[int], *, max_new_tokens: int, temperature: float = 1.0,
                        top_p: float = 1.0, top_k: int = -1, stop: list[str] | None = None,
-                       stop_token_ids: list[int] | None = None, trajectory_id=None) -> Generation:
+                       stop_token_ids: list[int] | None = None, trajectory_id=None,
+                       extra_sampling_params: dict | None = None) -> Generation:
         """Generate up to `max_new_tokens` after `input_ids`. Give the same `trajectory_id` for every turn
-        of one episode (and call `end_trajectory` at its end) to keep it on one server."""
+        of one episode (and call `end_trajectory` at its end) to keep it on one server.
+        `extra_sampling_params` go into SGLang's sampling_params as they are (e.g. min_p, ignore_eos)."""
         self._bind_loop()
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         if isinstance(stop, str):
             stop = [stop]
-        sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+        sampling = {**(extra_sampling_params or {}), "temperature": temperature, "top_p": top_p, "top_k": top_k}
         if stop:
             sampling["stop"] = list(stop)
         if stop_token_ids:

@@ -100,7 +100,7 @@ def wait_for_server(address: str, timeout_s: float = 300.0, *, process: subproce
                 last_error = f"HTTP {r.status_code}: {r.text[:200]}"
             except (requests.ConnectionError, requests.Timeout) as e:
                 last_error = f"{type(e).__name__}: {e}"
-            time.sleep(0.5)
+            time.sleep(0.25)
 
 
 def launch_sglang(model_path: str, *, tokenizer_path: str | None = None, host: str = "127.0.0.1",

@@ -1,0 +1,308 @@
+"""lib.client.InferenceClient against lib.cpu_server (SGLang's HTTP API) and, where a behaviour needs
+a server to misbehave on cue (5xx, pauses that cut a stop string), against small in-test fakes.
+
+One real CPU server (a tiny random Qwen2) serves the whole module.
+"""
+import asyncio
+import contextlib
+import time
+
+import pytest
+from aiohttp import web
+from transformers import AutoTokenizer
+
+from lib.client import InferenceClient, InferenceServerError
+from lib.launch import free_port, launch_cpu_server
+from lib.tiny_model import build_tiny_model
+
+TEXTS = [f"Ilvan Moresk was born in Tarqua in {1800 + i}. Pem Varo founded the Ostrel Guild. "
+         f"<answer> {i} </answer>" for i in range(300)]
+ARCH = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+            num_attention_heads=4, num_key_value_heads=2)
+CONTEXT_LENGTH = 256
+# Sampled with a per-request seed (a lib.cpu_server extra; SGLang has it too): repeatable and varied,
+# where a random model's greedy output tends to repeat one token.
+SEEDED = {"sampling_seed": 7, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(str(tmp_path_factory.mktemp("client") / "model"), TEXTS, seed=0, **ARCH)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    server = launch_cpu_server(model_dir, context_length=CONTEXT_LENGTH, num_threads=1,
+                               log_path=str(tmp_path_factory.mktemp("client_log") / "cpu_server.log"), timeout_s=120)
+    yield server
+    server.terminate()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def prompt(tokenizer):
+    return tokenizer("Ilvan Moresk was born in")["input_ids"]
+
+
+def with_client(addresses, body, **client_kw):
+    """`await body(client)` on a fresh event loop (no pytest-asyncio here), closing the client after."""
+    async def main():
+        client = InferenceClient(addresses, **client_kw)
+        try:
+            return await body(client)
+        finally:
+            await client.close()
+    return asyncio.run(main())
+
+
+# --- generation against the CPU server ---
+
+def test_length_finish_gives_one_logprob_per_output_token(server, prompt):
+    async def body(client):
+        return await client.generate(prompt, max_new_tokens=9, extra_sampling_params=SEEDED)
+    gen = with_client([server.address], body)
+    assert gen.finish_reason == "length" and gen.matched is None
+    assert len(gen.output_ids) == len(gen.logprobs) == len(gen.versions) == 9
+    assert all(lp <= 0 for lp in gen.logprobs)
+    assert gen.prompt_tokens == len(prompt) and gen.weight_version == "default" and gen.num_resumes == 0
+
+
+def test_stop_string_ends_generation_reports_the_match_and_keeps_its_tokens(server, prompt, tokenizer):
+    async def body(client):
+        free = await client.generate(prompt, max_new_tokens=16, extra_sampling_params=SEEDED)
+        # the decoded text of token k, which completes only at token k if it does not occur before it
+        for k in range(2, 16):
+            before, stop = tokenizer.decode(free.output_ids[:k]), tokenizer.decode(free.output_ids[k:k + 1])
+            if stop.strip() and stop not in before:
+                break
+        else:
+            pytest.fail(f"no usable stop string in {free.text!r}")
+        return k, stop, free, await client.generate(prompt, max_new_tokens=16, stop=[stop, "zzzz"],
+                                                    extra_sampling_params=SEEDED)
+    k, stop, free, gen = with_client([server.address], body)
+    assert gen.finish_reason == "stop" and gen.matched == stop
+    assert gen.output_ids == free.output_ids[:k + 1]
+    assert len(gen.logprobs) == k + 1
+    assert gen.text == tokenizer.decode(free.output_ids[:k]) and stop not in gen.text
+
+
+def test_stop_token_id_ends_generation_and_is_reported_as_an_int(server, prompt):
+    async def body(client):
+        free = await client.generate(prompt, max_new_tokens=16, extra_sampling_params={"sampling_seed": 7})
+        k = next(i for i in range(3, 16) if free.output_ids[i] not in free.output_ids[:i])
+        stop_id = free.output_ids[k]
+        gen = await client.generate(prompt, max_new_tokens=16, stop_token_ids=[stop_id],
+                                    extra_sampling_params={"sampling_seed": 7})
+        return k, stop_id, free, gen
+    k, stop_id, free, gen = with_client([server.address], body)
+    assert gen.finish_reason == "stop" and gen.matched == stop_id and isinstance(gen.matched, int)
+    assert gen.output_ids == free.output_ids[:k + 1] and len(gen.logprobs) == k + 1
+
+
+def test_a_4xx_raises_at_once_with_the_servers_message(server, prompt):
+    async def body(client):
+        t0 = time.monotonic()
+        with pytest.raises(InferenceServerError) as info:
+            await client.generate(prompt, max_new_tokens=CONTEXT_LENGTH)
+        return info.value, time.monotonic() - t0
+    error, elapsed_s = with_client([server.address], body, retry_backoff_s=5.0)
+    assert error.status == 400 and "maximum context length" in str(error)
+    assert elapsed_s < 5.0, "a 4xx must not be retried"
+
+
+def test_a_failed_weight_update_raises_with_the_servers_message(server):
+    async def body(client):
+        with pytest.raises(InferenceServerError, match="Failed to update weights") as info:
+            await client.update_weights_from_disk("/nonexistent/checkpoint")
+        return info.value
+    assert with_client([server.address], body).address == server.address
+
+
+async def _until_running(client, min_tokens_s: float = 0.3):
+    """Wait until the server decodes a request, then a little longer so it has produced some tokens."""
+    deadline = time.monotonic() + 30
+    while (await client.get_server_info())[0]["num_running_requests"] == 0:
+        assert time.monotonic() < deadline, "the request never started running"
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(min_tokens_s)
+
+
+def test_pause_cuts_an_inflight_generation_and_continue_resumes_it_under_the_new_version(server, prompt):
+    max_new_tokens = CONTEXT_LENGTH - len(prompt)
+    greedy = {"ignore_eos": True}
+
+    async def body(client):
+        client.set_version(3)
+        inflight = asyncio.create_task(client.generate(prompt, max_new_tokens=max_new_tokens, temperature=0.0,
+                                                       extra_sampling_params=greedy))
+        await _until_running(client)
+        await client.pause_generation()
+        sent_while_paused = asyncio.create_task(client.generate(prompt, max_new_tokens=4, temperature=0.0))
+        await asyncio.sleep(0.3)
+        assert not inflight.done() and not sent_while_paused.done()
+        await client.continue_generation(version=4)
+        resumed, late = await inflight, await sent_while_paused
+        uninterrupted = await client.generate(prompt, max_new_tokens=max_new_tokens, temperature=0.0,
+                                              extra_sampling_params=greedy)
+        return resumed, late, uninterrupted
+    resumed, late, uninterrupted = with_client([server.address], body)
+    assert resumed.num_resumes == 1 and resumed.finish_reason == "length"
+    assert len(resumed.output_ids) == len(resumed.logprobs) == max_new_tokens
+    num_old = resumed.versions.count(3)
+    assert 0 < num_old < max_new_tokens, "the pause must land mid-generation"
+    assert resumed.versions == [3] * num_old + [4] * (max_new_tokens - num_old)
+    assert late.versions == [4] * len(late.output_ids)
+    # Same weights before and after the pause, so the pieces join into the uninterrupted greedy output.
+    assert resumed.output_ids == uninterrupted.output_ids
+    assert max(abs(a - b) for a, b in zip(resumed.logprobs, uninterrupted.logprobs)) < 1e-4
+
+
+def test_abort_request_while_not_paused_ends_generation_with_abort(server, prompt):
+    async def body(client):
+        task = asyncio.create_task(client.generate(prompt, max_new_tokens=CONTEXT_LENGTH - len(prompt),
+                                                   extra_sampling_params=SEEDED))
+        await _until_running(client, min_tokens_s=0.05)
+        await client.abort_request()
+        return await task
+    gen = with_client([server.address], body)
+    assert gen.finish_reason == "abort" and gen.num_resumes == 0
+    assert len(gen.output_ids) == len(gen.logprobs) < CONTEXT_LENGTH - len(prompt)
+
+
+# --- routing, retries and pause edge cases, against fakes ---
+
+def _answer(output_ids, finish_reason, weight_version="fake", token_texts=None, text=""):
+    texts = token_texts or [None] * len(output_ids)
+    return {"text": text, "output_ids": output_ids,
+            "meta_info": {"finish_reason": finish_reason, "prompt_tokens": 1, "cached_tokens": 0,
+                          "weight_version": weight_version,
+                          "output_token_logprobs": [[-1.0, t, s] for t, s in zip(output_ids, texts)]}}
+
+
+@contextlib.asynccontextmanager
+async def fake_server(generate, **routes):
+    """An aiohttp server on a free port whose /generate is `generate(body) -> dict` (async)."""
+    app = web.Application()
+
+    async def handle_generate(request):
+        answer = await generate(await request.json())
+        return answer if isinstance(answer, web.Response) else web.json_response(answer)
+    app.router.add_post("/generate", handle_generate)
+    for path, handler in routes.items():
+        app.router.add_post("/" + path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+def test_a_trajectory_stays_on_one_server_and_new_ones_go_to_the_least_loaded():
+    hold = None
+
+    def named(name):
+        async def generate(body):
+            if body["sampling_params"]["max_new_tokens"] == 99:
+                await hold.wait()  # keeps a request in flight on this server
+            return _answer([1], {"type": "length", "length": 1}, weight_version=name)
+        return generate
+
+    async def main():
+        nonlocal hold
+        hold = asyncio.Event()
+        async with fake_server(named("x")) as x, fake_server(named("y")) as y:
+            client = InferenceClient([x, y])
+            served = lambda gen: gen.weight_version  # noqa: E731 - each fake names itself there
+            a1 = await client.generate([1], max_new_tokens=1, trajectory_id="a")
+            b1 = await client.generate([1], max_new_tokens=1, trajectory_id="b")
+            a2 = await client.generate([1], max_new_tokens=1, trajectory_id="a")
+            b2 = await client.generate([1], max_new_tokens=1, trajectory_id="b")
+            assert (served(a1), served(b1)) == ("x", "y"), "two trajectories spread over two servers"
+            assert (served(a2), served(b2)) == ("x", "y"), "later turns stay where the trajectory started"
+            client.end_trajectory("a")
+            client.end_trajectory("b")
+            # Equal live trajectories: the server with fewer requests in flight wins the tie.
+            busy = asyncio.create_task(client.generate([1], max_new_tokens=99))
+            await asyncio.sleep(0.1)
+            c1 = await client.generate([1], max_new_tokens=1, trajectory_id="c")
+            hold.set()
+            assert served(await busy) == "x" and served(c1) == "y"
+            await client.close()
+    asyncio.run(main())
+
+
+def test_5xx_is_retried_with_backoff_until_the_server_answers():
+    calls = []
+
+    async def flaky(body):
+        calls.append(time.monotonic())
+        if len(calls) < 3:
+            return web.json_response({"error": {"message": "overloaded"}}, status=503)
+        return _answer([7, 8], {"type": "length", "length": 2})
+
+    async def main():
+        async with fake_server(flaky) as address:
+            client = InferenceClient([address], retry_backoff_s=0.05, max_retries=3)
+            gen = await client.generate([1], max_new_tokens=2)
+            await client.close()
+            return gen
+    gen = asyncio.run(main())
+    assert gen.output_ids == [7, 8] and len(calls) == 3
+    assert calls[2] - calls[1] >= 2 * (calls[1] - calls[0]) * 0.8, "backoff doubles"
+
+
+def test_connection_refused_is_retried_then_raises_naming_the_address():
+    address = f"http://127.0.0.1:{free_port()}"
+
+    async def body(client):
+        with pytest.raises(InferenceServerError) as info:
+            await client.generate([1], max_new_tokens=2)
+        return str(info.value)
+    message = with_client([address], body, max_retries=2, retry_backoff_s=0.01)
+    assert address in message and "after 3 attempt(s)" in message and "cannot connect" in message
+
+
+def test_a_stop_string_cut_in_two_by_a_pause_still_ends_the_generation():
+    """The server that resumes sees only its own piece ("wer> more"), so "</answer>" must be found by
+    the client across the cut; the output ends at the token that completed it."""
+    state = {"paused": asyncio.Event, "calls": 0}
+
+    async def generate(body):
+        state["calls"] += 1
+        if state["calls"] == 1:
+            await state["paused"].wait()  # in flight when the pause comes: answered as aborted
+            return _answer([10, 11], {"type": "abort", "message": "Aborted"}, text="is </ans")
+        assert body["input_ids"] == [1, 10, 11] and body["return_text_in_logprobs"]
+        assert body["sampling_params"]["max_new_tokens"] == 8
+        return _answer([12, 13, 14], {"type": "length", "length": 8}, token_texts=["wer", "> ", "more"],
+                       text="wer> more")
+
+    async def pause(request):
+        state["paused"].set()
+        return web.json_response({"status": "ok"})
+
+    async def resume(request):
+        return web.json_response({"status": "ok"})
+
+    async def main():
+        state["paused"] = asyncio.Event()
+        async with fake_server(generate, pause_generation=pause, continue_generation=resume) as address:
+            client = InferenceClient([address])
+            task = asyncio.create_task(client.generate([1], max_new_tokens=10, stop=["</answer>"]))
+            await asyncio.sleep(0.1)
+            await client.pause_generation()
+            await client.continue_generation(version=1)
+            gen = await task
+            await client.close()
+            return gen
+    gen = asyncio.run(main())
+    assert gen.finish_reason == "stop" and gen.matched == "</answer>"
+    assert gen.output_ids == [10, 11, 12, 13] and gen.versions == [0, 0, 1, 1]
+    assert gen.text == "is "
