@@ -1,0 +1,144 @@
+"""Trainer → inference server weight sync, the trainer's side.
+
+Two paths, both speaking SGLang's protocol (lib's CPU server implements the same endpoints):
+- disk: `sync_weights_from_disk` writes an HF safetensors directory and asks every server to
+  reload it (`/update_weights_from_disk`). Simple, works across machines with a shared disk.
+- broadcast: `DistributedWeightSync` puts the trainer (rank 0) and every server worker in one
+  process group (`/init_weights_update_group`, NCCL on GPUs, gloo on CPUs), then per bucket of
+  tensors posts `/update_weights_from_distributed` (names, dtypes, shapes) and broadcasts the
+  tensors from rank 0 in that same order. The servers receive one broadcast per name, in order,
+  so the HTTP call and the broadcasts must run concurrently: the broadcasts go to a thread.
+
+Neither pauses generation: the training loop pauses, syncs, continues (DESIGN.md §1).
+Under FSDP every trainer rank calls these (gathering full tensors is collective); only rank 0
+talks to the servers and broadcasts.
+"""
+import asyncio
+import os
+import time
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+from lib.process_group import destroy_custom_process_group, init_custom_process_group
+
+
+def _trainer_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+async def sync_weights_from_disk(actor, client, path: str, version) -> float:
+    """Save the actor's weights as an HF directory at `path` (rank 0 writes), then have every
+    server load it, tagged `weight_version=str(version)`. Returns the seconds taken.
+    `client` may be None on ranks > 0."""
+    start = time.perf_counter()
+    # In a thread: writing a large model takes seconds and the event loop may be serving rollouts.
+    await asyncio.to_thread(actor.save_hf, os.path.abspath(path))
+    if _trainer_rank() == 0:
+        await client.update_weights_from_disk(os.path.abspath(path), weight_version=str(version))
+    return time.perf_counter() - start
+
+
+async def _first_error_or_all(*aws):
+    """Await all; if one fails, raise at once instead of waiting for the others (a server that
+    refused to join leaves our side of a collective blocked until its timeout)."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    for task in done:
+        if task.exception() is not None:
+            for p in pending:
+                p.cancel()  # a thread already in a collective cannot be cancelled; its group is unusable now
+            raise task.exception()
+    return [t.result() for t in tasks]
+
+
+class DistributedWeightSync:
+    """The weight-update process group between this trainer and the servers behind `client`.
+
+    `world_size` = 1 (the trainer) + every server's TP size; `rank_offsets` = each server's first
+    rank (one server with TP 1: `[1]`; two with TP 2: `[1, 3]`). `backend`: "nccl" (CUDA tensors)
+    or "gloo" (CPU tensors; what lib's CPU server uses). `master_address`/`master_port`: where this
+    trainer hosts the group's TCP store; the servers must be able to reach it.
+    """
+
+    def __init__(self, client, *, master_address: str = "127.0.0.1", master_port: int, world_size: int,
+                 rank_offsets: list[int], backend: str = "nccl", group_name: str = "weight_update_group",
+                 timeout_s: float = 300.0):
+        self.client = client
+        self.master_address, self.master_port = master_address, int(master_port)
+        self.world_size, self.rank_offsets = int(world_size), list(rank_offsets)
+        self.backend, self.group_name, self.timeout_s = backend, group_name, timeout_s
+        self.group = None
+        self.is_sender = _trainer_rank() == 0
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+    async def init(self) -> None:
+        """Create the group: the servers' join (which blocks until the trainer joins) and ours run
+        concurrently. A no-op on trainer ranks > 0."""
+        if not self.is_sender:
+            return
+        # Under torchrun this makes every rank a client of torchrun's store, so rank 0 would not
+        # host the group's store and both sides would wait forever (see docs/sglang_contract.md §5).
+        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        servers_join = self.client.init_weights_update_group(
+            self.master_address, self.master_port, self.rank_offsets, self.world_size, self.group_name, self.backend)
+        trainer_joins = asyncio.to_thread(
+            init_custom_process_group, self.backend, f"tcp://{self.master_address}:{self.master_port}",
+            self.world_size, 0, self.group_name, timeout_s=self.timeout_s)
+        _, self.group = await _first_error_or_all(servers_join, trainer_joins)
+
+    async def update(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version, bucket_mb: float = 512,
+                     flattened: bool = False) -> float:
+        """Send every `(name, full tensor)` to the servers, `bucket_mb` of tensors per HTTP call;
+        the last call sets the servers' `weight_version` to str(version) and flushes their cache.
+        `flattened`: one uint8 broadcast per bucket (SGLang's `load_format="flattened_bucket"`)
+        instead of one per tensor: far fewer collectives for models with many small tensors.
+        Tensors are sent in their own dtype (the server casts into its parameters').
+
+        On trainer ranks > 0 this only drains `named_tensors` (its all-gathers are collective).
+        Returns the seconds taken."""
+        start = time.perf_counter()
+        if not self.is_sender:
+            for _ in named_tensors:
+                pass
+            return time.perf_counter() - start
+        if self.group is None:
+            raise RuntimeError("DistributedWeightSync.update before init(): await sync.init() once first")
+        limit_bytes = bucket_mb * 2**20
+        bucket, bucket_bytes = [], 0
+        for name, tensor in named_tensors:
+            nbytes = tensor.numel() * tensor.element_size()
+            if bucket and bucket_bytes + nbytes > limit_bytes:
+                await self._send(bucket, None, flattened)
+                bucket, bucket_bytes = [], 0
+            bucket.append((name, tensor.detach().to(self.device).contiguous()))
+            bucket_bytes += nbytes
+        if bucket:
+            await self._send(bucket, version, flattened)
+        return time.perf_counter() - start
+
+    async def _send(self, bucket: list, version, flattened: bool) -> None:
+        last = version is not None
+        names = [name for name, _ in bucket]
+        tensors = [t for _, t in bucket]
+        post = self.client.update_weights_from_distributed(
+            names, [str(t.dtype).removeprefix("torch.") for t in tensors], [list(t.shape) for t in tensors],
+            group_name=self.group_name, flush_cache=last, weight_version=str(version) if last else None,
+            load_format="flattened_bucket" if flattened else None)
+        await _first_error_or_all(post, asyncio.to_thread(self._broadcast, tensors, flattened))
+
+    def _broadcast(self, tensors: list[torch.Tensor], flattened: bool) -> None:
+        if flattened:  # SGLang's FlattenedTensorBucket layout: each tensor's bytes, in order
+            tensors = [torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])]
+        handles = [dist.broadcast(t, src=0, group=self.group, async_op=True) for t in tensors]
+        for handle in handles:
+            handle.wait()
+
+    async def close(self) -> None:
+        """Destroy the group on the servers and here."""
+        if not self.is_sender or self.group is None:
+            return
+        group, self.group = self.group, None
+        await _first_error_or_all(self.client.destroy_weights_update_group(self.group_name),
+                                  asyncio.to_thread(destroy_custom_process_group, group))

@@ -1,0 +1,110 @@
+"""Weight sync against lib's CPU server: after a sync the server generates with the trainer's
+weights, by the disk path and by the gloo broadcast path alike."""
+import asyncio
+
+import pytest
+import torch
+
+from lib.actor import Actor
+from lib.client import InferenceClient
+from lib.launch import free_port, launch_cpu_server
+from lib.tiny_model import build_tiny_model
+from lib.weight_sync import DistributedWeightSync, sync_weights_from_disk
+
+TEXTS = [f"Ilvan Moresk was born in {c}. <search> {c} </search> <answer> {i} </answer>"
+         for i, c in enumerate(["Tarsk", "Velmoor", "Quenby", "Ostrava", "Lindel"] * 40)]
+ARCH = dict(vocab_size=384, hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=4,
+            num_key_value_heads=2)
+PROMPT = [5, 17, 42, 99, 7]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(str(tmp_path_factory.mktemp("weight_sync") / "model"), TEXTS, seed=0, **ARCH)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    server = launch_cpu_server(model_dir, num_threads=1, random_seed=0, timeout_s=120)
+    yield server.address
+    server.terminate()
+
+
+@pytest.fixture(scope="module")
+def trained_actor(model_dir):
+    """An actor whose weights differ clearly from the server's initial ones."""
+    torch.manual_seed(0)
+    actor = Actor(model_dir, lr=0.05, grad_clip=1e3)
+    ids = torch.randint(0, 300, (4, 12))
+    mask = torch.ones_like(ids)
+    batch = {"input_ids": ids, "attention_mask": mask, "loss_mask": mask, "advantages": torch.tensor([1.0, -1, 1, -1])}
+    batch["logprobs"] = actor.compute_logprobs(batch)
+    actor.update(batch)
+    return actor
+
+
+async def greedy(client, n=8):
+    generation = await client.generate(PROMPT, max_new_tokens=n, temperature=0.0,
+                                       extra_sampling_params={"ignore_eos": True})
+    return generation
+
+
+def trainer_logprobs(actor, generation) -> list[float]:
+    ids = torch.tensor([PROMPT + generation.output_ids])
+    lp = actor.compute_logprobs({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    return lp[0, len(PROMPT):].tolist()
+
+
+async def reset(client, model_dir):
+    await client.update_weights_from_disk(model_dir, weight_version="default")
+
+
+def test_disk_sync_makes_the_server_compute_the_trainers_logprobs(server, model_dir, trained_actor, tmp_path):
+    async def main():
+        client = InferenceClient([server])
+        try:
+            before = await greedy(client)
+            seconds = await sync_weights_from_disk(trained_actor, client, str(tmp_path / "weights"), 3)
+            after = await greedy(client)
+            await reset(client, model_dir)
+            return before, after, seconds
+        finally:
+            await client.close()
+
+    before, after, seconds = asyncio.run(main())
+    assert seconds > 0
+    assert after.weight_version == "3"
+    assert after.logprobs != before.logprobs
+    assert after.logprobs == pytest.approx(trainer_logprobs(trained_actor, after), abs=1e-4)
+
+
+@pytest.mark.parametrize("flattened", [False, True])
+def test_gloo_broadcast_sync_gives_the_same_server_outputs_as_disk_sync(server, model_dir, trained_actor, tmp_path,
+                                                                        flattened):
+    async def main():
+        client = InferenceClient([server])
+        try:
+            await sync_weights_from_disk(trained_actor, client, str(tmp_path / "weights"), 1)
+            via_disk = await greedy(client)
+            await reset(client, model_dir)
+            sync = DistributedWeightSync(client, master_port=free_port("127.0.0.1"), world_size=2, rank_offsets=[1],
+                                         backend="gloo", group_name=f"test_sync_{flattened}", timeout_s=60)
+            await sync.init()
+            try:
+                # 16 KB buckets: the tiny model's tensors span several HTTP calls.
+                await sync.update(trained_actor.named_full_parameters(), version=2, bucket_mb=1 / 64,
+                                  flattened=flattened)
+                via_broadcast = await greedy(client)
+            finally:
+                await sync.close()
+                await reset(client, model_dir)
+            return via_disk, via_broadcast
+        finally:
+            await client.close()
+
+    via_disk, via_broadcast = asyncio.run(main())
+    assert via_broadcast.weight_version == "2"
+    assert via_broadcast.output_ids == via_disk.output_ids
+    assert via_broadcast.logprobs == via_disk.logprobs
