@@ -14,7 +14,6 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from lib.padding import pack_sequences, sequence_lengths, split_by_token_budget, unpack_sequences
@@ -311,7 +310,8 @@ class Actor:
         self.policy = self._wrap(self.model, logits_chunk_tokens)
         self.ref_policy = None
         if ref_model_path is not None:
-            ref = AutoModelForCausalLM.from_pretrained(ref_model_path, dtype=torch.float32)
+            # Frozen: no master weights needed, so it is held in the compute dtype.
+            ref = AutoModelForCausalLM.from_pretrained(ref_model_path, dtype=self.compute_dtype)
             ref.requires_grad_(False)
             self.ref_policy = self._wrap(ref, logits_chunk_tokens).eval()
 

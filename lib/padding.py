@@ -104,8 +104,9 @@ def pack_sequences(batch: dict) -> dict:
     cu_seqlens = torch.zeros(batch_size + 1, dtype=torch.int32, device=attention_mask.device)
     cu_seqlens[1:] = torch.cumsum(lengths, dim=0)
     total = int(cu_seqlens[-1])
-    row_of_token = torch.repeat_interleave(torch.arange(batch_size, device=attention_mask.device), lengths)
-    out["position_ids"] = (torch.arange(total, device=attention_mask.device) - cu_seqlens[:-1].long()[row_of_token]).unsqueeze(0)
+    device = attention_mask.device
+    row_of_token = torch.repeat_interleave(torch.arange(batch_size, device=device), lengths)
+    out["position_ids"] = (torch.arange(total, device=device) - cu_seqlens[:-1].long()[row_of_token]).unsqueeze(0)
     out["cu_seqlens"] = cu_seqlens
     out["max_seqlen"] = int(lengths.max()) if batch_size else 0
     return out

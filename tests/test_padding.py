@@ -67,7 +67,8 @@ def test_unpack_inverts_pack_for_every_per_token_key():
     batch = concat_padded_tensors([episode([5, 6, 7], 1, 1.0), episode([8, 9], 1, 0.0), episode([4], 0, 0.0)])
     packed = pack_sequences(batch)
     for key in ("input_ids", "loss_mask", "logprobs", "versions"):
-        restored = unpack_sequences(packed[key], packed["cu_seqlens"], batch[key].shape, pad_value=-1 if key == "versions" else 0)
+        pad = -1 if key == "versions" else 0
+        restored = unpack_sequences(packed[key], packed["cu_seqlens"], batch[key].shape, pad_value=pad)
         assert torch.equal(restored, batch[key]), key
 
 
