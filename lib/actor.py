@@ -277,7 +277,8 @@ class Actor:
                  max_tokens_per_mb: int = 16384, dtype: str = "float32", device: str | None = None,
                  gradient_checkpointing: bool = False, ref_model_path: str | None = None, kl_coef: float = 0.0,
                  eps_clip_low: float = 0.2, eps_clip_high: float = 0.28, loss_agg: str = "token-mean",
-                 behaviour_weight_cap: float | None = None, logits_chunk_tokens: int = 2048):
+                 behaviour_weight_cap: float | None = None, logits_chunk_tokens: int = 2048,
+                 attn_implementation: str | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if lr_schedule not in ("constant", "cosine"):
@@ -299,7 +300,10 @@ class Actor:
                 device = "cpu"
         self.device = torch.device(device)
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        # attn_implementation: None = transformers' default (sdpa), which turns packed rows into an
+        # [N, N] block-diagonal mask; on GPUs "flash_attention_2" runs them as varlen sequences.
+        load_kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **load_kwargs)
         self.model.config.use_cache = False
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -311,7 +315,7 @@ class Actor:
         self.ref_policy = None
         if ref_model_path is not None:
             # Frozen: no master weights needed, so it is held in the compute dtype.
-            ref = AutoModelForCausalLM.from_pretrained(ref_model_path, dtype=self.compute_dtype)
+            ref = AutoModelForCausalLM.from_pretrained(ref_model_path, dtype=self.compute_dtype, **load_kwargs)
             ref.requires_grad_(False)
             self.ref_policy = self._wrap(ref, logits_chunk_tokens).eval()
 

@@ -28,13 +28,23 @@ def _trainer_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+async def _to_thread_on(device: torch.device, fn, *args, **kwargs):
+    """asyncio.to_thread with the CUDA current device of `device` (a new thread starts on GPU 0,
+    where a rank on another GPU would allocate and build NCCL communicators)."""
+    def run():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        return fn(*args, **kwargs)
+    return await asyncio.to_thread(run)
+
+
 async def sync_weights_from_disk(actor, client, path: str, version) -> float:
     """Save the actor's weights as an HF directory at `path` (rank 0 writes), then have every
     server load it, tagged `weight_version=str(version)`. Returns the seconds taken.
     `client` may be None on ranks > 0."""
     start = time.perf_counter()
     # In a thread: writing a large model takes seconds and the event loop may be serving rollouts.
-    await asyncio.to_thread(actor.save_hf, os.path.abspath(path))
+    await _to_thread_on(actor.device, actor.save_hf, os.path.abspath(path))
     if _trainer_rank() == 0:
         await client.update_weights_from_disk(os.path.abspath(path), weight_version=str(version))
     return time.perf_counter() - start
@@ -83,8 +93,8 @@ class DistributedWeightSync:
         os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
         servers_join = self.client.init_weights_update_group(
             self.master_address, self.master_port, self.rank_offsets, self.world_size, self.group_name, self.backend)
-        trainer_joins = asyncio.to_thread(
-            init_custom_process_group, self.backend, f"tcp://{self.master_address}:{self.master_port}",
+        trainer_joins = _to_thread_on(
+            self.device, init_custom_process_group, self.backend, f"tcp://{self.master_address}:{self.master_port}",
             self.world_size, 0, self.group_name, timeout_s=self.timeout_s)
         _, self.group = await _first_error_or_all(servers_join, trainer_joins)
 
@@ -126,7 +136,7 @@ class DistributedWeightSync:
             names, [str(t.dtype).removeprefix("torch.") for t in tensors], [list(t.shape) for t in tensors],
             group_name=self.group_name, flush_cache=last, weight_version=str(version) if last else None,
             load_format="flattened_bucket" if flattened else None)
-        await _first_error_or_all(post, asyncio.to_thread(self._broadcast, tensors, flattened))
+        await _first_error_or_all(post, _to_thread_on(self.device, self._broadcast, tensors, flattened))
 
     def _broadcast(self, tensors: list[torch.Tensor], flattened: bool) -> None:
         if flattened:  # SGLang's FlattenedTensorBucket layout: each tensor's bytes, in order
@@ -141,4 +151,4 @@ class DistributedWeightSync:
             return
         group, self.group = self.group, None
         await _first_error_or_all(self.client.destroy_weights_update_group(self.group_name),
-                                  asyncio.to_thread(destroy_custom_process_group, group))
+                                  _to_thread_on(self.device, destroy_custom_process_group, group))
