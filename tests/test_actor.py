@@ -1,4 +1,5 @@
 import math
+import time
 
 import pytest
 import torch
@@ -326,8 +327,14 @@ def test_fsdp2_update_on_two_processes_equals_the_single_process_update(model_di
         port = s.getsockname()[1]
     # fork on CPU: the children start with torch and transformers already imported (spawn
     # re-imports them, ~15 s on 2 cores). CUDA cannot be forked.
-    mp.start_processes(_fsdp_rank, args=(port, model_dir, str(tmp_path), backend), nprocs=2,
-                       start_method="fork" if backend == "gloo" else "spawn")
+    ranks = mp.start_processes(_fsdp_rank, args=(port, model_dir, str(tmp_path), backend), nprocs=2,
+                               start_method="fork" if backend == "gloo" else "spawn", join=False)
+    deadline = time.monotonic() + 180
+    while not ranks.join(timeout=1):  # raises if a rank failed
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail("the two FSDP ranks did not finish within 180 s (a collective hung?)")
     fsdp = torch.load(tmp_path / "rank0.pt", weights_only=False)
     tol = 1e-6 if backend == "gloo" else 1e-5  # GPU kernels sum in another order
 
