@@ -255,7 +255,7 @@ def test_5xx_is_retried_with_backoff_until_the_server_answers():
             return gen
     gen = asyncio.run(main())
     assert gen.output_ids == [7, 8] and len(calls) == 3
-    assert calls[2] - calls[1] >= 2 * (calls[1] - calls[0]) * 0.8, "backoff doubles"
+    assert calls[1] - calls[0] >= 0.05 and calls[2] - calls[1] >= 0.1, "backoff doubles from retry_backoff_s"
 
 
 def test_connection_refused_is_retried_then_raises_naming_the_address():
