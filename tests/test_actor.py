@@ -223,6 +223,13 @@ def test_actor_update_gives_the_same_step_for_any_token_budget(model_dir):
     assert many["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
 
 
+def test_gradient_checkpointing_gives_the_same_step(model_dir):
+    batch = make_batch([6, 4], advantages=[1.0, -1.0])
+    plain = Actor(model_dir, lr=1e-3).update(batch)
+    checkpointed = Actor(model_dir, lr=1e-3, gradient_checkpointing=True).update(batch)
+    assert checkpointed["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-6)
+
+
 def test_actor_with_a_reference_model_reports_zero_kl_before_it_moves(model_dir):
     actor = Actor(model_dir, lr=1e-2, ref_model_path=model_dir, kl_coef=0.1)
     batch = make_batch([6, 4], advantages=[1.0, -1.0])
