@@ -161,7 +161,8 @@ async def call_tool(session: aiohttp.ClientSession, url: str, payload: dict, cfg
                     break
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             last_error = f"{type(e).__name__}: {e}"
-        await asyncio.sleep(0.5 * 2**attempt)
+        if attempt + 1 < cfg.tool_retries:
+            await asyncio.sleep(0.5 * 2**attempt)
     raise ToolError(f"{url} failed after {cfg.tool_retries} attempts ({last_error})")
 
 
@@ -507,8 +508,7 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
             version += 1
             run(client.pause_generation())
             run(sync_weights_from_disk(actor, client, os.path.join(cfg.run_dir, "weights"), version))
-            run(client.continue_generation())
-            client.set_version(version)
+            run(client.continue_generation(version))
             t_sync = time.time() - t3
             step += 1
 
@@ -555,7 +555,6 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
         logger.log(step, {f"test/{k}": v for k, v in test_metrics.items()})
         print(f"test after {step} steps: {test_metrics}")
         actor.save_hf(os.path.join(cfg.run_dir, "final"))
-        return test_metrics
     finally:
         trace_file.close()
         logger.close()

@@ -1,0 +1,88 @@
+"""Trainer throughput and MFU of lib/actor.py's GRPO update (packed sequences, token-budget
+micro-batches), on whatever device is present.
+
+    python bench/bench_trainer.py --model-path /tmp/qwen2.5-1.5b-random --dtype bfloat16 \
+        --num-seqs 64 --mean-len 1024 --max-tokens-per-mb 32768 [--gradient-checkpointing]
+    torchrun --nproc-per-node 2 bench/bench_trainer.py ...       # FSDP2 over 2 GPUs
+
+FLOPs counted: 6 * (non-embedding params + LM head) per token for the dense part, plus
+6 * layers * hidden * len^2 per sequence for causal attention (QK^T and AV, forward 2x, backward 4x,
+halved by the causal mask). Peak bf16 dense: H100/H200 SXM 989 TFLOP/s.
+"""
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from lib.actor import Actor
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--num-seqs", type=int, default=64)
+    p.add_argument("--mean-len", type=int, default=1024)
+    p.add_argument("--max-tokens-per-mb", type=int, default=32768)
+    p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--peak-tflops", type=float, default=989.0)
+    a = p.parse_args()
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        dist.init_process_group("nccl")
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+
+    actor = Actor(a.model_path, lr=1e-6, dtype=a.dtype, max_tokens_per_mb=a.max_tokens_per_mb,
+                  gradient_checkpointing=a.gradient_checkpointing, total_steps=100)
+    cfg = actor.model.config
+    g = torch.Generator().manual_seed(rank)
+    lengths = torch.randint(a.mean_len // 2, a.mean_len * 3 // 2 + 1, (a.num_seqs,), generator=g)
+    T = int(lengths.max())
+    input_ids = torch.randint(0, min(cfg.vocab_size, 4000), (a.num_seqs, T), generator=g)
+    attention_mask = (torch.arange(T)[None] < lengths[:, None]).long()
+    loss_mask = attention_mask.clone()
+    loss_mask[:, : a.mean_len // 4] = 0  # a prompt
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
+             "advantages": torch.randn(a.num_seqs)}
+    batch["logprobs"] = actor.compute_logprobs(batch).cpu()  # behaviour = current policy
+
+    n_params = sum(p.numel() for p in actor.model.parameters())
+    n_embed = cfg.vocab_size * cfg.hidden_size
+    dense = n_params - (0 if cfg.tie_word_embeddings else n_embed)  # tied: the matrix works as LM head
+    tokens = int(lengths.sum())
+    flops = 6 * dense * tokens + 6 * cfg.num_hidden_layers * cfg.hidden_size * float((lengths.float() ** 2).sum())
+
+    times = []
+    for step in range(a.steps):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.time()
+        stats = actor.update(batch)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.time() - t0)
+    t0 = time.time()
+    actor.compute_logprobs(batch)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t_logp = time.time() - t0
+    best = min(times[1:]) if len(times) > 1 else times[0]
+    mem_gb = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else float("nan")
+    if rank == 0:
+        print(f"| model params | GPUs | seqs x mean len | tokens/step/GPU | update s | tokens/s/GPU | TFLOP/s/GPU | MFU | logp s | peak mem GB | micro-batches |")
+        print(f"| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        tflops = flops / best / 1e12
+        print(f"| {n_params / 1e9:.2f}B | {world} | {a.num_seqs} x {a.mean_len} | {tokens} | {best:.2f} | "
+              f"{tokens / best:,.0f} | {tflops:.0f} | {tflops / a.peak_tflops:.1%} | {t_logp:.2f} | {mem_gb:.1f} | "
+              f"{stats['num_micro_batches']} |")
+        print("update times s:", [round(t, 3) for t in times], "loss", stats["loss"])
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
