@@ -460,6 +460,7 @@ def main(argv=None):
     from aiohttp import web
 
     args = parse_args(argv)
+    _die_with_parent()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     start_s = time.perf_counter()
     if args.retriever == "dense":
@@ -481,14 +482,23 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+PARENT_PID_ENV = "AGENTRL_RETRIEVAL_PARENT_PID"
+
+
 def _die_with_parent():
-    # Linux: the child gets SIGTERM when the launching process dies, even by SIGKILL.
+    """Linux: SIGTERM this server when the process that launched it dies, even by SIGKILL. Set here,
+    in the child, because a preexec_fn is unsafe when the launching process has threads."""
+    parent_pid = os.environ.get(PARENT_PID_ENV)
+    if not parent_pid:
+        return
     try:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
-        pass
+        return
+    if os.getppid() != int(parent_pid):  # the parent died before the prctl took effect
+        sys.exit(f"the launching process {parent_pid} is gone")
 
 
 @dataclass
@@ -532,12 +542,13 @@ def launch_retrieval_server(corpus_path: str, host: str = "127.0.0.1", port: int
         fd, log_path = tempfile.mkstemp(prefix="retrieval-", suffix=".log")
         os.close(fd)
     repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo_root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo_root] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+               **{PARENT_PID_ENV: str(os.getpid())})
     cmd = [sys.executable, "-m", "lib.retrieval", "--corpus", os.path.abspath(corpus_path), "--host", host,
            "--port", str(port), *extra_args]
     with open(log_path, "ab") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                   start_new_session=True, preexec_fn=_die_with_parent)
+                                   start_new_session=True)
     address = f"http://{host}:{port}"
     server = RetrievalServer(process, address, log_path)
     atexit.register(server.terminate)

@@ -8,6 +8,8 @@ import asyncio
 import json
 import os
 import socket
+import subprocess
+import sys
 import time
 
 import aiohttp
@@ -19,6 +21,7 @@ from lib.retrieval import (access_page, bm25_search, build_app, launch_retrieval
 from lib.wiki_data import build_wiki_data, read_jsonl
 
 TIMEOUT_S = 30
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -256,6 +259,24 @@ def test_terminate_stops_the_server(small, tmp_path):
     assert handle.process.poll() is not None
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+def test_the_server_dies_when_the_launching_process_is_killed(small, tmp_path):
+    launcher = (f"import sys; sys.path.insert(0, {REPO!r}); from lib.retrieval import launch_retrieval_server; "
+                f"s = launch_retrieval_server({small['corpus']!r}); print(s.process.pid, flush=True); "
+                "import time; time.sleep(600)")
+    parent = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True)
+    server_pid = int(parent.stdout.readline())
+    parent.kill()  # SIGKILL: no atexit, no cleanup in the parent
+    parent.wait()
+    deadline = time.monotonic() + 20
+    while os.path.exists(f"/proc/{server_pid}") and time.monotonic() < deadline:
+        with open(f"/proc/{server_pid}/stat") as f:
+            if f.read().split(")")[-1].split()[0] == "Z":  # exited, waiting to be reaped by init
+                break
+        time.sleep(0.1)
+    else:
+        assert not os.path.exists(f"/proc/{server_pid}")
 
 
 def test_a_server_that_fails_to_start_raises_with_its_log(tmp_path):
