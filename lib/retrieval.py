@@ -20,6 +20,7 @@ import concurrent.futures
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -111,7 +112,7 @@ def access_page(corpus: Corpus, id: str | None = None, url: str | None = None,
                 title: str | None = None) -> dict | None:
     """The page (all passages with one title, in corpus order) of a passage id, a url or a title;
     titles match ignoring case, quotes, underscores and extra spaces. None when there is none."""
-    if corpus._pages is None:
+    if corpus._rows is None:  # _rows is assigned last, so a concurrent caller never sees half a lookup
         _build_lookup(corpus)
     if id is not None:
         row = corpus._rows.get(str(id))
@@ -192,15 +193,11 @@ def load_bm25(corpus_path: str, index_dir: str | None = None) -> Bm25Index:
             os.rename(index_dir, os.path.join(old, "index"))
         os.rename(tmp, index_dir)
         if old:
-            import shutil
-
             shutil.rmtree(old, ignore_errors=True)
     except OSError as e:
         logger.warning("could not cache the BM25 index in %s (%s); it will be rebuilt next time", index_dir, e)
     finally:
         if os.path.isdir(tmp):
-            import shutil
-
             shutil.rmtree(tmp, ignore_errors=True)
     logger.info("built BM25 index of %d passages in %.1f s", len(corpus.ids), time.perf_counter() - start_s)
     return Bm25Index(corpus, retriever)
