@@ -86,6 +86,8 @@ class Config:
     drop_equal_groups: bool = False  # dynamic sampling: drop groups whose rewards are all equal
     loss_agg: str = "token-mean"  # or "seq-mean-token-mean"
     max_tokens_per_mb: int = 16384  # micro-batch token budget of the trainer
+    pack_sequences: bool = True  # padding-free rows; best with attn_implementation flash_attention_2
+    attn_implementation: str | None = None  # trainer attention: None = sdpa; "flash_attention_2" on GPUs
     weight_sync: str = "disk"  # "disk" (safetensors + /update_weights_from_disk) or "nccl"
     # --- warm start (embedded default only) ---
     warm_start_steps: int = 300
@@ -435,7 +437,8 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
                   total_steps=cfg.max_steps, lr_schedule=cfg.lr_schedule, grad_clip=cfg.grad_clip,
                   temperature=cfg.temperature, max_tokens_per_mb=cfg.max_tokens_per_mb, dtype=cfg.trainer_dtype,
                   kl_coef=cfg.kl_coef, ref_model_path=model_path if cfg.kl_coef > 0 else None,
-                  eps_clip_low=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high, loss_agg=cfg.loss_agg)
+                  eps_clip_low=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high, loss_agg=cfg.loss_agg,
+                  packed=cfg.pack_sequences, attn_implementation=cfg.attn_implementation)
 
     loop = asyncio.new_event_loop()
 
