@@ -90,8 +90,9 @@ def wait_for_server(address: str, timeout_s: float = 300.0, *, process: subproce
                                    f"{timeout_s:.0f} s (last error: {last_error}); check that it is running and "
                                    f"reachable, or raise the timeout{tail}")
             try:
-                # Short attempts, so a server process that dies mid-request is noticed promptly.
-                r = http.post(address + "/generate", json=body, timeout=(5, max(1.0, min(remaining_s, 30.0))))
+                # Bounded attempts, so a server that hangs (e.g. one of SGLang's subprocesses died) is
+                # asked again and its exit noticed; long enough for a first forward that compiles kernels.
+                r = http.post(address + "/generate", json=body, timeout=(5, max(1.0, min(remaining_s, 60.0))))
                 if r.status_code == 200 and "output_ids" in _json_or_empty(r):
                     return
                 if 400 <= r.status_code < 500:
