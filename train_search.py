@@ -339,26 +339,28 @@ def read_jsonl(path: str) -> list[dict]:
 # --- warm start (embedded default only) ---
 def build_demonstrations(tokenizer, cfg: Config, items: list[dict], corpus_path: str) -> list[dict]:
     """Successful trajectories for SFT: per hop, search the hop's query and read the real BM25
-    results; then answer. Pieces are tokenized exactly as arun_episode tokenizes them."""
+    results; then answer. Pieces are tokenized exactly as arun_episode tokenizes them.
+
+    The loss covers every token, tool output included: a model trained from scratch learns to copy
+    names (question -> query, information -> answer) from the many repetitions in the passages far
+    sooner than from its own turns alone (measured: with model tokens only, 200 steps learned the
+    format but no copying, dev EM 0)."""
     from lib.retrieval import bm25_search, load_bm25
 
     index = load_bm25(corpus_path)
     examples = []
     for item in items:
         ids = build_prompt_ids(tokenizer, item["question"], cfg.apply_chat_template)
-        mask = [0] * len(ids)
         for query in item["hop_queries"]:
             model_text = f"<think> I need to search {query}. </think>\n<search> {query} </search>"
             docs = bm25_search(index, [query], cfg.topk)[0]
             tool_text = f"\n\n<information>{format_docs(docs, cfg.max_info_chars)}</information>\n\n"
-            for text, m in ((model_text, 1), (tool_text, 0)):
-                piece = tokenizer(text, add_special_tokens=False)["input_ids"]
-                ids, mask = ids + piece, mask + [m] * len(piece)
+            ids += tokenizer(model_text, add_special_tokens=False)["input_ids"]
+            ids += tokenizer(tool_text, add_special_tokens=False)["input_ids"]
         final = f"<think> The answer is {item['answer'][0]}. </think>\n<answer> {item['answer'][0]} </answer>"
-        piece = tokenizer(final, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        ids, mask = ids + piece, mask + [1] * len(piece)
+        ids += tokenizer(final, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         if len(ids) <= cfg.max_tokens:
-            examples.append({"input_ids": ids, "loss_mask": mask})
+            examples.append({"input_ids": ids, "loss_mask": [1] * len(ids)})
     return examples
 
 
@@ -374,7 +376,7 @@ def embedded_model_and_data(cfg: Config) -> tuple[str, str]:
     base = default_tiny_model_dir()
     settings = {"base": base, "data": data_dir, "steps": cfg.warm_start_steps, "lr": cfg.warm_start_lr,
                 "batch": cfg.warm_start_batch_size, "prompt": PROMPT_TEMPLATE, "topk": cfg.topk,
-                "chat": cfg.apply_chat_template, "v": 1}
+                "chat": cfg.apply_chat_template, "v": 2}
     out = warm_start_dir("search-warm-start", settings)
     if not os.path.exists(os.path.join(out, "model.safetensors")):
         tokenizer = AutoTokenizer.from_pretrained(base)

@@ -19,7 +19,7 @@ TEXTS = [f"Ilvan Moresk was born in Tarqua in {1800 + i}. Pem Varo founded the O
          f"<answer> {i} </answer>" for i in range(300)]
 ARCH = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, intermediate_size=128,
             num_attention_heads=4, num_key_value_heads=2)
-CONTEXT_LENGTH = 256
+CONTEXT_LENGTH = 1024  # long enough that a full-context generation outlasts a pause under any load
 # Sampled with a per-request seed (a lib.cpu_server extra; SGLang has it too): repeatable and varied,
 # where a random model's greedy output tends to repeat one token.
 SEEDED = {"sampling_seed": 7, "ignore_eos": True}
@@ -122,7 +122,7 @@ def test_a_failed_weight_update_raises_with_the_servers_message(server):
     assert with_client([server.address], body).address == server.address
 
 
-async def _until_running(client, min_tokens_s: float = 0.3):
+async def _until_running(client, min_tokens_s: float = 0.1):
     """Wait until the server decodes a request, then a little longer so it has produced some tokens."""
     deadline = time.monotonic() + 30
     while (await client.get_server_info())[0]["num_running_requests"] == 0:
