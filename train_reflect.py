@@ -91,6 +91,8 @@ class Config:
     drop_equal_groups: bool = False  # dynamic sampling: drop groups whose rewards are all equal
     loss_agg: str = "token-mean"  # or "seq-mean-token-mean"
     max_tokens_per_mb: int = 16384  # micro-batch token budget of the trainer
+    pack_sequences: bool = True  # padding-free rows; best with attn_implementation flash_attention_2
+    attn_implementation: str | None = None  # trainer attention: None = sdpa; "flash_attention_2" on GPUs
     # --- async mode ---
     async_capacity: int = 0  # groups started and not yet trained on; 0 = 2 x batch_size
     max_staleness: int = 1  # drop a group whose oldest token is more than this many versions old
@@ -507,7 +509,8 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
                   total_steps=cfg.max_steps, lr_schedule=cfg.lr_schedule, grad_clip=cfg.grad_clip,
                   temperature=cfg.temperature, max_tokens_per_mb=cfg.max_tokens_per_mb, dtype=cfg.trainer_dtype,
                   kl_coef=cfg.kl_coef, ref_model_path=model_path if cfg.kl_coef > 0 else None,
-                  eps_clip_low=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high, loss_agg=cfg.loss_agg)
+                  eps_clip_low=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high, loss_agg=cfg.loss_agg,
+                  packed=cfg.pack_sequences, attn_implementation=cfg.attn_implementation)
 
     step, version, data_position = 0, 0, 0
     ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
@@ -588,10 +591,9 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
             version += 1
             run(client.pause_generation())
             run(sync_weights_from_disk(actor, client, os.path.join(cfg.run_dir, "weights"), version))
-            client.set_version(version)
             if producer is not None:
                 producer.set_version(version)
-            run(client.continue_generation())
+            run(client.continue_generation(version))  # requests cut by the pause resume, tagged `version`
             t_sync = time.time() - t3
             step += 1
 
