@@ -17,7 +17,7 @@ import shutil
 import tempfile
 
 # Bump when the generator changes, so cached data built by an older version is not reused.
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 
 SPLITS = ("test", "dev", "warmstart", "train")
 
@@ -29,35 +29,35 @@ CONTAINERS = ["boxes", "bags", "baskets", "jars"]
 
 def _start(rng: random.Random, name: str, obj: str):
     """The first sentence, its worked line and the starting count."""
-    if rng.random() < 0.3:
-        groups, per_group = rng.randint(2, 6), rng.randint(2, 12)
+    if rng.random() < 0.25:
+        groups, per_group = rng.randint(2, 5), rng.randint(2, 10)
         container = rng.choice(CONTAINERS)
         total = groups * per_group
         text = f"{name} has {groups} {container} with {per_group} {obj} in each."
         work = f"{name} has {groups} * {per_group} = {total} {obj}."
         return text, work, total
-    count = rng.randint(2, 30)
+    count = rng.randint(2, 20)
     return f"{name} has {count} {obj}.", None, count
 
 
 def _step(rng: random.Random, pronoun: str, obj: str, count: int, friend: str):
     """One follow-up sentence that changes the count, its worked line and the new count."""
-    ops = ["add", "sub"] + (["mul"] if count <= 60 else [])
+    ops = ["add", "sub"] + (["mul"] if count <= 30 else [])
     op = rng.choice(ops)
     if op == "sub" and count < 2:
         op = "add"
     if op == "add":
-        n = rng.randint(1, 20)
+        n = rng.randint(1, 10)
         object_pronoun = "him" if pronoun == "He" else "her"
         text = rng.choice([f"{pronoun} buys {n} more {obj}.", f"{pronoun} finds {n} more {obj}.",
                            f"{friend} gives {object_pronoun} {n} {obj}."])
         return text, f"{count} + {n} = {count + n}.", count + n
     if op == "sub":
-        n = rng.randint(1, min(count - 1, 20))
+        n = rng.randint(1, min(count - 1, 10))
         text = rng.choice([f"{pronoun} gives {n} {obj} to {friend}.", f"{pronoun} loses {n} {obj}.",
                            f"{pronoun} sells {n} {obj}."])
         return text, f"{count} - {n} = {count - n}.", count - n
-    k = rng.randint(2, 4)
+    k = rng.randint(2, 3)
     word = {2: "twice", 3: "three times", 4: "four times"}[k]
     text = f"Then {pronoun.lower()} ends up with {word} as many {obj}."
     return text, f"{count} * {k} = {count * k}.", count * k
@@ -72,7 +72,9 @@ def make_problem(rng: random.Random) -> dict:
     sentences.append(text)
     if line:
         work.append(line)
-    num_steps = rng.randint(1, 3) - (1 if line else 0)
+    # Mostly one or two steps: a model of a few million parameters learns those within minutes,
+    # and the three-step problems leave headroom for RL.
+    num_steps = rng.choices([1, 2, 3], weights=[5, 3, 2])[0] - (1 if line else 0)
     for _ in range(num_steps):
         text, line, count = _step(rng, pronoun, obj, count, friend)
         sentences.append(text)

@@ -222,13 +222,15 @@ def test_garbage_model_output_scores_zero_without_an_exception(tokenizer):
     assert episode["rewards"].item() == 0.0 and episode["finish_reason"] == "max_turns"
 
 
-def test_warm_start_demonstrations_train_only_on_correct_solutions(tokenizer):
+def test_warm_start_demonstrations_never_train_on_the_wrong_first_answer(tokenizer):
     cfg = tr.Config(max_turns=2, warm_start_reflect_frac=1.0)
     reflection_ids = tr.build_reflection_ids(tokenizer, True)
     [demo] = tr.build_demonstrations(tokenizer, cfg, [ITEM], reflection_ids)
-    trained = [t for t, m in zip(demo["input_ids"], demo["loss_mask"]) if m]
-    assert trained == tokenizer(ITEM["answer"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    untrained = tokenizer.decode([t for t, m in zip(demo["input_ids"], demo["loss_mask"]) if not m])
+    assert "####" in untrained and "#### 7" not in untrained and untrained.endswith(tokenizer.eos_token)
     assert tokenizer.decode(demo["input_ids"]).count(tr.REFLECTION) == 1
+    solution = tokenizer(ITEM["answer"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert demo["input_ids"][-len(solution):] == solution and all(demo["loss_mask"][-len(solution):])
 
 
 # --- data ---
