@@ -13,8 +13,8 @@ byte-identical for a given seed and sizes.
 import json
 import os
 import random
-import shutil
-import tempfile
+
+from lib.cache import build_once, cache_root
 
 # Bump when the generator changes, so cached data built by an older version is not reused.
 GENERATOR_VERSION = 2
@@ -115,28 +115,10 @@ def build_math_data(out_dir: str, seed: int = 0, num_train: int = 20000, num_dev
     return paths
 
 
-def _cache_root() -> str:
-    return os.environ.get("AGENTRL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "agentrl"))
-
-
 def default_math_dir(seed: int = 0) -> str:
-    """The default-sized data set under the cache, built on first use (into a temporary directory,
-    then renamed, so concurrent or killed builds never leave half a data set)."""
-    out_dir = os.path.join(_cache_root(), f"math-data-v{GENERATOR_VERSION}-seed{seed}")
-    if os.path.isdir(out_dir):
-        return out_dir
-    os.makedirs(_cache_root(), exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=_cache_root(), prefix=".tmp-math-")
-    try:
-        build_math_data(tmp, seed=seed)
-        try:
-            os.rename(tmp, out_dir)
-        except OSError:
-            if not os.path.isdir(out_dir):  # another process won the race: keep its copy
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+    """The default-sized data set under the cache, built on first use."""
+    out_dir = os.path.join(cache_root(), f"math-data-v{GENERATOR_VERSION}-seed{seed}")
+    return build_once(out_dir, lambda tmp: build_math_data(tmp, seed=seed))
 
 
 def read_split(out_dir: str, split: str) -> list[dict]:

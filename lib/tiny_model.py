@@ -9,11 +9,11 @@ lives in git.
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from typing import Iterable
 
 import torch
+
+from lib.cache import build_once, cache_root
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -47,10 +47,6 @@ either wrong or not parsable to the reference answer. Please try to answer it mo
 Solve the problem step by step. Put the final answer after ####. The answer is """
 
 
-def cache_root() -> str:
-    return os.environ.get("AGENTRL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "agentrl"))
-
-
 def _train_tokenizer(texts: Iterable[str], vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -76,10 +72,7 @@ def _train_tokenizer(texts: Iterable[str], vocab_size: int):
 
 
 def build_tiny_model(out_dir: str, texts: Iterable[str], *, seed: int = 0, **arch) -> str:
-    """Train the tokenizer on `texts`, initialise a Qwen2 model from `seed`, save both to `out_dir`.
-
-    Written to a temporary directory and renamed, so a killed build never leaves a half model.
-    """
+    """Train the tokenizer on `texts`, initialise a Qwen2 model from `seed`, save both to `out_dir`."""
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     arch = {**DEFAULT_ARCH, **arch}
@@ -102,17 +95,9 @@ def build_tiny_model(out_dir: str, texts: Iterable[str], *, seed: int = 0, **arc
     model = Qwen2ForCausalLM(config)
     model.generation_config = GenerationConfig(eos_token_id=[eos_id, pad_id], pad_token_id=pad_id)
 
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=parent, prefix=".tmp-model-")
-    try:
-        tokenizer.save_pretrained(tmp)
-        model.save_pretrained(tmp, safe_serialization=True)
-        if os.path.exists(out_dir):
-            shutil.rmtree(out_dir)
-        os.rename(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(out_dir, exist_ok=True)
+    tokenizer.save_pretrained(out_dir)
+    model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
 
 
@@ -130,6 +115,4 @@ def default_tiny_model_dir(seed: int = 0, **arch) -> str:
     """Path of the embedded tiny model, building it (and the data it is trained on) on first use."""
     key = hashlib.sha1(json.dumps({**DEFAULT_ARCH, **arch, "seed": seed}, sort_keys=True).encode()).hexdigest()[:8]
     out_dir = os.path.join(cache_root(), f"tiny-qwen2-{key}")
-    if not os.path.exists(os.path.join(out_dir, "model.safetensors")):
-        build_tiny_model(out_dir, default_texts(seed), seed=seed, **arch)
-    return out_dir
+    return build_once(out_dir, lambda tmp: build_tiny_model(tmp, default_texts(seed), seed=seed, **arch))

@@ -10,13 +10,11 @@ import json
 import math
 import os
 import random
-import shutil
-import tempfile
 
 import torch
 from tqdm import tqdm
 
-from lib.tiny_model import cache_root
+from lib.cache import atomic_dir, cache_root
 
 
 def warm_start_dir(name: str, settings: dict) -> str:
@@ -86,18 +84,10 @@ def sft_warm_start(
         scheduler.step()
         progress.set_postfix(loss=f"{loss.item():.3f}")
 
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=parent, prefix=".tmp-sft-")
-    try:
+    with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, "warm_start.json"), "w") as f:
             json.dump({"steps": steps, "lr": lr, "batch_size": batch_size, "final_loss": loss.item(),
                        "num_examples": len(examples)}, f)
-        if os.path.exists(out_dir):
-            shutil.rmtree(out_dir)
-        os.rename(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir

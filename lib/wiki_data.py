@@ -25,8 +25,8 @@ and sizes give byte-identical files.
 import json
 import os
 import random
-import shutil
-import tempfile
+
+from lib.cache import build_once, cache_root
 
 # Bump when the generator changes, so cached data built by an older version is not reused.
 GENERATOR_VERSION = 1
@@ -331,31 +331,13 @@ def build_wiki_data(out_dir: str, seed: int = 0, num_passages: int = 20000,
     return paths
 
 
-def cache_root() -> str:
-    return os.environ.get("AGENTRL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "agentrl"))
-
-
 def default_wiki_dir(seed: int = 0, cache_dir: str | None = None, num_passages: int = 20000,
                      num_questions: int = 10000) -> str:
-    """The data set under the cache (`$AGENTRL_CACHE`, default ~/.cache/agentrl), built on first use
-    into a temporary directory and then renamed, so a killed or concurrent build never leaves half
-    a data set."""
+    """The data set under the cache (`$AGENTRL_CACHE`, default ~/.cache/agentrl), built on first use."""
     root = cache_dir or cache_root()
     out_dir = os.path.join(root, f"wiki-data-v{GENERATOR_VERSION}-seed{seed}-p{num_passages}-q{num_questions}")
-    if os.path.isdir(out_dir):
-        return out_dir
-    os.makedirs(root, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=root, prefix=".tmp-wiki-")
-    try:
-        build_wiki_data(tmp, seed=seed, num_passages=num_passages, num_questions=num_questions)
-        try:
-            os.rename(tmp, out_dir)
-        except OSError:
-            if not os.path.isdir(out_dir):  # another process won the race: keep its copy
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+    return build_once(out_dir, lambda tmp: build_wiki_data(tmp, seed=seed, num_passages=num_passages,
+                                                           num_questions=num_questions))
 
 
 def read_jsonl(path: str) -> list[dict]:

@@ -1,0 +1,37 @@
+"""The cache of things built on first use (data sets, the tiny model, warm starts): where it lives
+and how a directory in it is written so that a killed or concurrent build never leaves half of one."""
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from typing import Callable
+
+
+def cache_root() -> str:
+    return os.environ.get("AGENTRL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "agentrl"))
+
+
+@contextmanager
+def atomic_dir(out_dir: str):
+    """Yield a temporary sibling of `out_dir` to fill; on success it is renamed to `out_dir`. If
+    another process finished the same directory first, its copy is kept."""
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=f".tmp-{os.path.basename(out_dir)}-")
+    try:
+        yield tmp
+        try:
+            os.rename(tmp, out_dir)
+        except OSError:
+            if not os.path.isdir(out_dir):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def build_once(out_dir: str, build: Callable[[str], object]) -> str:
+    """`out_dir`, made by `build(tmp_dir)` unless it already exists."""
+    if not os.path.isdir(out_dir):
+        with atomic_dir(out_dir) as tmp:
+            build(tmp)
+    return out_dir
