@@ -28,6 +28,8 @@ def main():
     p.add_argument("--max-tokens-per-mb", type=int, default=32768)
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--padded", action="store_true", help="padded rows instead of packing (sdpa has no varlen)")
+    p.add_argument("--attn", default=None, help="attn_implementation, e.g. flash_attention_2")
     p.add_argument("--peak-tflops", type=float, default=989.0)
     a = p.parse_args()
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
@@ -37,7 +39,8 @@ def main():
     rank = dist.get_rank() if dist.is_initialized() else 0
 
     actor = Actor(a.model_path, lr=1e-6, dtype=a.dtype, max_tokens_per_mb=a.max_tokens_per_mb,
-                  gradient_checkpointing=a.gradient_checkpointing, total_steps=100)
+                  gradient_checkpointing=a.gradient_checkpointing, total_steps=100,
+                  packed=not a.padded, attn_implementation=a.attn)
     cfg = actor.model.config
     g = torch.Generator().manual_seed(rank)
     lengths = torch.randint(a.mean_len // 2, a.mean_len * 3 // 2 + 1, (a.num_seqs,), generator=g)
@@ -73,6 +76,7 @@ def main():
     best = min(times[1:]) if len(times) > 1 else times[0]
     mem_gb = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else float("nan")
     if rank == 0:
+        print(f"packed={not a.padded} attn={a.attn or 'sdpa'} max_tokens_per_mb={a.max_tokens_per_mb}")
         print(f"| model params | GPUs | seqs x mean len | tokens/step/GPU | update s | tokens/s/GPU | TFLOP/s/GPU | MFU | logp s | peak mem GB | micro-batches |")
         print(f"| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         tflops = flops / best / 1e12
