@@ -309,7 +309,11 @@ class Actor:
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **load_kwargs)
         self.model.config.use_cache = False
         if gradient_checkpointing:
-            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            # transformers 5.2x renamed gradient_checkpointing_enable; SGLang's pinned 5.12 has only the old name.
+            if hasattr(self.model, "activation_checkpointing_enable"):
+                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # transformers 5 makes an empty tokenizer for a weights-only directory: look before loading.
         has_tokenizer = not os.path.isdir(model_path) or any(
             os.path.exists(os.path.join(model_path, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
