@@ -10,6 +10,7 @@ FLOPs counted: 6 * (non-embedding params + LM head) per token for the dense part
 halved by the causal mask). Peak bf16 dense: H100/H200 SXM 989 TFLOP/s.
 """
 import argparse
+import inspect
 import os
 import time
 
@@ -17,6 +18,44 @@ import torch
 import torch.distributed as dist
 
 from lib.actor import Actor
+
+
+def register_torch_varlen():
+    """attn_implementation "torch_varlen": packed rows through torch.nn.attention.varlen.varlen_attn
+    (FlashAttention kernels shipped in torch, no flash-attn package), sequence boundaries taken from
+    position_ids; no [N, N] mask is built. Benchmark-only experiment, not used by lib."""
+    from torch.nn.attention.varlen import varlen_attn
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    params = inspect.signature(varlen_attn).parameters
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        batch, heads, length, _ = query.shape
+        position_ids = kwargs.get("position_ids")
+        if batch != 1 or position_ids is None:
+            raise ValueError("torch_varlen needs one packed row with position_ids")
+        starts = torch.nonzero(position_ids.reshape(-1) == 0).flatten()
+        cu = torch.cat([starts, starts.new_tensor([length])]).to(torch.int32)
+        max_len = int((cu[1:] - cu[:-1]).max())
+        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else query.dtype
+        q, k, v = (x[0].transpose(0, 1).to(dtype).contiguous() for x in (query, key, value))  # [L, H, D]
+        kw = {"scale": scaling}
+        if "is_causal" in params:
+            kw["is_causal"] = True
+        else:
+            kw["window_size"] = (-1, 0)
+        if k.shape[1] != heads:
+            if "enable_gqa" in params:
+                kw["enable_gqa"] = True
+            else:
+                k = k.repeat_interleave(heads // k.shape[1], dim=1)
+                v = v.repeat_interleave(heads // v.shape[1], dim=1)
+        out = varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
+        return out.unsqueeze(0), None  # [1, L, H, D]
+
+    AttentionInterface.register("torch_varlen", attention)
+    AttentionMaskInterface.register("torch_varlen", lambda *args, **kwargs: None)
 
 
 def main():
@@ -31,7 +70,10 @@ def main():
     p.add_argument("--padded", action="store_true", help="padded rows instead of packing (sdpa has no varlen)")
     p.add_argument("--attn", default=None, help="attn_implementation, e.g. flash_attention_2")
     p.add_argument("--peak-tflops", type=float, default=989.0)
+    p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one more update")
     a = p.parse_args()
+    if a.attn == "torch_varlen":
+        register_torch_varlen()
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
         dist.init_process_group("nccl")
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -73,6 +115,13 @@ def main():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t_logp = time.time() - t0
+    if a.profile and rank == 0:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            actor.update(batch)
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
     best = min(times[1:]) if len(times) > 1 else times[0]
     mem_gb = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else float("nan")
     if rank == 0:

@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# The GPU benchmark suite of issue 6, on a 2-GPU machine (trainer GPU 0, inference GPU 1).
+#
+#   bash bench/gpu_suite.sh A    # contract check, trainer MFU variants, rollout overhead, NCCL/disk sync 1.5B
+#   bash bench/gpu_suite.sh B    # GPU tests, NCCL/disk sync 7B
+#
+# Needs: SGLang 0.5.15 from the offline kit in .kit (../shared/gpu-sglang/README.md); the tiny model in
+# .gpu_carry/tiny (a copy of ~/.cache/agentrl/tiny-qwen2-*, weights cast to bf16 to fit the 64 MiB
+# transfer); optional wheels in .whl for packages the machine lacks (none are needed by these benches). Logs and JSON results go to $OUT.
+# Random-weight models with Qwen2.5 shapes are built in /tmp by bench/make_random_model.py.
+set -u
+STAGE=${1:-A}
+OUT=${OUT:-/tmp/gpu_suite_out}
+mkdir -p "$OUT"
+T0=$(date +%s)
+ts() { echo "[t=$(( $(date +%s) - T0 ))s] $*"; }
+
+eval "$(bash .kit/install.sh)"
+if ls .whl/*.whl >/dev/null 2>&1; then  # only where the machine lacks a package (it has aiohttp, requests, pyyaml)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site2 .whl/*.whl
+fi
+export PYTHONPATH=$PWD:$PYTHONPATH:/tmp/site2 PYTHONUNBUFFERED=1 NCCL_CUMEM_ENABLE=0 NCCL_NVLS_ENABLE=0 \
+  TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TOKENIZERS_PARALLELISM=false
+TINY=$PWD/.gpu_carry/tiny
+KIT="--attention-backend triton --sampling-backend pytorch --grammar-backend none"
+ts "setup done"; nvidia-smi --query-gpu=index,name,memory.used --format=csv
+python3 -c "import torch, transformers, sglang; print('torch', torch.__version__, 'transformers', transformers.__version__, 'sglang', sglang.__version__, 'gpus', torch.cuda.device_count())"
+git log -1 --format='commit %h' 2>/dev/null || true
+
+# start_server MODEL GPU MEM ADDRFILE [extra sglang args]: lib.launch.launch_sglang in a background
+# python that holds the server until it is killed (the server dies with it), address in ADDRFILE.
+start_server() {
+  local model=$1 gpu=$2 mem=$3 addr=$4; shift 4
+  python3 - "$model" "$gpu" "$mem" "$addr" "$@" <<'EOF' &
+import sys, time
+from lib.launch import launch_sglang
+model, gpu, mem, addr, *extra = sys.argv[1:]
+t0 = time.time()
+s = launch_sglang(model, base_gpu_id=int(gpu), mem_fraction_static=float(mem), dtype="bfloat16", random_seed=0,
+                  extra_args=["--attention-backend", "triton", "--sampling-backend", "pytorch",
+                              "--grammar-backend", "none", *extra], log_path=addr + ".log", timeout_s=600)
+print(f"sglang {model} on GPU {gpu} up at {s.address} in {time.time() - t0:.0f} s", flush=True)
+open(addr, "w").write(s.address)
+time.sleep(10**6)
+EOF
+  SERVER_PID=$!
+}
+wait_file() { for _ in $(seq 1 1200); do [ -s "$1" ] && return 0; kill -0 "$SERVER_PID" 2>/dev/null || return 1; sleep 0.5; done; return 1; }
+
+if [ "$STAGE" = A ]; then
+  # --- lane GPU 0: contract check (its own server on GPU 0), then trainer MFU variants ---
+  (
+    export CUDA_VISIBLE_DEVICES=0
+    ts "check_sglang"
+    OUT=/tmp/check timeout 240 python3 bench/check_sglang.py --base-gpu-id 0 --mem-fraction-static 0.3
+    echo "check_sglang exit $?"
+    tar -C /tmp --exclude=check/tiny_model -czf "$OUT/check_sglang.tgz" check
+    while [ ! -f /tmp/q15.ready ]; do sleep 1; done
+    for args in "--max-tokens-per-mb 16384 --attn torch_varlen --profile" \
+                "--max-tokens-per-mb 16384" \
+                "--max-tokens-per-mb 32768 --attn torch_varlen --gradient-checkpointing" \
+                "--max-tokens-per-mb 16384 --padded"; do
+      if [ $(( $(date +%s) - T0 )) -gt 390 ]; then ts "skipped (time): bench_trainer $args"; continue; fi
+      ts "bench_trainer $args"
+      timeout 110 python3 bench/bench_trainer.py --model-path /tmp/q15 --dtype bfloat16 --num-seqs 64 --mean-len 1024 $args
+      echo "bench_trainer exit $?"
+    done
+    ts "lane GPU 0 done"
+  ) > "$OUT/lane0.log" 2>&1 &
+  LANE0=$!
+  # --- lane GPU 1: 1.5B server, rollout overhead, then (GPU 0 free) weight sync 1.5B ---
+  (
+    ts "make_random_model 1.5b"
+    python3 bench/make_random_model.py --arch qwen2.5-1.5b --out /tmp/q15 --tokenizer-path "$TINY" && touch /tmp/q15.ready
+    ts "server 1.5B"
+    start_server /tmp/q15 1 0.8 /tmp/q15.addr
+    wait_file /tmp/q15.addr || { echo "server failed"; tail -50 /tmp/q15.addr.log; exit 1; }
+    ADDR=$(cat /tmp/q15.addr)
+    ts "bench_rollout"
+    timeout 200 python3 bench/bench_rollout.py --model-path /tmp/q15 --address "$ADDR" --num-prompts 256 \
+      --prompt-len 128 --new-tokens 256 --turns 4 --tool-tokens 32 --repeats 3 --json "$OUT/rollout.json"
+    echo "bench_rollout exit $?"
+    ts "waiting for lane GPU 0"
+    while kill -0 "$LANE0" 2>/dev/null; do sleep 1; done
+    ts "bench_weight_sync 1.5B"
+    timeout 200 python3 bench/bench_weight_sync.py --model-path /tmp/q15 --address "$ADDR" --repeats 4 \
+      --bucket-mb 512 128 --disk-repeats 2 --json "$OUT/sync15.json"
+    echo "bench_weight_sync exit $?"
+    kill "$SERVER_PID"; wait "$SERVER_PID" 2>/dev/null
+    tail -30 /tmp/q15.addr.log
+    ts "lane GPU 1 done"
+  ) > "$OUT/lane1.log" 2>&1 &
+  wait
+  ts "stage A done"
+  grep -E "^(PASS|FAIL|ERROR)|^\||^packed=|update times|agreement|exit|skipped|Error|error:" "$OUT/lane0.log" "$OUT/lane1.log" | grep -v "^.*Self CPU" | cut -c1-400
+fi
+
+if [ "$STAGE" = B ]; then
+  (
+    ts "make_random_model 7b (on GPU 0)"
+    python3 -c "import torch; torch.set_default_device('cuda:0')
+from bench.make_random_model import make_random_model
+make_random_model('qwen2.5-7b', '/tmp/q7', '$TINY')"
+    ts "7b built"; du -sh /tmp/q7
+  ) > "$OUT/build7b.log" 2>&1 &
+  BUILD=$!
+  ts "GPU tests"
+  AGENTRL_GPU_TEST_MODEL=$TINY timeout 240 python3 -m pytest -m gpu tests/test_gpu.py -v -rs -p no:cacheprovider \
+    > "$OUT/test_gpu.log" 2>&1
+  echo "pytest exit $?"; tail -15 "$OUT/test_gpu.log"
+  wait $BUILD; cat "$OUT/build7b.log"
+  ts "server 7B"
+  start_server /tmp/q7 1 0.8 /tmp/q7.addr --disable-cuda-graph
+  if wait_file /tmp/q7.addr; then
+    timeout 300 python3 bench/bench_weight_sync.py --model-path /tmp/q7 --address "$(cat /tmp/q7.addr)" --repeats 3 \
+      --bucket-mb 512 --disk-repeats 1 --json "$OUT/sync7.json" > "$OUT/sync7.log" 2>&1
+    echo "bench_weight_sync 7B exit $?"; tail -20 "$OUT/sync7.log"
+  else
+    echo "7B server failed"; tail -50 /tmp/q7.addr.log
+  fi
+  kill "$SERVER_PID" 2>/dev/null; wait "$SERVER_PID" 2>/dev/null
+  ts "stage B done"
+fi

@@ -1,0 +1,126 @@
+"""GPU tests (marked `gpu`; skipped without CUDA). Run on the GPU machines:
+
+    AGENTRL_GPU_TEST_MODEL=/path/to/tiny NCCL_CUMEM_ENABLE=0 python -m pytest -m gpu tests/test_gpu.py
+
+- lib's CPU server running on CUDA answers with log-probs that match a transformers forward;
+- NCCL weight sync (lib/weight_sync.py, trainer on GPU 0) into lib's CPU server on GPU 1 and into
+  real SGLang on GPU 1 (when importable) changes the server's outputs, and the server's log-probs
+  then agree with the trainer's.
+The model is $AGENTRL_GPU_TEST_MODEL, else the embedded tiny model (built on first use).
+"""
+import asyncio
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from lib.actor import Actor
+from lib.client import InferenceClient
+from lib.launch import free_port, launch_cpu_server, launch_sglang
+from lib.weight_sync import DistributedWeightSync
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (trainer GPU 0, server GPU 1)")
+KIT_ARGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
+            "--disable-cuda-graph"]
+PROMPTS = [[5, 17, 42, 99, 7, 300, 12, 8], [11, 250, 3, 77, 1000, 64]]
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    path = os.environ.get("AGENTRL_GPU_TEST_MODEL")
+    if path:
+        return path
+    from lib.tiny_model import default_tiny_model_dir
+
+    return default_tiny_model_dir()
+
+
+async def greedy(client, n=16):
+    gens = await asyncio.gather(*(client.generate(p, max_new_tokens=n, temperature=0.0,
+                                                  extra_sampling_params={"ignore_eos": True}) for p in PROMPTS))
+    return gens
+
+
+def max_gap_to_actor(actor, gens) -> float:
+    gap = 0.0
+    for prompt, g in zip(PROMPTS, gens):
+        ids = torch.tensor([prompt + g.output_ids])
+        lp = actor.compute_logprobs({"input_ids": ids, "attention_mask": torch.ones_like(ids)})[0, len(prompt):]
+        gap = max(gap, (lp - torch.tensor(g.logprobs)).abs().max().item())
+    return gap
+
+
+def test_cpu_server_on_cuda_logprobs_match_forward(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    server = launch_cpu_server(model_dir, device="cuda:0", dtype="float32", random_seed=0, timeout_s=300)
+    try:
+        async def go():
+            client = InferenceClient([server.address])
+            gens = [await client.generate(p, max_new_tokens=16, temperature=1.0,
+                                          extra_sampling_params={"ignore_eos": True}) for p in PROMPTS]
+            await client.close()
+            return gens
+        gens = asyncio.run(go())
+    finally:
+        server.terminate()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to("cuda:0").eval()
+    for prompt, g in zip(PROMPTS, gens):
+        assert len(g.output_ids) == len(g.logprobs) == 16
+        with torch.no_grad():
+            ids = torch.tensor([prompt + g.output_ids], device="cuda:0")
+            logits = model(ids).logits.float()[0, len(prompt) - 1:-1]
+        ref = torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt):, None])[:, 0].cpu()
+        assert (ref - torch.tensor(g.logprobs)).abs().max().item() < 1e-3
+
+
+def _nccl_sync_roundtrip(server_address: str, model_dir: str, bound: float):
+    async def go():
+        client = InferenceClient([server_address], request_timeout_s=300)
+        actor = Actor(model_dir, dtype="bfloat16", device="cuda:0")
+        before = await greedy(client)
+        assert max_gap_to_actor(actor, before) < bound  # same checkpoint on both sides
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for p in actor.model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        sync = DistributedWeightSync(client, master_port=free_port(), world_size=2, rank_offsets=[1], backend="nccl")
+        await sync.init()
+        try:
+            await sync.update(actor.named_full_parameters(torch.bfloat16), 1, bucket_mb=1)  # several buckets
+            after = await greedy(client)
+            assert [g.output_ids for g in after] != [g.output_ids for g in before], "the sync changed nothing"
+            assert after[0].weight_version == "1"
+            gap = max_gap_to_actor(actor, after)
+            assert gap < bound, f"server/trainer log-prob gap {gap} after the NCCL sync"
+            await sync.update(actor.named_full_parameters(torch.bfloat16), 2, flattened=True)
+            again = await greedy(client)
+            assert [g.output_ids for g in again] == [g.output_ids for g in after]
+        finally:
+            await sync.close()
+            await client.close()
+    os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
+    asyncio.run(go())
+
+
+@two_gpus
+def test_nccl_sync_into_cpu_server_on_cuda(model_dir):
+    server = launch_cpu_server(model_dir, device="cuda:1", dtype="bfloat16", random_seed=0, timeout_s=300)
+    try:
+        _nccl_sync_roundtrip(server.address, model_dir, bound=0.1)
+    finally:
+        server.terminate()
+
+
+@two_gpus
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang not installed")
+def test_nccl_sync_into_sglang(model_dir):
+    server = launch_sglang(model_dir, base_gpu_id=1, mem_fraction_static=0.3, dtype="bfloat16", random_seed=0,
+                           extra_args=KIT_ARGS, timeout_s=600)
+    try:
+        _nccl_sync_roundtrip(server.address, model_dir, bound=0.1)
+    finally:
+        server.terminate()
