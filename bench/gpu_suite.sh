@@ -3,6 +3,7 @@
 #
 #   bash bench/gpu_suite.sh A    # contract check, trainer MFU variants, rollout overhead, NCCL/disk sync 1.5B
 #   bash bench/gpu_suite.sh B    # GPU tests, NCCL/disk sync 7B
+#   bash bench/gpu_suite.sh C    # trainer MFU with FSDP2 over both GPUs (no server)
 #
 # Needs: SGLang 0.5.15 from the offline kit in .kit (../shared/gpu-sglang/README.md); the tiny model in
 # .gpu_carry/tiny (a copy of ~/.cache/agentrl/tiny-qwen2-*, weights cast to bf16 to fit the 64 MiB
@@ -120,4 +121,14 @@ make_random_model('qwen2.5-7b', '/tmp/q7', '$TINY')"
   fi
   kill "$SERVER_PID" 2>/dev/null; wait "$SERVER_PID" 2>/dev/null
   ts "stage B done"
+fi
+
+if [ "$STAGE" = C ]; then
+  python3 bench/make_random_model.py --arch qwen2.5-1.5b --out /tmp/q15 --tokenizer-path "$TINY"
+  for args in "--max-tokens-per-mb 16384 --attn torch_varlen" "--max-tokens-per-mb 16384 --padded"; do
+    ts "torchrun 2 GPUs bench_trainer $args"
+    timeout 150 python3 -m torch.distributed.run --nproc-per-node 2 bench/bench_trainer.py --model-path /tmp/q15 --dtype bfloat16 \
+      --num-seqs 64 --mean-len 1024 $args 2>&1 | grep -v "Loading weights"
+  done
+  ts "stage C done"
 fi
