@@ -22,7 +22,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -473,12 +472,6 @@ def main(argv=None):
 
 
 # --- launcher ---
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 PARENT_PID_ENV = "AGENTRL_RETRIEVAL_PARENT_PID"
 
 
@@ -534,7 +527,9 @@ def launch_retrieval_server(corpus_path: str, host: str = "127.0.0.1", port: int
     if not os.path.exists(corpus_path):
         raise FileNotFoundError(f"corpus {corpus_path} not found; build one with lib.wiki_data.build_wiki_data "
                                 "or point at a Search-R1 jsonl corpus")
-    port = port or _free_port(host)
+    from lib.launch import free_port  # here, so the server process itself does not import the launcher
+
+    port = port or free_port(host)
     if log_path is None:
         fd, log_path = tempfile.mkstemp(prefix="retrieval-", suffix=".log")
         os.close(fd)
