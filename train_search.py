@@ -12,6 +12,7 @@ evaluation, warm start (embedded default only), main() with the GRPO loop.
 """
 import asyncio
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -26,15 +27,17 @@ import aiohttp
 import fire
 import numpy as np
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from lib.actor import Actor, grpo_advantages
+from lib.async_rollout import BackgroundLoop, RolloutProducer
 from lib.client import InferenceClient
 from lib.config import load_config, to_dict
-from lib.launch import launch_cpu_server, launch_sglang
+from lib.launch import free_port, launch_cpu_server, launch_sglang
 from lib.metrics import MetricsLogger
 from lib.padding import concat_padded_tensors
-from lib.weight_sync import sync_weights_from_disk
+from lib.weight_sync import DistributedWeightSync, sync_weights_from_disk
 
 
 @dataclass
@@ -43,6 +46,7 @@ class Config:
     run_dir: str = "runs/search"  # metrics.jsonl, traces.jsonl, checkpoints/
     seed: int = 0
     max_steps: int = 200  # GRPO steps
+    mode: str = "sync"  # "sync": rollout, then update; "async": rollouts keep running during the update
     resume: bool = False  # continue from the latest checkpoint in run_dir
     checkpoint_every: int = 10  # steps; 0 = never
     # --- model and inference server ---
@@ -51,9 +55,10 @@ class Config:
     server_addrs: list = field(default_factory=list)  # external servers, ["http://host:port", ...]
     server_device: str = "cpu"  # device of the CPU-capable server ("cuda" works too)
     server_threads: int = 1  # torch threads of the CPU server (the trainer keeps the rest)
-    base_gpu_id: int = 1  # first GPU of the SGLang server (the trainer uses GPU 0)
+    base_gpu_id: int = 1  # first GPU of the SGLang server (the trainer uses GPU 0; under torchrun GPUs 0..N-1)
     tp_size: int = 1
     dp_size: int = 1
+    num_servers: int = 1  # SGLang servers side by side, each on tp_size x dp_size GPUs from base_gpu_id on
     mem_fraction_static: float | None = None
     sglang_extra_args: str = "--attention-backend triton --sampling-backend pytorch --grammar-backend none"
     max_concurrent_requests: int = 256
@@ -63,6 +68,7 @@ class Config:
     retrieval_addr: str = ""  # a running Search-R1/ASearcher-style server; "" = start lib/retrieval
     topk: int = 3  # documents per search
     tool_timeout_s: float = 30.0
+    tool_latency_s: float = 0.0  # sleep before each retrieval call: stands in for a slower search engine in benchmarks
     tool_retries: int = 3  # attempts before the episode gets a tool-failure message
     max_info_chars: int = 3000  # cap of one <information> block
     # --- episode ---
@@ -88,7 +94,11 @@ class Config:
     max_tokens_per_mb: int = 16384  # micro-batch token budget of the trainer
     pack_sequences: bool = True  # padding-free rows; best with attn_implementation flash_attention_2
     attn_implementation: str | None = None  # trainer attention: None = sdpa; "flash_attention_2" on GPUs
-    weight_sync: str = "disk"  # "disk" (safetensors + /update_weights_from_disk) or "nccl"
+    weight_sync: str = "disk"  # "disk" (safetensors + /update_weights_from_disk) or "nccl" (broadcast; gloo on CPUs)
+    weight_sync_bucket_mb: float = 512  # nccl: tensors per update call, one flattened broadcast each
+    # --- async mode ---
+    async_capacity: int = 0  # groups started and not yet trained on; 0 = 2 x batch_size
+    max_staleness: int = 1  # drop a group whose oldest token is more than this many versions old
     # --- warm start (embedded default only) ---
     warm_start_steps: int = 300
     warm_start_lr: float = 2e-3
@@ -187,6 +197,8 @@ def format_docs(docs: list, max_chars: int) -> str:
 
 async def run_tool(session, retrieval_addr: str, kind: str, arg: str, cfg: Config) -> tuple[str, bool]:
     """Returns (text for the <information> block, ok)."""
+    if cfg.tool_latency_s:
+        await asyncio.sleep(cfg.tool_latency_s)
     try:
         if kind == "search":
             out = await call_tool(session, f"{retrieval_addr}/retrieve",
@@ -389,8 +401,40 @@ def embedded_model_and_data(cfg: Config) -> tuple[str, str]:
 
 
 # --- main: the GRPO loop ---
+def broadcast_from_rank0(obj):
+    """Under torchrun: rank 0's `obj` on every rank (pickled; a step's batch is small next to the model)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gap_over_ranks(gap: torch.Tensor, device) -> tuple[float, float]:
+    """(mean, max) of the server-trainer log-prob gap over the loss tokens of every rank's rows."""
+    stats = torch.tensor([gap.sum().item(), gap.numel(), gap.max().item() if gap.numel() else 0.0], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(stats[:2])
+        dist.all_reduce(stats[2:], op=dist.ReduceOp.MAX)
+    total, count, worst = stats.tolist()
+    return total / max(count, 1), worst
+
+
 def main(config: str | None = "configs/search_tiny.yaml", **overrides):
     cfg = load_config(Config, config, overrides)
+    if cfg.mode not in ("sync", "async"):
+        raise ValueError(f"mode must be 'sync' or 'async', got {cfg.mode!r}")
+    if cfg.weight_sync not in ("disk", "nccl"):
+        raise ValueError(f"weight_sync must be 'disk' or 'nccl', got {cfg.weight_sync!r}")
+    if cfg.weight_sync == "nccl" and cfg.dp_size > 1:
+        raise ValueError("weight_sync nccl sends to each server's TP ranks: use num_servers instead of dp_size")
+    # Under torchrun every rank holds a shard of the model (FSDP2, lib/actor.py); rank 0 alone runs the
+    # servers, the rollouts, evaluation and logging, and every rank trains on its rows of rank 0's batch.
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank = dist.get_rank() if world_size > 1 else 0
+    is_main = rank == 0
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -402,7 +446,11 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
     if cfg.model_path:
         model_path, data_dir = cfg.model_path, cfg.data_dir
     else:
+        if not is_main:
+            dist.barrier()  # rank 0 builds the cache first; the others then find it there
         model_path, data_dir = embedded_model_and_data(cfg)
+        if is_main and world_size > 1:
+            dist.barrier()
     if not data_dir:
         raise ValueError("set data_dir to a folder with train.jsonl, dev.jsonl, test.jsonl (and corpus.jsonl "
                          "unless retrieval_addr points at a running retrieval server)")
@@ -411,30 +459,45 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
     dev_items = read_jsonl(os.path.join(data_dir, "dev.jsonl"))[: cfg.eval_size]
     test_items = read_jsonl(os.path.join(data_dir, "test.jsonl"))[: cfg.test_size]
 
-    # Servers: started here and killed with this process, or given by the user.
-    servers = []
+    @functools.lru_cache(maxsize=2)
+    def epoch_order(epoch: int):
+        return np.random.RandomState(cfg.seed + epoch).permutation(len(train_items))
+
+    def item_at(index: int) -> dict:
+        # The data order is a function of (seed, index), so a resumed run sees the same questions.
+        epoch, offset = divmod(index, len(train_items))
+        return train_items[epoch_order(epoch)[offset]]
+
+    # Servers (rank 0): started here and killed with this process, or given by the user.
+    servers, addrs = [], []
     retrieval_addr = cfg.retrieval_addr.rstrip("/")
-    if not retrieval_addr:
+    if is_main and not retrieval_addr:
         retrieval = launch_retrieval_server(os.path.join(data_dir, "corpus.jsonl"),
                                             log_path=os.path.join(cfg.run_dir, "retrieval.log"))
         servers.append(retrieval)
         retrieval_addr = retrieval.address
-    if cfg.server == "external":
+    if is_main and cfg.server == "external":
         addrs = list(cfg.server_addrs)
-    elif cfg.server == "sglang":
-        server = launch_sglang(model_path, base_gpu_id=cfg.base_gpu_id, tp_size=cfg.tp_size, dp_size=cfg.dp_size,
-                               mem_fraction_static=cfg.mem_fraction_static, random_seed=cfg.seed,
-                               extra_args=cfg.sglang_extra_args.split(),
-                               log_path=os.path.join(cfg.run_dir, "sglang.log"))
-        servers.append(server)
-        addrs = [server.address]
-    else:
+    elif is_main and cfg.server == "sglang":
+        for i in range(cfg.num_servers):
+            server = launch_sglang(model_path, base_gpu_id=cfg.base_gpu_id + i * cfg.tp_size * cfg.dp_size,
+                                   tp_size=cfg.tp_size, dp_size=cfg.dp_size,
+                                   mem_fraction_static=cfg.mem_fraction_static, random_seed=cfg.seed,
+                                   extra_args=cfg.sglang_extra_args.split(),
+                                   log_path=os.path.join(cfg.run_dir, f"sglang{i}.log"))
+            servers.append(server)
+            addrs.append(server.address)
+    elif is_main:
         server = launch_cpu_server(model_path, device=cfg.server_device, num_threads=cfg.server_threads,
                                    random_seed=cfg.seed, log_path=os.path.join(cfg.run_dir, "cpu_server.log"))
         servers.append(server)
         addrs = [server.address]
-    client = InferenceClient(addrs, max_concurrent_requests=cfg.max_concurrent_requests)
 
+    # Every client call runs on one event loop in a background thread, so in async mode the
+    # trainer (this thread) can update while episodes run.
+    bg = BackgroundLoop()
+    run = bg.run
+    client = InferenceClient(addrs, max_concurrent_requests=cfg.max_concurrent_requests) if is_main else None
     actor = Actor(model_path, lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
                   total_steps=cfg.max_steps, lr_schedule=cfg.lr_schedule, grad_clip=cfg.grad_clip,
                   temperature=cfg.temperature, max_tokens_per_mb=cfg.max_tokens_per_mb, dtype=cfg.trainer_dtype,
@@ -442,132 +505,197 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
                   eps_clip_low=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high, loss_agg=cfg.loss_agg,
                   packed=cfg.pack_sequences, attn_implementation=cfg.attn_implementation)
 
-    loop = asyncio.new_event_loop()
-
     async def new_session():  # aiohttp sessions belong to the loop they are made in
         return aiohttp.ClientSession()
 
-    session = loop.run_until_complete(new_session())  # for tool calls
-    step, version = 0, 0
+    session = run(new_session()) if is_main else None  # for tool calls
+
+    # Weight sync. "nccl": this trainer (rank 0 sends) and every server's TP workers join one process
+    # group once, then each step broadcasts the new weights (NCCL on GPUs, gloo on CPUs). "disk":
+    # safetensors + /update_weights_from_disk.
+    broadcaster = None
+    if cfg.weight_sync == "nccl":
+        broadcaster = DistributedWeightSync(
+            client, master_port=free_port() if is_main else 0, world_size=1 + len(addrs) * cfg.tp_size,
+            rank_offsets=[1 + i * cfg.tp_size for i in range(len(addrs))],
+            backend="nccl" if actor.device.type == "cuda" else "gloo")
+        run(broadcaster.init())
+
+    def sync_weights(version: int) -> float:
+        if broadcaster is None:
+            return run(sync_weights_from_disk(actor, client, os.path.join(cfg.run_dir, "weights"), version))
+        named = actor.named_full_parameters()  # under FSDP each tensor is gathered: every rank takes part
+        if world_size > 1:
+            named = list(named)  # gather here, on the thread that owns this rank's GPU
+        return run(broadcaster.update(named, version, bucket_mb=cfg.weight_sync_bucket_mb, flattened=True))
+
+    step, version, data_position = 0, 0, 0
     ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
     if cfg.resume and os.path.exists(os.path.join(ckpt_dir, "latest")):
         extra = actor.load_checkpoint(os.path.join(ckpt_dir, "latest"))
         step, version = extra["step"], extra["version"]
+        data_position = extra.get("data_position", step * cfg.batch_size)
         random.setstate(extra["python_rng"])
         torch.set_rng_state(extra["torch_rng"])
         # The server still holds the initial weights: give it the resumed policy.
-        loop.run_until_complete(sync_weights_from_disk(actor, client, os.path.join(cfg.run_dir, "weights"), version))
-        print(f"resumed from step {step} (policy version {version})")
-    client.set_version(version)
-    logger = MetricsLogger(cfg.run_dir, to_dict(cfg), tensorboard=cfg.tensorboard, wandb_project=cfg.wandb_project)
-    trace_file = open(os.path.join(cfg.run_dir, "traces.jsonl"), "a")
-
-    def run(coro):
-        return loop.run_until_complete(coro)
+        sync_weights(version)
+        if is_main:
+            print(f"resumed from step {step} (policy version {version})")
+    logger = trace_file = producer = None
+    if is_main:
+        client.set_version(version)
+        logger = MetricsLogger(cfg.run_dir, to_dict(cfg), tensorboard=cfg.tensorboard, wandb_project=cfg.wandb_project)
+        trace_file = open(os.path.join(cfg.run_dir, "traces.jsonl"), "a")
+        if cfg.mode == "async":
+            producer = RolloutProducer(
+                bg, lambda item: rollout_groups(client, session, tokenizer, cfg, [item], retrieval_addr,
+                                                cfg.temperature, cfg.group_size),
+                item_at, capacity=cfg.async_capacity or 2 * cfg.batch_size, max_staleness=cfg.max_staleness,
+                start_index=data_position, version=version)
 
     try:
-        if step == 0 and cfg.eval_every:
+        if is_main and step == 0 and cfg.eval_every:
             metrics = run(evaluate(client, session, tokenizer, cfg, dev_items, retrieval_addr))
             logger.log(0, {f"eval/{k}": v for k, v in metrics.items()})
             print(f"step 0 dev: {metrics}")
-        progress = tqdm(total=cfg.max_steps, initial=step, desc="GRPO")
+        if producer is not None:
+            producer.start()
+        progress = tqdm(total=cfg.max_steps, initial=step, desc=f"GRPO ({cfg.mode})", disable=not is_main)
         while step < cfg.max_steps:
             t0 = time.time()
-            # Data order is a function of (seed, epoch), so a resumed run sees the same questions.
-            epoch, offset = divmod(step * cfg.batch_size, len(train_items))
-            order = np.random.RandomState(cfg.seed + epoch).permutation(len(train_items))
-            items = [train_items[order[(offset + i) % len(train_items)]] for i in range(cfg.batch_size)]
+            batch = None
+            if is_main:
+                # 1. rollout: sync mode runs this step's groups now; async mode takes groups that have
+                # been generating in the background, dropping any that are too stale.
+                if producer is None:
+                    items = [item_at(data_position + i) for i in range(cfg.batch_size)]
+                    episodes = run(rollout_groups(client, session, tokenizer, cfg, items, retrieval_addr,
+                                                  cfg.temperature, cfg.group_size))
+                    data_position += cfg.batch_size
+                else:
+                    episodes = [e for group in producer.get_groups(cfg.batch_size) for e in group]
+                    data_position = producer.data_position()
+                full = concat_padded_tensors([{k: v for k, v in e.items() if isinstance(v, torch.Tensor)}
+                                              for e in episodes])
+                rewards = full["rewards"]
 
-            # 1. rollout
-            episodes = run(rollout_groups(client, session, tokenizer, cfg, items, retrieval_addr,
-                                          cfg.temperature, cfg.group_size))
+                # 2. advantages (per sequence, broadcast over its tokens by the loss)
+                full["advantages"] = grpo_advantages(rewards, cfg.group_size, scale_by_std=cfg.scale_adv_by_std)
+                keep = torch.ones_like(rewards, dtype=torch.bool)
+                if cfg.drop_equal_groups:
+                    keep = rewards.view(-1, cfg.group_size).std(dim=1).gt(0).repeat_interleave(cfg.group_size)
+                batch = {k: v[keep] for k, v in full.items()}
             t_rollout = time.time() - t0
-            batch = concat_padded_tensors([{k: v for k, v in e.items() if isinstance(v, torch.Tensor)} for e in episodes])
-            rewards = batch["rewards"]
+            if world_size > 1:
+                batch = broadcast_from_rank0(batch)
+            rows = {k: v[rank::world_size] for k, v in batch.items()}  # this rank's share of the batch
+            trainable = len(batch["rewards"]) >= world_size  # every rank needs a row for the collectives
 
-            # 2. advantages (per sequence, broadcast over its tokens by the loss)
-            advantages = grpo_advantages(rewards, cfg.group_size, scale_by_std=cfg.scale_adv_by_std)
-            keep = torch.ones_like(rewards, dtype=torch.bool)
-            if cfg.drop_equal_groups:
-                keep = rewards.view(-1, cfg.group_size).std(dim=1).gt(0).repeat_interleave(cfg.group_size)
-            batch["advantages"] = advantages
-
-            # 3. proximal log-probs, recomputed by the trainer; their gap to the server's is a bug detector
+            # 3. proximal log-probs, recomputed by the trainer (decoupled PPO: `logprobs` stays the
+            # behaviour policy's, as the server reported them). In sync mode the two policies are
+            # the same, so their gap is a bug detector.
             t1 = time.time()
-            batch["proximal_logprobs"] = actor.compute_logprobs(batch)
-            mask = batch["loss_mask"].bool()
-            logp_gap = (batch["proximal_logprobs"] - batch["logprobs"]).abs()[mask]
+            gap_mean = gap_max = 0.0
+            if trainable:
+                rows["proximal_logprobs"] = actor.compute_logprobs(rows)
+                mask = rows["loss_mask"].bool()
+                gap_mean, gap_max = gap_over_ranks((rows["proximal_logprobs"] - rows["logprobs"]).abs()[mask],
+                                                   actor.device)
             t_logp = time.time() - t1
 
             # 4. PPO update
             t2 = time.time()
-            if keep.any():
-                train_batch = {k: v[keep] for k, v in batch.items() if isinstance(v, torch.Tensor)}
-                stats = actor.update(train_batch)
-            else:
-                stats = {}
+            stats = actor.update(rows) if trainable else {}
             t_update = time.time() - t2
 
             # 5. weight sync: pause generation, push the new weights, continue; bump the version
             t3 = time.time()
             version += 1
-            run(client.pause_generation())
-            run(sync_weights_from_disk(actor, client, os.path.join(cfg.run_dir, "weights"), version))
-            run(client.continue_generation(version))
+            if is_main:
+                run(client.pause_generation())
+            sync_weights(version)
+            if is_main:
+                if producer is not None:
+                    producer.set_version(version)
+                run(client.continue_generation(version))  # requests cut by the pause resume, tagged `version`
             t_sync = time.time() - t3
             step += 1
 
             # 6. log
-            metrics = {
-                "rollout/reward": rewards.mean().item(),
-                "rollout/exact_match": float(np.mean([e["exact_match"] for e in episodes])),
-                "rollout/turns": float(np.mean([e["num_turns"] for e in episodes])),
-                "rollout/tool_calls": float(np.mean([e["num_tool_calls"] for e in episodes])),
-                "rollout/tool_failures": sum(e["num_tool_failures"] for e in episodes),
-                "rollout/answered": float(np.mean([e["finish_reason"] == "answer" for e in episodes])),
-                "rollout/max_tokens_hit": float(np.mean([e["finish_reason"] == "max_tokens" for e in episodes])),
-                "rollout/seq_len": batch["attention_mask"].sum(1).float().mean().item(),
-                "rollout/gen_tokens": int(batch["loss_mask"].sum()),
-                "rollout/kept_groups": int(keep.sum()) // cfg.group_size,
-                "logprob/server_trainer_abs_diff_mean": logp_gap.mean().item() if logp_gap.numel() else 0.0,
-                "logprob/server_trainer_abs_diff_max": logp_gap.max().item() if logp_gap.numel() else 0.0,
-                "perf/step_s": time.time() - t0, "perf/rollout_s": t_rollout, "perf/logp_s": t_logp,
-                "perf/update_s": t_update, "perf/sync_s": t_sync,
-                "perf/gen_tokens_per_s": int(batch["loss_mask"].sum()) / max(t_rollout, 1e-6),
-                **{f"loss/{k}": v for k, v in stats.items()},
-            }
-            if cfg.eval_every and step % cfg.eval_every == 0:
-                ev = run(evaluate(client, session, tokenizer, cfg, dev_items, retrieval_addr))
-                metrics.update({f"eval/{k}": v for k, v in ev.items()})
-            logger.log(step, metrics)
-            progress.update(1)
-            progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", dev_em=metrics.get("eval/exact_match", ""))
-            if cfg.trace_every and step % cfg.trace_every == 0:
-                for e in episodes[: cfg.group_size]:
-                    trace_file.write(json.dumps({"step": step, "question": e["question"], "gold": e["gold"],
-                                                 "answer": e["answer"], "reward": e["rewards"].item(),
-                                                 "finish": e["finish_reason"], "turns": e["turn_texts"]}) + "\n")
-                trace_file.flush()
+            if is_main:
+                mask = full["loss_mask"].bool()
+                token_staleness = (version - 1 - full["versions"])[mask].float()
+                gen_tokens = int(full["loss_mask"].sum())
+                step_s = time.time() - t0
+                metrics = {
+                    "rollout/reward": rewards.mean().item(),
+                    "rollout/exact_match": float(np.mean([e["exact_match"] for e in episodes])),
+                    "rollout/turns": float(np.mean([e["num_turns"] for e in episodes])),
+                    "rollout/tool_calls": float(np.mean([e["num_tool_calls"] for e in episodes])),
+                    "rollout/tool_failures": sum(e["num_tool_failures"] for e in episodes),
+                    "rollout/answered": float(np.mean([e["finish_reason"] == "answer" for e in episodes])),
+                    "rollout/max_tokens_hit": float(np.mean([e["finish_reason"] == "max_tokens" for e in episodes])),
+                    "rollout/seq_len": full["attention_mask"].sum(1).float().mean().item(),
+                    "rollout/gen_tokens": gen_tokens,
+                    "rollout/kept_groups": int(keep.sum()) // cfg.group_size,
+                    "rollout/staleness_mean": token_staleness.mean().item() if token_staleness.numel() else 0.0,
+                    "rollout/staleness_max": token_staleness.max().item() if token_staleness.numel() else 0.0,
+                    "rollout/dropped_stale_groups": producer.num_dropped_stale if producer else 0,
+                    "rollout/failed_groups": producer.num_failed if producer else 0,
+                    "logprob/server_trainer_abs_diff_mean": gap_mean,
+                    "logprob/server_trainer_abs_diff_max": gap_max,
+                    "perf/step_s": step_s, "perf/rollout_s": t_rollout, "perf/logp_s": t_logp,
+                    "perf/update_s": t_update, "perf/sync_s": t_sync,
+                    "perf/gen_tokens_per_s": gen_tokens / max(t_rollout, 1e-6),
+                    "perf/trained_tokens_per_s": gen_tokens / max(step_s, 1e-6),
+                    **{f"loss/{k}": v for k, v in stats.items()},  # rank 0's rows under FSDP
+                }
+                if cfg.eval_every and step % cfg.eval_every == 0:
+                    ev = run(evaluate(client, session, tokenizer, cfg, dev_items, retrieval_addr))
+                    metrics.update({f"eval/{k}": v for k, v in ev.items()})
+                logger.log(step, metrics)
+                progress.update(1)
+                progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", dev_em=metrics.get("eval/exact_match", ""))
+                if cfg.trace_every and step % cfg.trace_every == 0:
+                    for e in episodes[: cfg.group_size]:
+                        trace_file.write(json.dumps({"step": step, "question": e["question"], "gold": e["gold"],
+                                                     "answer": e["answer"], "reward": e["rewards"].item(),
+                                                     "finish": e["finish_reason"], "turns": e["turn_texts"]}) + "\n")
+                    trace_file.flush()
 
             # 7. checkpoint
             if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.max_steps):
                 actor.save_checkpoint(os.path.join(ckpt_dir, "latest"), extra={
-                    "step": step, "version": version, "python_rng": random.getstate(),
-                    "torch_rng": torch.get_rng_state()})
+                    "step": step, "version": version, "data_position": data_position,
+                    "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()})
         progress.close()
+        if producer is not None:
+            producer.stop()
+            producer = None
 
-        test_metrics = run(evaluate(client, session, tokenizer, cfg, test_items, retrieval_addr))
-        logger.log(step, {f"test/{k}": v for k, v in test_metrics.items()})
-        print(f"test after {step} steps: {test_metrics}")
+        if is_main:
+            test_metrics = run(evaluate(client, session, tokenizer, cfg, test_items, retrieval_addr))
+            logger.log(step, {f"test/{k}": v for k, v in test_metrics.items()})
+            print(f"test after {step} steps: {test_metrics}")
         actor.save_hf(os.path.join(cfg.run_dir, "final"))
     finally:
-        trace_file.close()
-        logger.close()
-        run(session.close())
-        run(client.close())
-        loop.close()
-        for s in servers:
-            s.terminate()
+        if producer is not None:
+            producer.stop()
+        if is_main:
+            trace_file.close()
+            logger.close()
+        try:
+            if broadcaster is not None:
+                run(broadcaster.close(), timeout_s=60)  # a server that outlives this run can join a new group
+            if is_main:
+                run(session.close(), timeout_s=30)
+                run(client.close(), timeout_s=30)
+        finally:
+            bg.close()
+            for s in servers:
+                s.terminate()
+            if world_size > 1:
+                dist.destroy_process_group()
 
 
 if __name__ == "__main__":

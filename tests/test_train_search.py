@@ -161,3 +161,41 @@ def test_two_steps_then_resume_from_checkpoint(tmp_path):
     assert [r["step"] for r in rows if "rollout/reward" in r] == [1, 2, 3]
     # After the resume the server holds the trained weights, so the log-probs still agree.
     assert rows[-2]["logprob/server_trainer_abs_diff_max"] < 1e-3
+
+
+COMMON = ["--batch_size", "2", "--group_size", "2", "--max_turns", "2", "--max_new_tokens_per_turn", "16",
+          "--eval_every", "0", "--test_size", "2", "--warm_start_steps", "2", "--warm_start_batch_size", "2",
+          "--checkpoint_every", "1", "--lr", "1e-4", "--max_steps", "2", "--tensorboard", "False"]
+
+
+def train_rows(run_dir):
+    return [r for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if "rollout/reward" in r]
+
+
+@pytest.mark.slow
+def test_async_mode_with_tool_latency_and_broadcast_sync_runs_two_steps(tmp_path):
+    run_dir = str(tmp_path / "async")
+    args = [sys.executable, "train_search.py", "--run_dir", run_dir, "--mode", "async", "--tool_latency_s", "0.05",
+            "--weight_sync", "nccl", *COMMON]  # "nccl" is a gloo group on CPUs
+    out = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = train_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["rollout/staleness_max"] <= 1 for r in rows)  # max_staleness 1
+    assert all(r["logprob/server_trainer_abs_diff_mean"] < 0.05 for r in rows)
+    assert os.path.exists(os.path.join(run_dir, "final", "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_train_on_their_share_of_rank0s_batch(tmp_path):
+    run_dir = str(tmp_path / "fsdp")
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "train_search.py",
+            "--run_dir", run_dir, "--weight_sync", "nccl", *COMMON]  # FSDP2 over gloo on CPUs
+    out = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = train_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:  # 4 episodes per step, 2 per rank; loss stats are rank 0's
+        assert r["logprob/server_trainer_abs_diff_max"] < 1e-3
+        assert r["loss/num_tokens"] < r["rollout/gen_tokens"]
+    assert os.path.exists(os.path.join(run_dir, "final", "model.safetensors"))
