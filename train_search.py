@@ -629,6 +629,7 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
                 step_s = time.time() - t0
                 metrics = {
                     "rollout/reward": rewards.mean().item(),
+                    "rollout/episodes": len(episodes),
                     "rollout/exact_match": float(np.mean([e["exact_match"] for e in episodes])),
                     "rollout/turns": float(np.mean([e["num_turns"] for e in episodes])),
                     "rollout/tool_calls": float(np.mean([e["num_tool_calls"] for e in episodes])),

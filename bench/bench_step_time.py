@@ -1,0 +1,62 @@
+"""Step-time breakdown (rollout / logp / update / sync) of train_search.py runs, from their metrics.jsonl,
+as a markdown table; one row per run. The first `--skip` steps (start-up: CUDA graphs, allocator, NCCL
+communicators) are left out; the rest are summarised by their median.
+
+    python bench/bench_step_time.py "sync, 1 s tool latency=runs/a" "async=runs/b" [--skip 1]
+
+Columns: steps timed; median seconds of the whole step and of each phase (in async mode "rollout" is
+the wait for ready groups, the rest of the rollout overlaps the update); steps/s and trained
+episodes/s (1 / median step x episodes per step); generated tokens per step; token staleness max;
+groups dropped as stale (whole run).
+"""
+import argparse
+import json
+import os
+import statistics
+
+
+def summarize(run_dir: str, skip: int) -> dict:
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")) if line.strip()]
+    steps = [r for r in rows if "perf/step_s" in r]
+    timed = steps[skip:] or steps
+    med = lambda key: statistics.median(r[key] for r in timed)  # noqa: E731
+    episodes = med("rollout/episodes")
+    return {
+        "steps": len(timed), "step_s": med("perf/step_s"), "rollout_s": med("perf/rollout_s"),
+        "logp_s": med("perf/logp_s"), "update_s": med("perf/update_s"), "sync_s": med("perf/sync_s"),
+        "steps_per_s": 1 / med("perf/step_s"), "episodes_per_s": episodes / med("perf/step_s"),
+        "gen_tokens": med("rollout/gen_tokens"), "tool_calls": med("rollout/tool_calls"),
+        "staleness_max": max(r.get("rollout/staleness_max", 0) for r in timed),
+        "dropped_stale": steps[-1].get("rollout/dropped_stale_groups", 0) if steps else 0,
+        "episodes_per_step": episodes,
+    }
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", help="LABEL=RUN_DIR (or RUN_DIR)")
+    p.add_argument("--skip", type=int, default=1, help="leading steps left out of the medians")
+    p.add_argument("--json", default=None, help="also write the summaries here")
+    args = p.parse_args()
+    out = {}
+    print("| run | steps timed | step s | rollout s | logp s | update s | sync s | steps/s | episodes/s | "
+          "gen tokens/step | tool calls/episode | staleness max | dropped stale groups |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for spec in args.runs:
+        label, _, run_dir = spec.rpartition("=")
+        label = label or run_dir
+        try:
+            s = summarize(run_dir, args.skip)
+        except (OSError, KeyError, ValueError, statistics.StatisticsError) as e:
+            print(f"| {label} | no steps ({type(e).__name__}: {e}) |")
+            continue
+        out[label] = s
+        print(f"| {label} | {s['steps']} | {s['step_s']:.2f} | {s['rollout_s']:.2f} | {s['logp_s']:.2f} | "
+              f"{s['update_s']:.2f} | {s['sync_s']:.3f} | {s['steps_per_s']:.3f} | {s['episodes_per_s']:.1f} | "
+              f"{s['gen_tokens']:.0f} | {s['tool_calls']:.2f} | {s['staleness_max']:.0f} | {s['dropped_stale']} |")
+    if args.json:
+        json.dump(out, open(args.json, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
