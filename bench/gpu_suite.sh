@@ -4,8 +4,8 @@
 #   bash bench/gpu_suite.sh A    # contract check, trainer MFU variants, rollout overhead, NCCL/disk sync 1.5B
 #   bash bench/gpu_suite.sh B    # GPU tests, NCCL/disk sync 7B
 #   bash bench/gpu_suite.sh C    # trainer MFU with FSDP2 over both GPUs (no server)
-#   bash bench/gpu_suite.sh D    # 4 GPUs: train_search.py step-time breakdown, TRL side by side, sync vs async
-#                                #   with tool latency, colocated, then torchrun FSDP2 x 2 + 2 SGLang servers
+#   bash bench/gpu_suite.sh D    # ~9 min: train_search.py step-time breakdown, TRL side by side, sync vs async
+#                                #   with tool latency, torchrun FSDP2 x 2 with NCCL sync, colocated
 #
 # Needs: SGLang 0.5.15 from the offline kit in .kit (../shared/gpu-sglang/README.md); the tiny model in
 # .gpu_carry/tiny (a copy of ~/.cache/agentrl/tiny-qwen2-*, weights cast to bf16 to fit the 64 MiB
@@ -138,66 +138,41 @@ if [ "$STAGE" = C ]; then
 fi
 
 if [ "$STAGE" = D ]; then
-  # 4 GPUs; needs .hcarry/: search_model (the warm-started tiny search model, bf16 weights), wiki.tgz (the
-  # synthetic encyclopedia, train.jsonl cut to 2,000 questions) and whl/ (fire, bm25s, trl, datasets, ...).
-  # Lanes at once: A = trainer GPU 0 + SGLang 1.5B GPU 1 (step-time breakdown, ours in TRL's shape);
-  # B = GPU 2 (TRL GRPOTrainer, then trainer + SGLang colocated); C = GPU 3 (sync vs async with tool
-  # latency, tiny model, colocated). Then torchrun: FSDP2 trainer on GPUs 0 and 2, SGLang on 1 (lane A's) and 3.
+  # 2 GPUs, one call of about 9 minutes. Needs .hcarry/: search_model (the warm-started tiny search model,
+  # bf16 weights), wiki.tgz (the synthetic encyclopedia, train.jsonl cut to 2,000 questions) and whl/ (fire,
+  # bm25s, trl, datasets, dill, multiprocess). Order:
+  #   GPU 0: TRL GRPOTrainer (1.5B shapes)  |  GPU 1: tiny SGLang + trainer: search task async vs sync, 1 s tool latency
+  #   then trainer GPU 0 + SGLang 1.5B GPU 1: step-time breakdown (NCCL sync), ours in TRL's shape
+  #   then torchrun: FSDP2 trainer on GPUs 0 and 1, the same SGLang on GPU 1, NCCL sync
+  #   then colocated: trainer on GPU 1 beside that server, disk sync
   SM=$PWD/.hcarry/search_model
   RUNS=/tmp/runs; mkdir -p $RUNS
   for lane in A B C; do mkdir -p /tmp/wiki$lane; tar -xzf .hcarry/wiki.tgz -C /tmp/wiki$lane --strip-components 1; done
+  TS="python3 train_search.py --eval_every 0 --test_size 2 --checkpoint_every 0 --tensorboard False --trace_every 0"
+  BIG="--model_path /tmp/q15 --trainer_dtype bfloat16 --pack_sequences False --lr 1e-6 --batch_size 8 --group_size 8"
+  MULTI="--max_turns 4 --max_new_tokens_per_turn 256 --max_tokens 1024"  # random weights: every episode runs to max_tokens
+  left() { echo $(( $1 - $(date +%s) + T0 )); }  # seconds until t = $1
   ts "make_random_model 1.5b (on GPU 0)"
   python3 -c "import torch; torch.set_default_device('cuda:0')
 from bench.make_random_model import make_random_model
 make_random_model('qwen2.5-1.5b', '/tmp/q15', '$SM')" || exit 1
-  TS="python3 train_search.py --eval_every 0 --test_size 2 --checkpoint_every 0 --tensorboard False --trace_every 0"
-  BIG="--model_path /tmp/q15 --trainer_dtype bfloat16 --pack_sequences False --lr 1e-6 --batch_size 8 --group_size 8"
-  MULTI="--max_turns 4 --max_new_tokens_per_turn 256 --max_tokens 1024"  # random weights: every episode runs to max_tokens
   ts "model built"
   (
-    start_server /tmp/q15 1 0.8 /tmp/q15_gpu1.addr --cuda-graph-max-bs 64
-    echo $SERVER_PID > /tmp/q15_gpu1.pid
-    wait_file /tmp/q15_gpu1.addr || { echo "server failed"; tail -50 /tmp/q15_gpu1.addr.log; exit 1; }
-    A="[\"$(cat /tmp/q15_gpu1.addr)\"]"
-    ts "A1 step-time breakdown, 1.5B, NCCL sync"
-    timeout 150 $TS $BIG $MULTI --data_dir /tmp/wikiA --server external --server_addrs "$A" --weight_sync nccl \
-      --max_tokens_per_mb 16384 --max_steps 5 --run_dir $RUNS/e2e_nccl; echo "A1 exit $?"
-    ts "A2 ours in TRL's shape: single turn, 512 new tokens"
-    timeout 120 $TS $BIG --data_dir /tmp/wikiA --server external --server_addrs "$A" --weight_sync nccl \
-      --max_turns 1 --max_new_tokens_per_turn 512 --max_tokens 1024 --max_tokens_per_mb 16384 --max_steps 5 \
-      --run_dir $RUNS/ours_trl_shape; echo "A2 exit $?"
-    ts "A3 step-time breakdown, 1.5B, disk sync"
-    timeout 100 $TS $BIG $MULTI --data_dir /tmp/wikiA --server external --server_addrs "$A" --weight_sync disk \
-      --max_tokens_per_mb 16384 --max_steps 3 --run_dir $RUNS/e2e_disk; echo "A3 exit $?"
-    ts "lane A done"
-  ) > "$OUT/laneA.log" 2>&1 &
-  LANEA=$!
-  (
-    ts "B1 TRL GRPOTrainer on GPU 2 (machine's transformers, not the kit's)"
-    CUDA_VISIBLE_DEVICES=2 PYTHONPATH=$PWD:/tmp/site2 timeout 240 python3 bench/bench_trl.py --model-path /tmp/q15 \
+    ts "B TRL GRPOTrainer on GPU 0 (machine's transformers, not the kit's)"
+    CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$PWD:/tmp/site2 timeout 200 python3 bench/bench_trl.py --model-path /tmp/q15 \
       --data-dir /tmp/wikiB --batch-size 8 --group-size 8 --max-new-tokens 512 --steps 4 --micro-batch 16 \
-      --json "$OUT/trl.json"; echo "B1 exit $?"
-    if [ $(( $(date +%s) - T0 )) -lt 230 ]; then
-      ts "B2 colocated: SGLang (mem 0.35) and trainer on GPU 2, disk sync"
-      start_server /tmp/q15 2 0.35 /tmp/q15_gpu2.addr --cuda-graph-max-bs 64
-      if wait_file /tmp/q15_gpu2.addr; then
-        CUDA_VISIBLE_DEVICES=2 timeout 100 $TS $BIG $MULTI --data_dir /tmp/wikiB --server external \
-          --server_addrs "[\"$(cat /tmp/q15_gpu2.addr)\"]" --weight_sync disk --max_tokens_per_mb 8192 --max_steps 3 \
-          --run_dir $RUNS/colocated_disk; echo "B2 exit $?"
-        nvidia-smi --query-gpu=index,memory.used --format=csv
-      else echo "colocated server failed"; tail -30 /tmp/q15_gpu2.addr.log; fi
-      kill "$SERVER_PID"; wait "$SERVER_PID" 2>/dev/null
-    else ts "skipped (time): B2 colocated"; fi
-    ts "lane B done"
+      --json "$OUT/trl.json"; echo "B TRL exit $?"
   ) > "$OUT/laneB.log" 2>&1 &
   LANEB=$!
   (
-    start_server "$SM" 3 0.3 /tmp/sm.addr --cuda-graph-max-bs 256
+    start_server "$SM" 1 0.15 /tmp/sm.addr --cuda-graph-max-bs 256
     wait_file /tmp/sm.addr || { echo "server failed"; tail -50 /tmp/sm.addr.log; exit 1; }
-    for mode in sync async; do
+    touch /tmp/sm.up
+    # async first: the 1.5B server starting on this GPU meanwhile can only slow the first run, never favour async
+    for mode in async sync; do
       ts "C search task, tiny warm-started model, 1 s tool latency, $mode"
-      # Trainer and server share GPU 3, so disk sync (NCCL cannot put two ranks on one GPU).
-      CUDA_VISIBLE_DEVICES=3 timeout 110 $TS --model_path "$SM" --data_dir /tmp/wikiC --server external \
+      # Trainer and server share GPU 1, so disk sync (NCCL cannot put two ranks of a group on one GPU).
+      CUDA_VISIBLE_DEVICES=1 timeout 100 $TS --model_path "$SM" --data_dir /tmp/wikiC --server external \
         --server_addrs "[\"$(cat /tmp/sm.addr)\"]" --weight_sync disk --mode $mode --tool_latency_s 1.0 \
         --batch_size 16 --group_size 8 --max_turns 8 --max_new_tokens_per_turn 64 --max_tokens 1024 --max_steps 6 \
         --run_dir $RUNS/search_$mode; echo "C $mode exit $?"
@@ -206,30 +181,43 @@ make_random_model('qwen2.5-1.5b', '/tmp/q15', '$SM')" || exit 1
     ts "lane C done"
   ) > "$OUT/laneC.log" 2>&1 &
   LANEC=$!
-  # The torchrun run's second server starts now beside lane C's tiny one on GPU 3 (after it: SGLang sizes
-  # its KV cache from the memory free at start-up), so it is ready when lanes A and B are done.
-  while [ ! -s /tmp/sm.addr ] && kill -0 $LANEC 2>/dev/null; do sleep 1; done
-  ts "SGLang 1.5B on GPU 3 (mem 0.45) for the torchrun run"
-  start_server /tmp/q15 3 0.45 /tmp/q15_gpu3.addr --cuda-graph-max-bs 64
-  SERVER3=$SERVER_PID
-  wait $LANEA $LANEB $LANEC
-  ts "lanes done"
-  if wait_file /tmp/q15_gpu3.addr && [ -s /tmp/q15_gpu1.addr ] && [ $(( $(date +%s) - T0 )) -lt 470 ]; then
-    ts "torchrun: FSDP2 trainer on GPUs 0 and 2, SGLang on GPUs 1 and 3, NCCL sync to both"
-    CUDA_VISIBLE_DEVICES=0,2 timeout $(( 570 - $(date +%s) + T0 )) python3 -m torch.distributed.run --nproc_per_node 2 \
+  # The 1.5B server starts after the tiny one is up (SGLang sizes its KV cache from the memory free at start-up).
+  while [ ! -f /tmp/sm.up ] && kill -0 $LANEC 2>/dev/null; do sleep 1; done
+  ts "SGLang 1.5B on GPU 1 (mem 0.45)"
+  start_server /tmp/q15 1 0.45 /tmp/q15.addr --cuda-graph-max-bs 64
+  wait $LANEB $LANEC
+  ts "TRL and lane C done"; grep -E "TRL step|exit|Error" "$OUT/laneB.log" | tail -8
+  wait_file /tmp/q15.addr || { echo "1.5B server failed"; tail -50 /tmp/q15.addr.log; }
+  A="[\"$(cat /tmp/q15.addr)\"]"
+  ts "A1 step-time breakdown, 1.5B, trainer GPU 0, SGLang GPU 1, NCCL sync"
+  timeout $(( $(left 560) < 130 ? $(left 560) : 130 )) $TS $BIG $MULTI --data_dir /tmp/wikiA --server external \
+    --server_addrs "$A" --weight_sync nccl --max_tokens_per_mb 16384 --max_steps 4 --run_dir $RUNS/e2e_nccl \
+    > "$OUT/runs_gpu.log" 2>&1; echo "A1 exit $?"
+  ts "A2 ours in TRL's shape: single turn, 512 new tokens"
+  timeout $(( $(left 560) < 110 ? $(left 560) : 110 )) $TS $BIG --data_dir /tmp/wikiA --server external \
+    --server_addrs "$A" --weight_sync nccl --max_turns 1 --max_new_tokens_per_turn 512 --max_tokens 1024 \
+    --max_tokens_per_mb 16384 --max_steps 4 --run_dir $RUNS/ours_trl_shape >> "$OUT/runs_gpu.log" 2>&1; echo "A2 exit $?"
+  if [ $(left 560) -gt 90 ]; then
+    ts "torchrun: FSDP2 trainer on GPUs 0 and 1, SGLang on GPU 1 beside rank 1, NCCL sync from rank 0"
+    timeout $(( $(left 560) < 150 ? $(left 560) : 150 )) python3 -m torch.distributed.run --nproc_per_node 2 \
       train_search.py --eval_every 0 --test_size 2 --checkpoint_every 0 --tensorboard False --trace_every 0 $BIG $MULTI \
-      --data_dir /tmp/wikiA --server external --weight_sync nccl --max_tokens_per_mb 16384 --max_steps 4 \
-      --server_addrs "[\"$(cat /tmp/q15_gpu1.addr)\",\"$(cat /tmp/q15_gpu3.addr)\"]" --run_dir $RUNS/fsdp2_x2 \
-      > "$OUT/torchrun.log" 2>&1
-    echo "torchrun exit $?"; grep -v "Loading weights\|Writing model" "$OUT/torchrun.log" | tail -15
-  else ts "skipped: torchrun (server on GPU 3 not up, or out of time)"; tail -20 /tmp/q15_gpu3.addr.log; fi
-  kill "$SERVER3" "$(cat /tmp/q15_gpu1.pid)" 2>/dev/null
+      --data_dir /tmp/wikiA --server external --server_addrs "$A" --weight_sync nccl --max_tokens_per_mb 8192 \
+      --max_steps 3 --run_dir $RUNS/fsdp2_x2 > "$OUT/torchrun.log" 2>&1
+    echo "torchrun exit $?"; grep -v "Loading weights\|Writing model" "$OUT/torchrun.log" | tail -12
+  else ts "skipped (time): torchrun"; fi
+  if [ $(left 560) -gt 60 ]; then
+    ts "colocated: trainer on GPU 1 beside its SGLang server (mem 0.45), disk sync"
+    CUDA_VISIBLE_DEVICES=1 timeout $(left 560) $TS $BIG $MULTI --data_dir /tmp/wikiA --server external \
+      --server_addrs "$A" --weight_sync disk --max_tokens_per_mb 8192 --max_steps 3 --run_dir $RUNS/colocated_disk \
+      >> "$OUT/runs_gpu.log" 2>&1; echo "colocated exit $?"
+  else ts "skipped (time): colocated"; fi
+  nvidia-smi --query-gpu=index,memory.used --format=csv
+  kill "$SERVER_PID" 2>/dev/null
   ts "stage D done"
-  grep -E "exit|skipped|Error|error:|Traceback" "$OUT"/lane*.log | cut -c1-300
-  python3 bench/bench_step_time.py "1.5B, NCCL sync=$RUNS/e2e_nccl" "1.5B, disk sync=$RUNS/e2e_disk" \
-    "1.5B, colocated, disk sync=$RUNS/colocated_disk" "1.5B, torchrun FSDP2 x2 + 2 servers=$RUNS/fsdp2_x2" \
-    "1.5B, single turn (TRL shape)=$RUNS/ours_trl_shape" "tiny, tool 1 s, sync=$RUNS/search_sync" \
-    "tiny, tool 1 s, async=$RUNS/search_async" --json "$OUT/step_times.json"
+  grep -E "exit|skipped|Error|error:|Traceback" "$OUT"/lane*.log "$OUT/runs_gpu.log" | cut -c1-300 | tail -20
+  python3 bench/bench_step_time.py "1.5B, NCCL sync=$RUNS/e2e_nccl" "1.5B, single turn (TRL shape)=$RUNS/ours_trl_shape" \
+    "1.5B, torchrun FSDP2 x2=$RUNS/fsdp2_x2" "1.5B, colocated, disk sync=$RUNS/colocated_disk" \
+    "tiny, tool 1 s, sync=$RUNS/search_sync" "tiny, tool 1 s, async=$RUNS/search_async" --json "$OUT/step_times.json"
   python3 bench/bench_trl.py --model-path /tmp/q15 --data-dir /tmp/wikiB --batch-size 8 --group-size 8 \
     --max-new-tokens 512 --trl-json "$OUT/trl.json" --ours $RUNS/ours_trl_shape
   tar -C /tmp -czf "$OUT/runs.tgz" --exclude=final --exclude=weights --exclude=checkpoints runs
