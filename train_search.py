@@ -76,6 +76,7 @@ class Config:
     max_tokens: int = 2048  # context budget of one episode: prompt + all turns + tool output
     max_new_tokens_per_turn: int = 128
     temperature: float = 1.0
+    prompt: str = "full"  # "full" (ASearcher-style instructions) or "short" (the question only)
     apply_chat_template: bool = True  # wrap the prompt in the tokenizer's chat template
     # --- GRPO ---
     batch_size: int = 8  # questions per step
@@ -103,6 +104,8 @@ class Config:
     warm_start_steps: int = 300
     warm_start_lr: float = 2e-3
     warm_start_batch_size: int = 16
+    warm_start_worlds: int = 1  # counterfactual worlds (the training world's names, other facts) for demonstrations
+    warm_start_corpus_lm: bool = False  # also train on the corpus as plain text ("pretraining")
     # --- evaluation and logging ---
     eval_every: int = 10  # steps; 0 = only at the end
     eval_size: int = 200  # dev questions per evaluation
@@ -120,11 +123,15 @@ PROMPT_TEMPLATE = (
     "title </access>. Search as often as you need. When you know the answer, give it inside <answer> "
     "and </answer> in a few words, for example <answer> Beijing </answer>.\nQuestion: {question}\n"
 )
+# The embedded tiny model learns the tags from its warm start and needs no instructions: a short
+# prompt halves the tokens of a CPU training step.
+SHORT_PROMPT_TEMPLATE = "Question: {question}\n"
+PROMPTS = {"full": PROMPT_TEMPLATE, "short": SHORT_PROMPT_TEMPLATE}
 STOP_STRINGS = ["</search>", "</access>", "</answer>"]
 
 
-def build_prompt_ids(tokenizer, question: str, apply_chat_template: bool) -> list[int]:
-    text = PROMPT_TEMPLATE.format(question=question)
+def build_prompt_ids(tokenizer, question: str, apply_chat_template: bool, template: str = PROMPT_TEMPLATE) -> list[int]:
+    text = template.format(question=question)
     if apply_chat_template and tokenizer.chat_template:
         return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
                                                   add_generation_prompt=True, return_dict=False))
@@ -249,7 +256,7 @@ async def arun_episode(client: InferenceClient, session, tokenizer, cfg: Config,
     """One multi-turn trajectory in DESIGN §3 format. Token ids in, token ids out: generated tokens
     enter the trajectory exactly as the server sampled them, with its log-probs; tool output is
     tokenized on its own and masked out of the loss."""
-    prompt_ids = build_prompt_ids(tokenizer, item["question"], cfg.apply_chat_template)
+    prompt_ids = build_prompt_ids(tokenizer, item["question"], cfg.apply_chat_template, PROMPTS[cfg.prompt])
     input_ids, loss_mask, logprobs, versions = list(prompt_ids), [0] * len(prompt_ids), [0.0] * len(prompt_ids), [-1] * len(prompt_ids)
     trajectory_id = uuid.uuid4().hex
     answer, finish, turns, tool_calls, tool_failures, texts = None, "max_turns", 0, 0, 0, []
@@ -349,30 +356,73 @@ def read_jsonl(path: str) -> list[dict]:
 
 
 # --- warm start (embedded default only) ---
-def build_demonstrations(tokenizer, cfg: Config, items: list[dict], corpus_path: str) -> list[dict]:
+def build_demonstrations(tokenizer, cfg: Config, items: list[dict], corpus_path: str,
+                         loss_on_tool_tokens: bool = True) -> list[dict]:
     """Successful trajectories for SFT: per hop, search the hop's query and read the real BM25
     results; then answer. Pieces are tokenized exactly as arun_episode tokenizes them.
 
-    The loss covers every token, tool output included: a model trained from scratch learns to copy
-    names (question -> query, information -> answer) from the many repetitions in the passages far
-    sooner than from its own turns alone (measured: with model tokens only, 200 steps learned the
-    format but no copying, dev EM 0)."""
+    By default the loss covers every token, tool output included: a model trained from scratch
+    learns to copy names (question -> query, information -> answer) sooner from the many
+    repetitions in the passages than from its own turns alone."""
     from lib.retrieval import bm25_search, load_bm25
 
     index = load_bm25(corpus_path)
+    tool_mask = 1 if loss_on_tool_tokens else 0
     examples = []
     for item in items:
-        ids = build_prompt_ids(tokenizer, item["question"], cfg.apply_chat_template)
+        ids = build_prompt_ids(tokenizer, item["question"], cfg.apply_chat_template, PROMPTS[cfg.prompt])
+        mask = [tool_mask] * len(ids)
         for query in item["hop_queries"]:
             model_text = f"<think> I need to search {query}. </think>\n<search> {query} </search>"
             docs = bm25_search(index, [query], cfg.topk)[0]
             tool_text = f"\n\n<information>{format_docs(docs, cfg.max_info_chars)}</information>\n\n"
-            ids += tokenizer(model_text, add_special_tokens=False)["input_ids"]
-            ids += tokenizer(tool_text, add_special_tokens=False)["input_ids"]
+            model_ids = tokenizer(model_text, add_special_tokens=False)["input_ids"]
+            tool_ids = tokenizer(tool_text, add_special_tokens=False)["input_ids"]
+            ids += model_ids + tool_ids
+            mask += [1] * len(model_ids) + [tool_mask] * len(tool_ids)
         final = f"<think> The answer is {item['answer'][0]}. </think>\n<answer> {item['answer'][0]} </answer>"
-        ids += tokenizer(final, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        final_ids = tokenizer(final, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        ids += final_ids
+        mask += [1] * len(final_ids)
         if len(ids) <= cfg.max_tokens:
+            examples.append({"input_ids": ids, "loss_mask": mask})
+    return examples
+
+
+def corpus_lm_examples(tokenizer, corpus_path: str, chunk_tokens: int = 256) -> list[dict]:
+    """The encyclopedia itself as language-model text, in chunks of whole passages: the tiny
+    model's "pretraining on Wikipedia". Every name of the world then has a trained embedding, which
+    the agent needs to copy it from a question or a search result (names are often single tokens;
+    a token never seen in training cannot be copied)."""
+    examples, ids = [], []
+    with open(corpus_path) as f:
+        texts = [json.loads(line)["contents"] + "\n\n" for line in f if line.strip()]
+    for piece in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+        if ids and len(ids) + len(piece) > chunk_tokens:
             examples.append({"input_ids": ids, "loss_mask": [1] * len(ids)})
+            ids = []
+        ids = ids + piece
+    if ids:
+        examples.append({"input_ids": ids, "loss_mask": [1] * len(ids)})
+    return examples
+
+
+def warm_start_examples(tokenizer, cfg: Config, data_dir: str) -> list[dict]:
+    """SFT data of the embedded default: demonstrations on the warm-start split (questions about a
+    part of the world that train/dev/test never ask about) and on `warm_start_worlds`
+    counterfactual worlds (lib/wiki_data: the same names, other facts: the model learns to read
+    answers from search results on the very tokens it meets in training, and cannot memorise
+    them), plus the training world's corpus as language-model text if `warm_start_corpus_lm`."""
+    from lib.wiki_data import SPLITS, default_wiki_dir
+
+    examples = build_demonstrations(tokenizer, cfg, read_jsonl(os.path.join(data_dir, "warmstart.jsonl")),
+                                    os.path.join(data_dir, "corpus.jsonl"))
+    for seed in range(1, cfg.warm_start_worlds + 1):
+        world = default_wiki_dir(seed=seed, names_seed=0)
+        items = [q for split in SPLITS for q in read_jsonl(os.path.join(world, f"{split}.jsonl"))]
+        examples += build_demonstrations(tokenizer, cfg, items, os.path.join(world, "corpus.jsonl"))
+    if cfg.warm_start_corpus_lm:
+        examples += corpus_lm_examples(tokenizer, os.path.join(data_dir, "corpus.jsonl"))
     return examples
 
 
@@ -386,15 +436,14 @@ def embedded_model_and_data(cfg: Config) -> tuple[str, str]:
 
     data_dir = cfg.data_dir or default_wiki_dir(seed=0)
     base = default_tiny_model_dir()
-    settings = {"base": base, "data": data_dir, "steps": cfg.warm_start_steps, "lr": cfg.warm_start_lr,
-                "batch": cfg.warm_start_batch_size, "prompt": PROMPT_TEMPLATE, "topk": cfg.topk,
-                "chat": cfg.apply_chat_template, "v": 2}
+    settings = {"base": base, "steps": cfg.warm_start_steps, "lr": cfg.warm_start_lr,
+                "batch": cfg.warm_start_batch_size, "worlds": cfg.warm_start_worlds,
+                "corpus_lm": cfg.warm_start_corpus_lm, "data": data_dir, "prompt": PROMPTS[cfg.prompt],
+                "topk": cfg.topk, "chat": cfg.apply_chat_template, "max_tokens": cfg.max_tokens, "v": 3}
     out = warm_start_dir("search-warm-start", settings)
     if not os.path.exists(os.path.join(out, "model.safetensors")):
-        tokenizer = AutoTokenizer.from_pretrained(base)
-        demos = build_demonstrations(tokenizer, cfg, read_jsonl(os.path.join(data_dir, "warmstart.jsonl")),
-                                     os.path.join(data_dir, "corpus.jsonl"))
-        print(f"warm start: {len(demos)} demonstrations, {cfg.warm_start_steps} SFT steps")
+        demos = warm_start_examples(AutoTokenizer.from_pretrained(base), cfg, data_dir)
+        print(f"warm start: {len(demos)} examples, {cfg.warm_start_steps} SFT steps")
         sft_warm_start(base, demos, out, steps=cfg.warm_start_steps, lr=cfg.warm_start_lr,
                        batch_size=cfg.warm_start_batch_size, seed=cfg.seed)
     return out, data_dir

@@ -30,6 +30,10 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 
+# bm25s imports jax when it is installed, and jax on a GPU machine takes 75% of every GPU's memory at
+# start-up (seen on an H100: the inference server then failed with out-of-memory). BM25 needs no GPU.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
 logger = logging.getLogger("retrieval")
 
 # Bump when the cached index layout or tokenization changes, so old caches are rebuilt.

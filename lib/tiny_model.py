@@ -113,6 +113,11 @@ def default_texts(seed: int = 0) -> list[str]:
 
 def default_tiny_model_dir(seed: int = 0, **arch) -> str:
     """Path of the embedded tiny model, building it (and the data it is trained on) on first use."""
-    key = hashlib.sha1(json.dumps({**DEFAULT_ARCH, **arch, "seed": seed}, sort_keys=True).encode()).hexdigest()[:8]
+    from lib import math_data, wiki_data
+
+    # The tokenizer is trained on the bundled data: a new data generator means a new model.
+    data = {"wiki": wiki_data.GENERATOR_VERSION, "math": math_data.GENERATOR_VERSION}
+    key = hashlib.sha1(json.dumps({**DEFAULT_ARCH, **arch, "seed": seed, "data": data},
+                                  sort_keys=True).encode()).hexdigest()[:8]
     out_dir = os.path.join(cache_root(), f"tiny-qwen2-{key}")
     return build_once(out_dir, lambda tmp: build_tiny_model(tmp, default_texts(seed), seed=seed, **arch))

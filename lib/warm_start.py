@@ -33,9 +33,13 @@ def sft_warm_start(
     warmup_steps: int = 20,
     seed: int = 0,
     num_threads: int | None = None,
+    device: str = "cpu",
+    callback=None,
+    callback_every: int = 0,
 ) -> str:
     """Train `base_model_dir` on `examples` ({"input_ids": [...], "loss_mask": [...]}) and save the
-    result (model + tokenizer, HF format) to `out_dir`. Returns `out_dir`; reuses it if present."""
+    result (model + tokenizer, HF format) to `out_dir`. Returns `out_dir`; reuses it if present.
+    `callback(step, model, tokenizer)` runs every `callback_every` steps (learning curves in bench/)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if os.path.exists(os.path.join(out_dir, "model.safetensors")):
@@ -46,7 +50,7 @@ def sft_warm_start(
         torch.set_num_threads(num_threads)
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    model = AutoModelForCausalLM.from_pretrained(base_model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(base_model_dir, dtype=torch.float32).to(device)
     tokenizer = AutoTokenizer.from_pretrained(base_model_dir)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
@@ -71,6 +75,7 @@ def sft_warm_start(
             input_ids[i, :n] = torch.tensor(ex["input_ids"])
             loss_mask[i, :n] = torch.tensor(ex["loss_mask"], dtype=torch.float32)
             attention_mask[i, :n] = 1
+        input_ids, loss_mask, attention_mask = input_ids.to(device), loss_mask.to(device), attention_mask.to(device)
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
         nll = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.size(-1)), input_ids[:, 1:].reshape(-1), reduction="none"
@@ -83,9 +88,13 @@ def sft_warm_start(
         optimizer.step()
         scheduler.step()
         progress.set_postfix(loss=f"{loss.item():.3f}")
+        if callback is not None and callback_every and (step + 1) % callback_every == 0:
+            model.eval()
+            callback(step + 1, model, tokenizer)
+            model.train()
 
     with atomic_dir(out_dir) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
+        model.to("cpu").save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, "warm_start.json"), "w") as f:
             json.dump({"steps": steps, "lr": lr, "batch_size": batch_size, "final_loss": loss.item(),

@@ -29,7 +29,7 @@ import random
 from lib.cache import build_once, cache_root
 
 # Bump when the generator changes, so cached data built by an older version is not reused.
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 
 SPLITS = ("warmstart", "train", "dev", "test")
 SPLIT_FRACTIONS = {"warmstart": 0.10, "dev": 0.03, "test": 0.05}  # train: the rest
@@ -131,9 +131,12 @@ def _make_names(rng: random.Random, kind: str, count: int, taken: set[str]) -> l
 
 
 # --- world ---
-def _make_world(rng: random.Random, counts: dict[str, int], taken: set[str]) -> dict:
-    """Entities with their facts. Relations only point inside this world."""
-    names = {kind: _make_names(rng, kind, counts[kind], taken) for kind in KIND_SHARES}
+def _make_world(rng: random.Random, counts: dict[str, int], taken: set[str],
+                names: dict[str, list[str]] | None = None) -> dict:
+    """Entities with their facts. Relations only point inside this world. `names`: use these names
+    (per kind) instead of drawing new ones."""
+    if names is None:
+        names = {kind: _make_names(rng, kind, counts[kind], taken) for kind in KIND_SHARES}
     ents = {kind: [{"kind": kind, "name": n} for n in names[kind]] for kind in KIND_SHARES}
     for country in ents["country"]:
         country["land"] = rng.choice(COUNTRY_LANDS)
@@ -279,18 +282,35 @@ def split_sizes(num_questions: int) -> dict[str, int]:
 
 
 # --- build ---
-def build_wiki_data(out_dir: str, seed: int = 0, num_passages: int = 20000,
-                    num_questions: int = 10000) -> dict[str, str]:
-    """Write `corpus.jsonl` (exactly `num_passages` passages) and the four question splits into
-    `out_dir`; returns {"corpus": path, split: path, ...}."""
-    if num_passages < 300:
-        raise ValueError(f"num_passages={num_passages} is too small for a world with distractors; use >= 300")
+def _world_names(seed: int, num_passages: int) -> dict[str, dict[str, list[str]]]:
+    """The entity names (per world part, per kind) that `build_wiki_data` draws for `seed`."""
     rng = random.Random(seed)
     taken: set[str] = set()
     warm_counts = _scaled_counts(num_passages * WARMSTART_WORLD_FRACTION)
     warm_passages = sum(n * len(PASSAGES[kind]) for kind, n in warm_counts.items())
     worlds = {"warmstart": _make_world(rng, warm_counts, taken),
               "main": _make_world(rng, _scaled_counts(num_passages - warm_passages), taken)}
+    return {part: {kind: [e["name"] for e in ents[kind]] for kind in KIND_SHARES} for part, ents in worlds.items()}
+
+
+def build_wiki_data(out_dir: str, seed: int = 0, num_passages: int = 20000,
+                    num_questions: int = 10000, names_seed: int | None = None) -> dict[str, str]:
+    """Write `corpus.jsonl` (exactly `num_passages` passages) and the four question splits into
+    `out_dir`; returns {"corpus": path, split: path, ...}.
+
+    `names_seed`: a counterfactual world: the entity names of the world of `names_seed`, with new
+    facts, passages and questions drawn from `seed`. Demonstrations over such a world teach the
+    embedded model to read answers from search results (the facts differ from the real world's, so
+    they cannot be memorised) on exactly the names, hence the tokens, it will meet in training."""
+    if num_passages < 300:
+        raise ValueError(f"num_passages={num_passages} is too small for a world with distractors; use >= 300")
+    rng = random.Random(seed)
+    taken: set[str] = set()
+    warm_counts = _scaled_counts(num_passages * WARMSTART_WORLD_FRACTION)
+    warm_passages = sum(n * len(PASSAGES[kind]) for kind, n in warm_counts.items())
+    given = _world_names(names_seed, num_passages) if names_seed is not None else {"warmstart": None, "main": None}
+    worlds = {"warmstart": _make_world(rng, warm_counts, taken, given["warmstart"]),
+              "main": _make_world(rng, _scaled_counts(num_passages - warm_passages), taken, given["main"])}
 
     # Pages in random order; the passage budget is filled with filler passages about random people
     # (they mention the name, so they act as distractors too).
@@ -332,12 +352,13 @@ def build_wiki_data(out_dir: str, seed: int = 0, num_passages: int = 20000,
 
 
 def default_wiki_dir(seed: int = 0, cache_dir: str | None = None, num_passages: int = 20000,
-                     num_questions: int = 10000) -> str:
+                     num_questions: int = 10000, names_seed: int | None = None) -> str:
     """The data set under the cache (`$AGENTRL_CACHE`, default ~/.cache/agentrl), built on first use."""
     root = cache_dir or cache_root()
-    out_dir = os.path.join(root, f"wiki-data-v{GENERATOR_VERSION}-seed{seed}-p{num_passages}-q{num_questions}")
+    names = "" if names_seed is None else f"-names{names_seed}"
+    out_dir = os.path.join(root, f"wiki-data-v{GENERATOR_VERSION}-seed{seed}{names}-p{num_passages}-q{num_questions}")
     return build_once(out_dir, lambda tmp: build_wiki_data(tmp, seed=seed, num_passages=num_passages,
-                                                           num_questions=num_questions))
+                                                           num_questions=num_questions, names_seed=names_seed))
 
 
 def read_jsonl(path: str) -> list[dict]:
