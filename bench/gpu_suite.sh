@@ -4,7 +4,7 @@
 #   bash bench/gpu_suite.sh A    # contract check, trainer MFU variants, rollout overhead, NCCL/disk sync 1.5B
 #   bash bench/gpu_suite.sh B    # GPU tests, NCCL/disk sync 7B
 #   bash bench/gpu_suite.sh C    # trainer MFU with FSDP2 over both GPUs (no server)
-#   bash bench/gpu_suite.sh D    # ~9 min: train_search.py step-time breakdown, TRL side by side, sync vs async
+#   bash bench/gpu_suite.sh D    # ~9.5 min: train_search.py step-time breakdown, TRL side by side, sync vs async
 #                                #   with tool latency, torchrun FSDP2 x 2 with NCCL sync, colocated
 #
 # Needs: SGLang 0.5.15 from the offline kit in .kit (../shared/gpu-sglang/README.md); the tiny model in
@@ -142,8 +142,8 @@ if [ "$STAGE" = D ]; then
   # bf16 weights), wiki.tgz (the synthetic encyclopedia, train.jsonl cut to 2,000 questions) and whl/ (fire,
   # bm25s, trl, datasets, dill, multiprocess). Order:
   #   GPU 0: TRL GRPOTrainer (1.5B shapes)  |  GPU 1: tiny SGLang + trainer: search task async vs sync, 1 s tool latency
-  #   then trainer GPU 0 + SGLang 1.5B GPU 1: step-time breakdown (NCCL sync), ours in TRL's shape
-  #   then torchrun: FSDP2 trainer on GPUs 0 and 1, the same SGLang on GPU 1, NCCL sync
+  #   then trainer GPU 0 + SGLang 1.5B GPU 1: step-time breakdown (NCCL sync)
+  #   then torchrun: FSDP2 trainer on GPUs 0 and 1, the same SGLang on GPU 1, NCCL sync; then ours in TRL's shape
   #   then colocated: trainer on GPU 1 beside that server, disk sync
   SM=$PWD/.hcarry/search_model
   RUNS=/tmp/runs; mkdir -p $RUNS
@@ -190,24 +190,26 @@ make_random_model('qwen2.5-1.5b', '/tmp/q15', '$SM')" || exit 1
   wait_file /tmp/q15.addr || { echo "1.5B server failed"; tail -50 /tmp/q15.addr.log; }
   A="[\"$(cat /tmp/q15.addr)\"]"
   ts "A1 step-time breakdown, 1.5B, trainer GPU 0, SGLang GPU 1, NCCL sync"
-  timeout $(( $(left 560) < 130 ? $(left 560) : 130 )) $TS $BIG $MULTI --data_dir /tmp/wikiA --server external \
+  timeout $(( $(left 540) < 130 ? $(left 540) : 130 )) $TS $BIG $MULTI --data_dir /tmp/wikiA --server external \
     --server_addrs "$A" --weight_sync nccl --max_tokens_per_mb 16384 --max_steps 4 --run_dir $RUNS/e2e_nccl \
     > "$OUT/runs_gpu.log" 2>&1; echo "A1 exit $?"
-  ts "A2 ours in TRL's shape: single turn, 512 new tokens"
-  timeout $(( $(left 560) < 110 ? $(left 560) : 110 )) $TS $BIG --data_dir /tmp/wikiA --server external \
-    --server_addrs "$A" --weight_sync nccl --max_turns 1 --max_new_tokens_per_turn 512 --max_tokens 1024 \
-    --max_tokens_per_mb 16384 --max_steps 4 --run_dir $RUNS/ours_trl_shape >> "$OUT/runs_gpu.log" 2>&1; echo "A2 exit $?"
-  if [ $(left 560) -gt 90 ]; then
+  if [ $(left 540) -gt 100 ]; then
     ts "torchrun: FSDP2 trainer on GPUs 0 and 1, SGLang on GPU 1 beside rank 1, NCCL sync from rank 0"
-    timeout $(( $(left 560) < 150 ? $(left 560) : 150 )) python3 -m torch.distributed.run --nproc_per_node 2 \
+    timeout $(( $(left 540) < 150 ? $(left 540) : 150 )) python3 -m torch.distributed.run --nproc_per_node 2 \
       train_search.py --eval_every 0 --test_size 2 --checkpoint_every 0 --tensorboard False --trace_every 0 $BIG $MULTI \
       --data_dir /tmp/wikiA --server external --server_addrs "$A" --weight_sync nccl --max_tokens_per_mb 8192 \
       --max_steps 3 --run_dir $RUNS/fsdp2_x2 > "$OUT/torchrun.log" 2>&1
     echo "torchrun exit $?"; grep -v "Loading weights\|Writing model" "$OUT/torchrun.log" | tail -12
   else ts "skipped (time): torchrun"; fi
-  if [ $(left 560) -gt 60 ]; then
+  if [ $(left 540) -gt 60 ]; then
+  ts "A2 ours in TRL's shape: single turn, 512 new tokens"
+  timeout $(( $(left 540) < 110 ? $(left 540) : 110 )) $TS $BIG --data_dir /tmp/wikiA --server external \
+    --server_addrs "$A" --weight_sync nccl --max_turns 1 --max_new_tokens_per_turn 512 --max_tokens 1024 \
+    --max_tokens_per_mb 16384 --max_steps 4 --run_dir $RUNS/ours_trl_shape >> "$OUT/runs_gpu.log" 2>&1; echo "A2 exit $?"
+  else ts "skipped (time): A2"; fi
+  if [ $(left 540) -gt 60 ]; then
     ts "colocated: trainer on GPU 1 beside its SGLang server (mem 0.45), disk sync"
-    CUDA_VISIBLE_DEVICES=1 timeout $(left 560) $TS $BIG $MULTI --data_dir /tmp/wikiA --server external \
+    CUDA_VISIBLE_DEVICES=1 timeout $(left 540) $TS $BIG $MULTI --data_dir /tmp/wikiA --server external \
       --server_addrs "$A" --weight_sync disk --max_tokens_per_mb 8192 --max_steps 3 --run_dir $RUNS/colocated_disk \
       >> "$OUT/runs_gpu.log" 2>&1; echo "colocated exit $?"
   else ts "skipped (time): colocated"; fi
