@@ -87,7 +87,7 @@ def sft_warm_start(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
-        progress.set_postfix(loss=f"{loss.item():.3f}")
+        progress.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
         if callback is not None and callback_every and (step + 1) % callback_every == 0:
             model.eval()
             callback(step + 1, model, tokenizer)

@@ -50,6 +50,24 @@ def test_another_seed_gives_another_world(tmp_path, small):
         assert a.read() != b.read()
 
 
+def test_counterfactual_world_has_the_same_names_and_other_facts(tmp_path, small, corpus):
+    cf = build_wiki_data(str(tmp_path), seed=1, names_seed=0, **SMALL)
+    cf_corpus = {row["id"]: row["contents"] for row in read_jsonl(cf["corpus"])}
+    assert {_title(c) for c in cf_corpus.values()} == {_title(c) for c in corpus.values()}
+    # Facts are redrawn: the fact sentences of one name mostly differ between the two worlds.
+    facts = lambda cor: {(_title(c), _text(c)) for c in cor.values() if " in the country of " in c}
+    base, other = facts(corpus), facts(cf_corpus)
+    assert len(base) > 20 and len(base & other) < 0.3 * len(base)
+    # The same question often exists in both worlds, with another answer: it cannot be memorised.
+    real = {q["question"]: q["answer"] for q in read_jsonl(small["train"]) + read_jsonl(small["dev"])}
+    shared = [q for q in read_jsonl(cf["train"]) if q["question"] in real]
+    assert len(shared) > 20
+    assert sum(q["answer"] == real[q["question"]] for q in shared) < 0.2 * len(shared)
+    again = build_wiki_data(str(tmp_path / "again"), seed=1, names_seed=0, **SMALL)
+    with open(cf["corpus"], "rb") as a, open(again["corpus"], "rb") as b:
+        assert a.read() == b.read()
+
+
 def test_corpus_has_exactly_num_passages_in_search_r1_format(small):
     rows = read_jsonl(small["corpus"])
     assert len(rows) == SMALL["num_passages"]
