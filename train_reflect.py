@@ -102,6 +102,7 @@ class Config:
     warm_start_lr: float = 2e-3
     warm_start_batch_size: int = 16
     warm_start_reflect_frac: float = 0.3  # demonstrations that recover from a wrong first answer
+    warm_start_problems: int = 2000  # distinct synthetic problems for the warm start (the train split changes with it)
     # --- evaluation and logging ---
     eval_every: int = 10  # steps; 0 = only at the end
     eval_size: int = 200  # dev questions per evaluation
@@ -373,7 +374,7 @@ def load_splits(cfg: Config) -> dict[str, list[dict]]:
     if not cfg.dataset:
         from lib.math_data import default_math_dir, read_split
 
-        data_dir = default_math_dir(seed=0)
+        data_dir = default_math_dir(seed=0, num_warmstart=cfg.warm_start_problems)
         return {split: read_split(data_dir, split) for split in ("train", "dev", "test")}
     import datasets
 
@@ -442,7 +443,7 @@ def embedded_model(cfg: Config) -> str:
     from lib.tiny_model import default_tiny_model_dir
     from lib.warm_start import sft_warm_start, warm_start_dir
 
-    data_dir = default_math_dir(seed=0)
+    data_dir = default_math_dir(seed=0, num_warmstart=cfg.warm_start_problems)
     base = default_tiny_model_dir()
     settings = {"base": base, "data": data_dir, "steps": cfg.warm_start_steps, "lr": cfg.warm_start_lr,
                 "batch": cfg.warm_start_batch_size, "prompt": PROMPT_TEMPLATE, "reflection": REFLECTION,
@@ -532,6 +533,11 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
     logger = MetricsLogger(cfg.run_dir, to_dict(cfg), tensorboard=cfg.tensorboard, wandb_project=cfg.wandb_project)
     trace_file = open(os.path.join(cfg.run_dir, "traces.jsonl"), "a")
     episode_args = (client, tokenizer, reflection_ids, reward_pool, cfg)
+
+    def save_checkpoint():
+        actor.save_checkpoint(os.path.join(ckpt_dir, "latest"), extra={
+            "step": step, "version": version, "data_position": data_position,
+            "python_rng": random.getstate(), "numpy_rng": np.random.get_state(), "torch_rng": torch.get_rng_state()})
 
     producer = None
     if cfg.mode == "async":
@@ -642,12 +648,11 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
                 trace_file.flush()
 
             # 7. checkpoint
-            if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.max_steps):
-                actor.save_checkpoint(os.path.join(ckpt_dir, "latest"), extra={
-                    "step": step, "version": version, "data_position": data_position,
-                    "python_rng": random.getstate(), "numpy_rng": np.random.get_state(),
-                    "torch_rng": torch.get_rng_state()})
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                save_checkpoint()
         progress.close()
+        if cfg.checkpoint_every and step % cfg.checkpoint_every != 0:
+            save_checkpoint()  # max_steps or time_budget_s ended the run between checkpoints
         if producer is not None:
             producer.stop()
             producer = None

@@ -115,10 +115,12 @@ def build_math_data(out_dir: str, seed: int = 0, num_train: int = 20000, num_dev
     return paths
 
 
-def default_math_dir(seed: int = 0) -> str:
-    """The default-sized data set under the cache, built on first use."""
-    out_dir = os.path.join(cache_root(), f"math-data-v{GENERATOR_VERSION}-seed{seed}")
-    return build_once(out_dir, lambda tmp: build_math_data(tmp, seed=seed))
+def default_math_dir(seed: int = 0, num_warmstart: int = 2000) -> str:
+    """The default-sized data set under the cache, built on first use. A larger `num_warmstart` gives
+    the SFT warm start more distinct problems; test and dev stay the same, train changes."""
+    suffix = "" if num_warmstart == 2000 else f"-w{num_warmstart}"
+    out_dir = os.path.join(cache_root(), f"math-data-v{GENERATOR_VERSION}-seed{seed}{suffix}")
+    return build_once(out_dir, lambda tmp: build_math_data(tmp, seed=seed, num_warmstart=num_warmstart))
 
 
 def read_split(out_dir: str, split: str) -> list[dict]:
