@@ -58,11 +58,16 @@ class ServerProcess:
         return _log_tail(self.log_path, num_lines)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (another process may still take it before the server binds)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_port(host: str = "127.0.0.1", below: int = 65536) -> int:
+    """A TCP port under `below` that was free a moment ago (another process may still take it before
+    the server binds)."""
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port < below:
+            return port
+    raise RuntimeError(f"no free port under {below} on {host}")
 
 
 def wait_for_server(address: str, timeout_s: float = 300.0, *, process: subprocess.Popen | None = None,
@@ -113,7 +118,8 @@ def launch_sglang(model_path: str, *, tokenizer_path: str | None = None, host: s
 
     `extra_args` go to SGLang unchanged (e.g. `["--attention-backend", "triton"]`).
     """
-    port = port or free_port(host)
+    # SGLang 0.5.15 also binds port + 10000 (SGLANG_GRPC_PORT) and refuses to start when that is over 65535.
+    port = port or free_port(host, below=65536 - 10000)
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
            "--port", str(port), "--base-gpu-id", str(base_gpu_id), "--tp-size", str(tp_size),
            "--dp-size", str(dp_size), "--dtype", dtype]

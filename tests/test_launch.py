@@ -159,3 +159,8 @@ def test_a_sigkilled_trainer_takes_its_server_with_it(tmp_path):
         assert _gone(server_pid)
     finally:
         _kill_group(trainer, server_pid)
+
+
+def test_free_port_can_stay_below_a_bound():
+    # SGLang 0.5.15 refuses to start when its port + 10000 (its gRPC port) is over 65535.
+    assert all(free_port(below=55536) < 55536 for _ in range(50))
