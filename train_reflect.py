@@ -98,11 +98,11 @@ class Config:
     async_capacity: int = 0  # groups started and not yet trained on; 0 = 2 x batch_size
     max_staleness: int = 1  # drop a group whose oldest token is more than this many versions old
     # --- warm start (embedded default only) ---
-    warm_start_steps: int = 300
+    warm_start_steps: int = 1500
     warm_start_lr: float = 2e-3
     warm_start_batch_size: int = 16
     warm_start_reflect_frac: float = 0.3  # demonstrations that recover from a wrong first answer
-    warm_start_problems: int = 2000  # distinct synthetic problems for the warm start (the train split changes with it)
+    warm_start_problems: int = 20000  # distinct synthetic problems for the warm start (the train split changes with it)
     # --- evaluation and logging ---
     eval_every: int = 10  # steps; 0 = only at the end
     eval_size: int = 200  # dev questions per evaluation

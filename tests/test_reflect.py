@@ -258,7 +258,7 @@ def test_a_dev_split_in_the_files_is_used_as_is(tmp_path):
 # --- end to end ---
 E2E = dict(max_steps=2, batch_size=2, group_size=2, max_turns=2, max_new_tokens_per_turn=24,
            eval_every=0, eval_size=4, test_size=4, warm_start_steps=4, warm_start_batch_size=4,
-           checkpoint_every=1, tensorboard=False, trainer_threads=1)
+           checkpoint_every=1, tensorboard=False, trainer_threads=1, warm_start_problems=2000)
 
 
 @pytest.mark.slow
