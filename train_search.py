@@ -46,6 +46,7 @@ class Config:
     run_dir: str = "runs/search"  # metrics.jsonl, traces.jsonl, checkpoints/
     seed: int = 0
     max_steps: int = 200  # GRPO steps
+    time_budget_s: float = 0.0  # stop training after this many seconds (then test); 0 = no limit
     mode: str = "sync"  # "sync": rollout, then update; "async": rollouts keep running during the update
     resume: bool = False  # continue from the latest checkpoint in run_dir
     checkpoint_every: int = 10  # steps; 0 = never
@@ -91,6 +92,7 @@ class Config:
     kl_coef: float = 0.0  # k3 KL to the initial model; 0 = no reference model
     scale_adv_by_std: bool = True  # False = Dr. GRPO
     drop_equal_groups: bool = False  # dynamic sampling: drop groups whose rewards are all equal
+    ppo_minibatches: int = 1  # optimizer steps per batch, each on a random 1/N of the rows (PPO clipping then acts)
     loss_agg: str = "token-mean"  # or "seq-mean-token-mean"
     max_tokens_per_mb: int = 16384  # micro-batch token budget of the trainer
     pack_sequences: bool = True  # padding-free rows; best with attn_implementation flash_attention_2
@@ -551,7 +553,7 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
     run = bg.run
     client = InferenceClient(addrs, max_concurrent_requests=cfg.max_concurrent_requests) if is_main else None
     actor = Actor(model_path, lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
-                  total_steps=cfg.max_steps, lr_schedule=cfg.lr_schedule, grad_clip=cfg.grad_clip,
+                  total_steps=cfg.max_steps * cfg.ppo_minibatches, lr_schedule=cfg.lr_schedule, grad_clip=cfg.grad_clip,
                   temperature=cfg.temperature, max_tokens_per_mb=cfg.max_tokens_per_mb, dtype=cfg.trainer_dtype,
                   kl_coef=cfg.kl_coef, ref_model_path=model_path if cfg.kl_coef > 0 else None,
                   eps_clip_low=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high, loss_agg=cfg.loss_agg,
@@ -580,6 +582,13 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
         if world_size > 1:
             named = list(named)  # gather here, on the thread that owns this rank's GPU
         return run(broadcaster.update(named, version, bucket_mb=cfg.weight_sync_bucket_mb, flattened=True))
+
+    def out_of_time(start: float) -> bool:
+        # Under torchrun rank 0's clock decides for every rank, so all ranks leave the loop together.
+        flag = torch.tensor([float(bool(cfg.time_budget_s) and time.time() - start > cfg.time_budget_s)])
+        if world_size > 1:
+            dist.broadcast(flag, src=0, group=cpu_group)
+        return bool(flag.item())
 
     step, version, data_position = 0, 0, 0
     ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
@@ -613,7 +622,8 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
         if producer is not None:
             producer.start()
         progress = tqdm(total=cfg.max_steps, initial=step, desc=f"GRPO ({cfg.mode})", disable=not is_main)
-        while step < cfg.max_steps:
+        train_start, stopping = time.time(), False
+        while step < cfg.max_steps and not stopping:
             t0 = time.time()
             batch = None
             if is_main:
@@ -655,9 +665,15 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
                                                    actor.device)
             t_logp = time.time() - t1
 
-            # 4. PPO update
+            # 4. PPO update: one optimizer step per mini-batch; after the first, the policy has moved
+            # away from the proximal one and the clip bounds it.
             t2 = time.time()
-            stats = actor.update(rows) if trainable else {}
+            stats = {}
+            if trainable:
+                num_mb = max(1, min(cfg.ppo_minibatches, len(batch["rewards"]) // world_size))
+                order = torch.randperm(len(rows["rewards"]), generator=torch.Generator().manual_seed(cfg.seed + step))
+                per_mb = [actor.update({k: v[part] for k, v in rows.items()}) for part in order.chunk(num_mb)]
+                stats = {k: float(np.mean([s[k] for s in per_mb])) for k in per_mb[0]}
             t_update = time.time() - t2
 
             # 5. weight sync: pause generation, push the new weights, continue; bump the version
@@ -717,7 +733,8 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
                     trace_file.flush()
 
             # 7. checkpoint
-            if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.max_steps):
+            stopping = out_of_time(train_start)
+            if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.max_steps or stopping):
                 actor.save_checkpoint(os.path.join(ckpt_dir, "latest"), extra={
                     "step": step, "version": version, "data_position": data_position,
                     "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()})
