@@ -84,6 +84,8 @@ class Config:
     group_size: int = 4  # episodes per question
     lr: float = 1e-6
     weight_decay: float = 0.0
+    adam_betas: tuple = (0.9, 0.999)
+    adam_eps: float = 1e-8  # larger = tiny, noisy per-parameter gradients take smaller steps
     warmup_steps: int = 0
     lr_schedule: str = "constant"  # or "cosine"
     grad_clip: float = 1.0
@@ -92,6 +94,7 @@ class Config:
     kl_coef: float = 0.0  # k3 KL to the initial model; 0 = no reference model
     scale_adv_by_std: bool = True  # False = Dr. GRPO
     drop_equal_groups: bool = False  # dynamic sampling: drop groups whose rewards are all equal
+    neg_adv_scale: float = 1.0  # weight of below-average episodes; 0 = learn from the better ones only
     ppo_minibatches: int = 1  # optimizer steps per batch, each on a random 1/N of the rows (PPO clipping then acts)
     loss_agg: str = "token-mean"  # or "seq-mean-token-mean"
     max_tokens_per_mb: int = 16384  # micro-batch token budget of the trainer
@@ -552,8 +555,9 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
     bg = BackgroundLoop()
     run = bg.run
     client = InferenceClient(addrs, max_concurrent_requests=cfg.max_concurrent_requests) if is_main else None
-    actor = Actor(model_path, lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
-                  total_steps=cfg.max_steps * cfg.ppo_minibatches, lr_schedule=cfg.lr_schedule, grad_clip=cfg.grad_clip,
+    actor = Actor(model_path, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(cfg.adam_betas),
+                  adam_eps=cfg.adam_eps, warmup_steps=cfg.warmup_steps, total_steps=cfg.max_steps * cfg.ppo_minibatches,
+                  lr_schedule=cfg.lr_schedule, grad_clip=cfg.grad_clip,
                   temperature=cfg.temperature, max_tokens_per_mb=cfg.max_tokens_per_mb, dtype=cfg.trainer_dtype,
                   kl_coef=cfg.kl_coef, ref_model_path=model_path if cfg.kl_coef > 0 else None,
                   eps_clip_low=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high, loss_agg=cfg.loss_agg,
@@ -642,7 +646,8 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
                 rewards = full["rewards"]
 
                 # 2. advantages (per sequence, broadcast over its tokens by the loss)
-                full["advantages"] = grpo_advantages(rewards, cfg.group_size, scale_by_std=cfg.scale_adv_by_std)
+                adv = grpo_advantages(rewards, cfg.group_size, scale_by_std=cfg.scale_adv_by_std)
+                full["advantages"] = torch.where(adv < 0, adv * cfg.neg_adv_scale, adv)
                 keep = torch.ones_like(rewards, dtype=torch.bool)
                 if cfg.drop_equal_groups:
                     keep = rewards.view(-1, cfg.group_size).std(dim=1).gt(0).repeat_interleave(cfg.group_size)

@@ -272,7 +272,7 @@ class Actor:
     """
 
     def __init__(self, model_path: str, *, lr: float = 1e-6, weight_decay: float = 0.0,
-                 betas: tuple = (0.9, 0.999), warmup_steps: int = 0, total_steps: int = 1000,
+                 betas: tuple = (0.9, 0.999), adam_eps: float = 1e-8, warmup_steps: int = 0, total_steps: int = 1000,
                  lr_schedule: str = "constant", grad_clip: float = 1.0, temperature: float = 1.0,
                  max_tokens_per_mb: int = 16384, dtype: str = "float32", device: str | None = None,
                  gradient_checkpointing: bool = False, ref_model_path: str | None = None, kl_coef: float = 0.0,
@@ -327,7 +327,7 @@ class Actor:
             self.ref_policy = self._wrap(ref, logits_chunk_tokens).eval()
 
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=tuple(betas),
-                                           weight_decay=weight_decay)
+                                           eps=adam_eps, weight_decay=weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: _lr_factor(step, warmup_steps, total_steps, lr_schedule))
 

@@ -199,3 +199,18 @@ def test_torchrun_two_ranks_train_on_their_share_of_rank0s_batch(tmp_path):
         assert r["logprob/server_trainer_abs_diff_max"] < 1e-3
         assert r["loss/num_tokens"] < r["rollout/gen_tokens"]
     assert os.path.exists(os.path.join(run_dir, "final", "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_time_budget_stops_after_a_step_with_a_checkpoint_and_minibatches_split_the_update(tmp_path):
+    run_dir = str(tmp_path / "budget")
+    args = [sys.executable, "train_search.py", "--run_dir", run_dir, *COMMON, "--max_steps", "50",
+            "--checkpoint_every", "10", "--time_budget_s", "0.01", "--ppo_minibatches", "2"]
+    out = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = train_rows(run_dir)
+    assert [r["step"] for r in rows] == [1]  # the budget ran out during step 1
+    assert "test after 1 steps" in out.stdout
+    assert os.path.exists(os.path.join(run_dir, "checkpoints", "latest"))  # saved at the stop, not at step 10
+    # 4 episodes in 2 mini-batches: each optimizer step saw about half of the generated tokens.
+    assert rows[0]["loss/num_tokens"] < rows[0]["rollout/gen_tokens"]
