@@ -85,6 +85,7 @@ class Config:
     lr: float = 1e-6
     weight_decay: float = 0.0
     adam_betas: tuple = (0.9, 0.999)
+    freeze_embeddings: bool = False  # RL on the rest of the model (tied embeddings: the LM head too)
     adam_eps: float = 1e-8  # larger = tiny, noisy per-parameter gradients take smaller steps
     warmup_steps: int = 0
     lr_schedule: str = "constant"  # or "cosine"
@@ -561,7 +562,8 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
                   temperature=cfg.temperature, max_tokens_per_mb=cfg.max_tokens_per_mb, dtype=cfg.trainer_dtype,
                   kl_coef=cfg.kl_coef, ref_model_path=model_path if cfg.kl_coef > 0 else None,
                   eps_clip_low=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high, loss_agg=cfg.loss_agg,
-                  packed=cfg.pack_sequences, attn_implementation=cfg.attn_implementation)
+                  freeze_embeddings=cfg.freeze_embeddings, packed=cfg.pack_sequences,
+                  attn_implementation=cfg.attn_implementation)
 
     async def new_session():  # aiohttp sessions belong to the loop they are made in
         return aiohttp.ClientSession()

@@ -275,7 +275,8 @@ class Actor:
                  betas: tuple = (0.9, 0.999), adam_eps: float = 1e-8, warmup_steps: int = 0, total_steps: int = 1000,
                  lr_schedule: str = "constant", grad_clip: float = 1.0, temperature: float = 1.0,
                  max_tokens_per_mb: int = 16384, dtype: str = "float32", device: str | None = None,
-                 gradient_checkpointing: bool = False, ref_model_path: str | None = None, kl_coef: float = 0.0,
+                 gradient_checkpointing: bool = False, freeze_embeddings: bool = False,
+                 ref_model_path: str | None = None, kl_coef: float = 0.0,
                  eps_clip_low: float = 0.2, eps_clip_high: float = 0.28, loss_agg: str = "token-mean",
                  behaviour_weight_cap: float | None = None, logits_chunk_tokens: int = 2048,
                  attn_implementation: str | None = None, packed: bool = True):
@@ -308,6 +309,8 @@ class Actor:
         load_kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **load_kwargs)
         self.model.config.use_cache = False
+        if freeze_embeddings:  # the input embeddings, and the LM head with them when the two are tied
+            self.model.get_input_embeddings().weight.requires_grad_(False)
         if gradient_checkpointing:
             # transformers 5.2x renamed gradient_checkpointing_enable; SGLang's pinned 5.12 has only the old name.
             if hasattr(self.model, "activation_checkpointing_enable"):
