@@ -33,10 +33,10 @@ from lib.actor import Actor, grpo_advantages
 from lib.async_rollout import BackgroundLoop, RolloutProducer
 from lib.client import InferenceClient
 from lib.config import load_config, to_dict
-from lib.launch import launch_cpu_server, launch_sglang
+from lib.launch import free_port, launch_cpu_server, launch_sglang
 from lib.metrics import MetricsLogger
 from lib.padding import concat_padded_tensors
-from lib.weight_sync import sync_weights_from_disk
+from lib.weight_sync import DistributedWeightSync, sync_weights_from_disk
 
 
 @dataclass
@@ -94,6 +94,8 @@ class Config:
     max_tokens_per_mb: int = 16384  # micro-batch token budget of the trainer
     pack_sequences: bool = True  # padding-free rows; best with attn_implementation flash_attention_2
     attn_implementation: str | None = None  # trainer attention: None = sdpa; "flash_attention_2" on GPUs
+    weight_sync: str = "disk"  # "disk" (safetensors + /update_weights_from_disk) or "nccl" (broadcast; gloo on CPUs)
+    weight_sync_bucket_mb: float = 512  # nccl: tensors per update call, one flattened broadcast each
     # --- async mode ---
     async_capacity: int = 0  # groups started and not yet trained on; 0 = 2 x batch_size
     max_staleness: int = 1  # drop a group whose oldest token is more than this many versions old
@@ -465,6 +467,10 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
     cfg = load_config(Config, config, overrides)
     if cfg.mode not in ("sync", "async"):
         raise ValueError(f"mode must be 'sync' or 'async', got {cfg.mode!r}")
+    if cfg.weight_sync not in ("disk", "nccl"):
+        raise ValueError(f"weight_sync must be 'disk' or 'nccl', got {cfg.weight_sync!r}")
+    if cfg.weight_sync == "nccl" and cfg.dp_size > 1:
+        raise ValueError("weight_sync nccl sends to the server's TP ranks: use dp_size 1")
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -518,6 +524,22 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
                   eps_clip_low=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high, loss_agg=cfg.loss_agg,
                   packed=cfg.pack_sequences, attn_implementation=cfg.attn_implementation)
 
+    # Weight sync. "nccl": this trainer (rank 0) and the server's TP workers join one process group
+    # once, then each step broadcasts the new weights (NCCL on GPUs, gloo on CPUs). "disk":
+    # safetensors + /update_weights_from_disk.
+    broadcaster = None
+    if cfg.weight_sync == "nccl":
+        broadcaster = DistributedWeightSync(client, master_port=free_port(), world_size=1 + len(addrs) * cfg.tp_size,
+                                            rank_offsets=[1 + i * cfg.tp_size for i in range(len(addrs))],
+                                            backend="nccl" if actor.device.type == "cuda" else "gloo")
+        run(broadcaster.init())
+
+    def sync_weights(version: int) -> float:
+        if broadcaster is None:
+            return run(sync_weights_from_disk(actor, client, os.path.join(cfg.run_dir, "weights"), version))
+        return run(broadcaster.update(actor.named_full_parameters(), version, bucket_mb=cfg.weight_sync_bucket_mb,
+                                      flattened=True))
+
     step, version, data_position = 0, 0, 0
     ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
     if cfg.resume and os.path.exists(os.path.join(ckpt_dir, "latest")):
@@ -527,7 +549,7 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
         np.random.set_state(extra["numpy_rng"])
         torch.set_rng_state(extra["torch_rng"])
         # The server still holds the initial weights: give it the resumed policy.
-        run(sync_weights_from_disk(actor, client, os.path.join(cfg.run_dir, "weights"), version))
+        sync_weights(version)
         print(f"resumed from step {step} (policy version {version}, data position {data_position})")
     client.set_version(version)
     logger = MetricsLogger(cfg.run_dir, to_dict(cfg), tensorboard=cfg.tensorboard, wandb_project=cfg.wandb_project)
@@ -602,7 +624,7 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
             t3 = time.time()
             version += 1
             run(client.pause_generation())
-            run(sync_weights_from_disk(actor, client, os.path.join(cfg.run_dir, "weights"), version))
+            sync_weights(version)
             if producer is not None:
                 producer.set_version(version)
             run(client.continue_generation(version))  # requests cut by the pause resume, tagged `version`
@@ -669,6 +691,8 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
         logger.close()
         reward_pool.close()
         try:
+            if broadcaster is not None:
+                run(broadcaster.close(), timeout_s=60)  # a server that outlives this run can join a new group
             run(client.close(), timeout_s=30)
         finally:
             bg.close()
