@@ -74,6 +74,7 @@ class Config:
     max_info_chars: int = 3000  # cap of one <information> block
     # --- episode ---
     max_turns: int = 32
+    reward: str = "f1"  # "f1" (ASearcher) or "em" (exact match, Search-R1)
     max_tokens: int = 2048  # context budget of one episode: prompt + all turns + tool output
     max_new_tokens_per_turn: int = 128
     temperature: float = 1.0
@@ -252,8 +253,13 @@ def f1_score(pred: str, golds: list[str]) -> float:
     return best
 
 
-def compute_reward(answer: str | None, golds: list[str]) -> float:
-    return 0.0 if answer is None else f1_score(answer, golds)
+def compute_reward(answer: str | None, golds: list[str], metric: str = "f1") -> float:
+    """F1 (ASearcher) or exact match (Search-R1) against the best gold answer; no answer scores 0.
+    F1 gives partial credit, which a small policy can farm: `capital of X` scores 0.33 against the
+    gold alias `City of Y` (docs/benchmarks.md)."""
+    if answer is None:
+        return 0.0
+    return exact_match(answer, golds) if metric == "em" else f1_score(answer, golds)
 
 
 # --- one episode ---
@@ -308,7 +314,7 @@ async def arun_episode(client: InferenceClient, session, tokenizer, cfg: Config,
             versions += [-1] * len(info_ids)
     finally:
         client.end_trajectory(trajectory_id)
-    reward = compute_reward(answer, item["answer"])
+    reward = compute_reward(answer, item["answer"], cfg.reward)
     t = lambda xs, dtype: torch.tensor([xs], dtype=dtype)  # noqa: E731
     return {
         "input_ids": t(input_ids, torch.long),
@@ -344,7 +350,7 @@ async def evaluate(client, session, tokenizer, cfg, items, retrieval_addr) -> di
     episodes = await rollout_groups(client, session, tokenizer, cfg, items, retrieval_addr, 0.0, 1)
     return {
         "exact_match": float(np.mean([e["exact_match"] for e in episodes])),
-        "f1": float(np.mean([e["rewards"].item() for e in episodes])),
+        "f1": float(np.mean([f1_score(e["answer"], e["gold"]) if e["answer"] is not None else 0.0 for e in episodes])),
         "turns": float(np.mean([e["num_turns"] for e in episodes])),
         "searches": float(np.mean([e["num_tool_calls"] for e in episodes])),
         "answered": float(np.mean([e["finish_reason"] == "answer" for e in episodes])),
@@ -479,6 +485,8 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
         raise ValueError(f"mode must be 'sync' or 'async', got {cfg.mode!r}")
     if cfg.weight_sync not in ("disk", "nccl"):
         raise ValueError(f"weight_sync must be 'disk' or 'nccl', got {cfg.weight_sync!r}")
+    if cfg.reward not in ("f1", "em"):
+        raise ValueError(f"reward must be 'f1' or 'em', got {cfg.reward!r}")
     if cfg.weight_sync == "nccl" and cfg.dp_size > 1:
         raise ValueError("weight_sync nccl sends to each server's TP ranks: use num_servers instead of dp_size")
     # Under torchrun every rank holds a shard of the model (FSDP2, lib/actor.py); rank 0 alone runs the

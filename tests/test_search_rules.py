@@ -62,3 +62,12 @@ def test_f1_takes_the_best_gold_answer():
 def test_no_answer_scores_zero():
     assert compute_reward(None, ["Tarqua"]) == 0.0
     assert compute_reward("Tarqua", ["Tarqua"]) == 1.0
+    assert compute_reward(None, ["Tarqua"], "em") == 0.0
+
+
+def test_exact_match_reward_gives_no_partial_credit():
+    golds = ["Zeltartar", "Zeltartar City", "City of Zeltartar"]
+    # What a tiny policy learned to farm under F1: a wrong answer sharing "of" with a gold alias.
+    assert round(compute_reward("capital of Lunranmark", golds, "f1"), 2) == 0.33
+    assert compute_reward("capital of Lunranmark", golds, "em") == 0.0
+    assert compute_reward("the zeltartar city.", golds, "em") == 1.0
