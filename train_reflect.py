@@ -27,6 +27,7 @@ from fractions import Fraction
 import fire
 import numpy as np
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from lib.actor import Actor, grpo_advantages
@@ -36,6 +37,7 @@ from lib.config import load_config, to_dict
 from lib.launch import free_port, launch_cpu_server, launch_sglang
 from lib.metrics import MetricsLogger
 from lib.padding import concat_padded_tensors
+from lib.ranks import broadcast_from_rank0, gap_over_ranks, init_trainer_ranks
 from lib.weight_sync import DistributedWeightSync, sync_weights_from_disk
 
 
@@ -471,6 +473,10 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
         raise ValueError(f"weight_sync must be 'disk' or 'nccl', got {cfg.weight_sync!r}")
     if cfg.weight_sync == "nccl" and cfg.dp_size > 1:
         raise ValueError("weight_sync nccl sends to the server's TP ranks: use dp_size 1")
+    # Under torchrun every rank holds a shard of the model (FSDP2, lib/actor.py); rank 0 alone runs the
+    # server, the rollouts, the rewards, evaluation and logging; every rank trains on its rows of rank 0's batch.
+    world_size, rank, cpu_group = init_trainer_ranks()
+    is_main = rank == 0
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -479,7 +485,11 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
     os.makedirs(cfg.run_dir, exist_ok=True)
     from transformers import AutoTokenizer
 
+    if not is_main:
+        dist.barrier()  # rank 0 builds the cache first; the others then find it there
     model_path = cfg.model_path or embedded_model(cfg)
+    if is_main and world_size > 1:
+        dist.barrier()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     reflection_ids = build_reflection_ids(tokenizer, cfg.apply_chat_template)
     splits = load_splits(cfg)
@@ -494,18 +504,18 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
         epoch, offset = divmod(index, len(train_items))
         return train_items[epoch_order(epoch)[offset]]
 
-    # Servers: started here and killed with this process, or given by the user.
-    servers = []
-    if cfg.server == "external":
+    # Servers (rank 0): started here and killed with this process, or given by the user.
+    servers, addrs = [], []
+    if is_main and cfg.server == "external":
         addrs = list(cfg.server_addrs)
-    elif cfg.server == "sglang":
+    elif is_main and cfg.server == "sglang":
         server = launch_sglang(model_path, base_gpu_id=cfg.base_gpu_id, tp_size=cfg.tp_size, dp_size=cfg.dp_size,
                                mem_fraction_static=cfg.mem_fraction_static, random_seed=cfg.seed,
                                extra_args=cfg.sglang_extra_args.split(),
                                log_path=os.path.join(cfg.run_dir, "sglang.log"))
         servers.append(server)
         addrs = [server.address]
-    else:
+    elif is_main:
         server = launch_cpu_server(model_path, device=cfg.server_device, num_threads=cfg.server_threads,
                                    random_seed=cfg.seed, log_path=os.path.join(cfg.run_dir, "cpu_server.log"))
         servers.append(server)
@@ -515,8 +525,8 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
     # trainer (this thread) can update while episodes run.
     bg = BackgroundLoop()
     run = bg.run
-    client = InferenceClient(addrs, max_concurrent_requests=cfg.max_concurrent_requests)
-    reward_pool = RewardPool(cfg.reward_workers, cfg.reward_timeout_s)
+    client = InferenceClient(addrs, max_concurrent_requests=cfg.max_concurrent_requests) if is_main else None
+    reward_pool = RewardPool(cfg.reward_workers, cfg.reward_timeout_s) if is_main else None
     actor = Actor(model_path, lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
                   total_steps=cfg.max_steps, lr_schedule=cfg.lr_schedule, grad_clip=cfg.grad_clip,
                   temperature=cfg.temperature, max_tokens_per_mb=cfg.max_tokens_per_mb, dtype=cfg.trainer_dtype,
@@ -529,7 +539,8 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
     # safetensors + /update_weights_from_disk.
     broadcaster = None
     if cfg.weight_sync == "nccl":
-        broadcaster = DistributedWeightSync(client, master_port=free_port(), world_size=1 + len(addrs) * cfg.tp_size,
+        broadcaster = DistributedWeightSync(client, master_port=free_port() if is_main else 0,
+                                            world_size=1 + len(addrs) * cfg.tp_size,
                                             rank_offsets=[1 + i * cfg.tp_size for i in range(len(addrs))],
                                             backend="nccl" if actor.device.type == "cuda" else "gloo")
         run(broadcaster.init())
@@ -537,8 +548,10 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
     def sync_weights(version: int) -> float:
         if broadcaster is None:
             return run(sync_weights_from_disk(actor, client, os.path.join(cfg.run_dir, "weights"), version))
-        return run(broadcaster.update(actor.named_full_parameters(), version, bucket_mb=cfg.weight_sync_bucket_mb,
-                                      flattened=True))
+        named = actor.named_full_parameters()  # under FSDP each tensor is gathered: every rank takes part
+        if world_size > 1:
+            named = list(named)  # gather here, on the thread that owns this rank's GPU
+        return run(broadcaster.update(named, version, bucket_mb=cfg.weight_sync_bucket_mb, flattened=True))
 
     step, version, data_position = 0, 0, 0
     ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
@@ -550,155 +563,173 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
         torch.set_rng_state(extra["torch_rng"])
         # The server still holds the initial weights: give it the resumed policy.
         sync_weights(version)
-        print(f"resumed from step {step} (policy version {version}, data position {data_position})")
-    client.set_version(version)
-    logger = MetricsLogger(cfg.run_dir, to_dict(cfg), tensorboard=cfg.tensorboard, wandb_project=cfg.wandb_project)
-    trace_file = open(os.path.join(cfg.run_dir, "traces.jsonl"), "a")
+        if is_main:
+            print(f"resumed from step {step} (policy version {version}, data position {data_position})")
+    logger = trace_file = producer = None
     episode_args = (client, tokenizer, reflection_ids, reward_pool, cfg)
+    if is_main:
+        client.set_version(version)
+        logger = MetricsLogger(cfg.run_dir, to_dict(cfg), tensorboard=cfg.tensorboard, wandb_project=cfg.wandb_project)
+        trace_file = open(os.path.join(cfg.run_dir, "traces.jsonl"), "a")
+        if cfg.mode == "async":
+            producer = RolloutProducer(
+                bg, lambda item: rollout_group(*episode_args, item, cfg.temperature, cfg.group_size), item_at,
+                capacity=cfg.async_capacity or 2 * cfg.batch_size, max_staleness=cfg.max_staleness,
+                start_index=data_position, version=version)
 
-    def save_checkpoint():
+    def save_checkpoint():  # every rank writes its shard
         actor.save_checkpoint(os.path.join(ckpt_dir, "latest"), extra={
             "step": step, "version": version, "data_position": data_position,
             "python_rng": random.getstate(), "numpy_rng": np.random.get_state(), "torch_rng": torch.get_rng_state()})
 
-    producer = None
-    if cfg.mode == "async":
-        producer = RolloutProducer(
-            bg, lambda item: rollout_group(*episode_args, item, cfg.temperature, cfg.group_size), item_at,
-            capacity=cfg.async_capacity or 2 * cfg.batch_size, max_staleness=cfg.max_staleness,
-            start_index=data_position, version=version)
+    def out_of_time(start: float) -> bool:
+        # Under torchrun rank 0's clock decides for every rank, so all ranks leave the loop together.
+        return broadcast_from_rank0(bool(cfg.time_budget_s) and time.time() - start > cfg.time_budget_s, cpu_group)
 
     try:
-        if step == 0 and cfg.eval_every:
+        if is_main and step == 0 and cfg.eval_every:
             metrics = run(evaluate(*episode_args, dev_items))
             logger.log(0, {f"eval/{k}": v for k, v in metrics.items()})
             print(f"step 0 dev: {metrics}")
         if producer is not None:
             producer.start()
-        progress = tqdm(total=cfg.max_steps, initial=step, desc=f"GRPO ({cfg.mode})")
-        train_start = time.time()
-        while step < cfg.max_steps and not (cfg.time_budget_s and time.time() - train_start > cfg.time_budget_s):
+        progress = tqdm(total=cfg.max_steps, initial=step, desc=f"GRPO ({cfg.mode})", disable=not is_main)
+        train_start, stopping = time.time(), False
+        while step < cfg.max_steps and not stopping:
             t0 = time.time()
-            reward_timeouts, reward_failures = reward_pool.num_timeouts, reward_pool.num_failures
+            batch = None
+            if is_main:
+                reward_timeouts, reward_failures = reward_pool.num_timeouts, reward_pool.num_failures
+                # 1. rollout: sync mode runs this step's groups now; async mode takes groups that have
+                # been generating in the background, dropping any that are too stale.
+                if producer is None:
+                    items = [item_at(data_position + i) for i in range(cfg.batch_size)]
+                    groups = run(rollout_groups(*episode_args, items, cfg.temperature, cfg.group_size))
+                    data_position += cfg.batch_size
+                else:
+                    groups = producer.get_groups(cfg.batch_size)
+                    data_position = producer.data_position()
+                episodes = [e for g in groups for e in g]
+                full = concat_padded_tensors([{k: v for k, v in e.items() if isinstance(v, torch.Tensor)}
+                                              for e in episodes])
+                rewards = full["rewards"]
+                mask = full["loss_mask"].bool()
+                token_staleness = (version - full["versions"])[mask].float()
 
-            # 1. rollout: sync mode runs this step's groups now; async mode takes groups that have
-            # been generating in the background, dropping any that are too stale.
-            if producer is None:
-                items = [item_at(data_position + i) for i in range(cfg.batch_size)]
-                groups = run(rollout_groups(*episode_args, items, cfg.temperature, cfg.group_size))
-                data_position += cfg.batch_size
-            else:
-                groups = producer.get_groups(cfg.batch_size)
-                data_position = producer.data_position()
-            episodes = [e for g in groups for e in g]
+                # 2. advantages (per sequence, broadcast over its tokens by the loss)
+                full["advantages"] = grpo_advantages(rewards, cfg.group_size, scale_by_std=cfg.scale_adv_by_std)
+                keep = torch.ones_like(rewards, dtype=torch.bool)
+                if cfg.drop_equal_groups:
+                    keep = rewards.view(-1, cfg.group_size).std(dim=1).gt(0).repeat_interleave(cfg.group_size)
+                batch = {k: v[keep] for k, v in full.items()}
             t_rollout = time.time() - t0
-            batch = concat_padded_tensors([{k: v for k, v in e.items() if isinstance(v, torch.Tensor)} for e in episodes])
-            rewards = batch["rewards"]
-            mask = batch["loss_mask"].bool()
-            token_staleness = (version - batch["versions"])[mask].float()
-
-            # 2. advantages (per sequence, broadcast over its tokens by the loss)
-            advantages = grpo_advantages(rewards, cfg.group_size, scale_by_std=cfg.scale_adv_by_std)
-            keep = torch.ones_like(rewards, dtype=torch.bool)
-            if cfg.drop_equal_groups:
-                keep = rewards.view(-1, cfg.group_size).std(dim=1).gt(0).repeat_interleave(cfg.group_size)
-            batch["advantages"] = advantages
+            batch = broadcast_from_rank0(batch, cpu_group)
+            rows = {k: v[rank::world_size] for k, v in batch.items()}  # this rank's share of the batch
+            trainable = len(batch["rewards"]) >= world_size  # every rank needs a row for the collectives
 
             # 3. proximal log-probs, recomputed by the trainer (decoupled PPO: `logprobs` stays the
             # behaviour policy's, as the server reported them). In sync mode the two policies are
             # the same, so their gap is a bug detector.
             t1 = time.time()
-            batch["proximal_logprobs"] = actor.compute_logprobs(batch)
-            logp_gap = (batch["proximal_logprobs"] - batch["logprobs"]).abs()[mask]
+            gap_mean = gap_max = 0.0
+            if trainable:
+                rows["proximal_logprobs"] = actor.compute_logprobs(rows)
+                row_mask = rows["loss_mask"].bool()
+                gap_mean, gap_max = gap_over_ranks((rows["proximal_logprobs"] - rows["logprobs"]).abs()[row_mask],
+                                                   actor.device)
             t_logp = time.time() - t1
 
             # 4. PPO update
             t2 = time.time()
-            if keep.any():
-                stats = actor.update({k: v[keep] for k, v in batch.items() if isinstance(v, torch.Tensor)})
-            else:
-                stats = {}
+            stats = actor.update(rows) if trainable else {}
             t_update = time.time() - t2
 
             # 5. weight sync: pause generation, push the new weights, continue; bump the version
             t3 = time.time()
             version += 1
-            run(client.pause_generation())
+            if is_main:
+                run(client.pause_generation())
             sync_weights(version)
-            if producer is not None:
-                producer.set_version(version)
-            run(client.continue_generation(version))  # requests cut by the pause resume, tagged `version`
+            if is_main:
+                if producer is not None:
+                    producer.set_version(version)
+                run(client.continue_generation(version))  # requests cut by the pause resume, tagged `version`
             t_sync = time.time() - t3
             step += 1
 
             # 6. log
-            step_s = time.time() - t0
-            gen_tokens = int(batch["loss_mask"].sum())
-            metrics = {
-                "rollout/reward": rewards.mean().item(),
-                "rollout/acc_turn1": float(np.mean([e["correct_turn"] == 1 for e in episodes])),
-                "rollout/acc_final": float(np.mean([e["correct_turn"] > 0 for e in episodes])),
-                "rollout/turns": float(np.mean([e["num_turns"] for e in episodes])),
-                "rollout/max_tokens_hit": float(np.mean([e["finish_reason"] == "max_tokens" for e in episodes])),
-                "rollout/seq_len": batch["attention_mask"].sum(1).float().mean().item(),
-                "rollout/gen_tokens": gen_tokens,
-                "rollout/kept_groups": int(keep.sum()) // cfg.group_size,
-                "rollout/staleness_mean": token_staleness.mean().item() if token_staleness.numel() else 0.0,
-                "rollout/staleness_max": token_staleness.max().item() if token_staleness.numel() else 0.0,
-                "rollout/dropped_stale_groups": producer.num_dropped_stale if producer else 0,
-                "rollout/failed_groups": producer.num_failed if producer else 0,
-                "reward/timeouts": reward_pool.num_timeouts - reward_timeouts,
-                "reward/worker_failures": reward_pool.num_failures - reward_failures,
-                "logprob/server_trainer_abs_diff_mean": logp_gap.mean().item() if logp_gap.numel() else 0.0,
-                "logprob/server_trainer_abs_diff_max": logp_gap.max().item() if logp_gap.numel() else 0.0,
-                "perf/step_s": step_s, "perf/rollout_s": t_rollout, "perf/logp_s": t_logp,
-                "perf/update_s": t_update, "perf/sync_s": t_sync,
-                "perf/trained_tokens_per_s": gen_tokens / max(step_s, 1e-6),
-                **{f"loss/{k}": v for k, v in stats.items()},
-            }
-            if cfg.eval_every and step % cfg.eval_every == 0:
-                ev = run(evaluate(*episode_args, dev_items))
-                metrics.update({f"eval/{k}": v for k, v in ev.items()})
-            logger.log(step, metrics)
-            progress.update(1)
-            progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", dev_acc=metrics.get("eval/acc_final", ""))
-            if cfg.trace_every and step % cfg.trace_every == 0:
-                for e in episodes[: cfg.group_size]:
-                    trace_file.write(json.dumps({"step": step, "question": e["question"], "gold": e["gold"],
-                                                 "reward": e["rewards"].item(), "finish": e["finish_reason"],
-                                                 "turns": e["turn_texts"]}) + "\n")
-                trace_file.flush()
+            if is_main:
+                step_s = time.time() - t0
+                gen_tokens = int(full["loss_mask"].sum())
+                metrics = {
+                    "rollout/reward": rewards.mean().item(),
+                    "rollout/acc_turn1": float(np.mean([e["correct_turn"] == 1 for e in episodes])),
+                    "rollout/acc_final": float(np.mean([e["correct_turn"] > 0 for e in episodes])),
+                    "rollout/turns": float(np.mean([e["num_turns"] for e in episodes])),
+                    "rollout/max_tokens_hit": float(np.mean([e["finish_reason"] == "max_tokens" for e in episodes])),
+                    "rollout/seq_len": full["attention_mask"].sum(1).float().mean().item(),
+                    "rollout/gen_tokens": gen_tokens,
+                    "rollout/kept_groups": int(keep.sum()) // cfg.group_size,
+                    "rollout/staleness_mean": token_staleness.mean().item() if token_staleness.numel() else 0.0,
+                    "rollout/staleness_max": token_staleness.max().item() if token_staleness.numel() else 0.0,
+                    "rollout/dropped_stale_groups": producer.num_dropped_stale if producer else 0,
+                    "rollout/failed_groups": producer.num_failed if producer else 0,
+                    "reward/timeouts": reward_pool.num_timeouts - reward_timeouts,
+                    "reward/worker_failures": reward_pool.num_failures - reward_failures,
+                    "logprob/server_trainer_abs_diff_mean": gap_mean,
+                    "logprob/server_trainer_abs_diff_max": gap_max,
+                    "perf/step_s": step_s, "perf/rollout_s": t_rollout, "perf/logp_s": t_logp,
+                    "perf/update_s": t_update, "perf/sync_s": t_sync,
+                    "perf/trained_tokens_per_s": gen_tokens / max(step_s, 1e-6),
+                    **{f"loss/{k}": v for k, v in stats.items()},  # rank 0's rows under FSDP
+                }
+                if cfg.eval_every and step % cfg.eval_every == 0:
+                    ev = run(evaluate(*episode_args, dev_items))
+                    metrics.update({f"eval/{k}": v for k, v in ev.items()})
+                logger.log(step, metrics)
+                progress.update(1)
+                progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", dev_acc=metrics.get("eval/acc_final", ""))
+                if cfg.trace_every and step % cfg.trace_every == 0:
+                    for e in episodes[: cfg.group_size]:
+                        trace_file.write(json.dumps({"step": step, "question": e["question"], "gold": e["gold"],
+                                                     "reward": e["rewards"].item(), "finish": e["finish_reason"],
+                                                     "turns": e["turn_texts"]}) + "\n")
+                    trace_file.flush()
 
             # 7. checkpoint
-            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+            stopping = out_of_time(train_start)
+            if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.max_steps or stopping):
                 save_checkpoint()
         progress.close()
-        if cfg.checkpoint_every and step % cfg.checkpoint_every != 0:
-            save_checkpoint()  # max_steps or time_budget_s ended the run between checkpoints
         if producer is not None:
             producer.stop()
             producer = None
 
-        test_metrics = run(evaluate(*episode_args, test_items))
-        logger.log(step, {f"test/{k}": v for k, v in test_metrics.items()})
-        print(f"test after {step} steps: {test_metrics}")
+        test_metrics = None
+        if is_main:
+            test_metrics = run(evaluate(*episode_args, test_items))
+            logger.log(step, {f"test/{k}": v for k, v in test_metrics.items()})
+            print(f"test after {step} steps: {test_metrics}")
         actor.save_hf(os.path.join(cfg.run_dir, "final"))
         return test_metrics
     finally:
         if producer is not None:
             producer.stop()
-        trace_file.close()
-        logger.close()
-        reward_pool.close()
+        if is_main:
+            trace_file.close()
+            logger.close()
+            reward_pool.close()
         try:
             if broadcaster is not None:
                 run(broadcaster.close(), timeout_s=60)  # a server that outlives this run can join a new group
-            run(client.close(), timeout_s=30)
+            if is_main:
+                run(client.close(), timeout_s=30)
         finally:
             bg.close()
             for s in servers:
                 s.terminate()
-
+            if world_size > 1:
+                dist.destroy_process_group()
 
 if __name__ == "__main__":
     fire.Fire(main)

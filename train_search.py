@@ -37,6 +37,7 @@ from lib.config import load_config, to_dict
 from lib.launch import free_port, launch_cpu_server, launch_sglang
 from lib.metrics import MetricsLogger
 from lib.padding import concat_padded_tensors
+from lib.ranks import broadcast_from_rank0, gap_over_ranks, init_trainer_ranks
 from lib.weight_sync import DistributedWeightSync, sync_weights_from_disk
 
 
@@ -462,23 +463,6 @@ def embedded_model_and_data(cfg: Config) -> tuple[str, str]:
 
 
 # --- main: the GRPO loop ---
-def broadcast_from_rank0(obj, group):
-    """Under torchrun: rank 0's `obj` on every rank (pickled; a step's batch is small next to the model)."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
-
-
-def gap_over_ranks(gap: torch.Tensor, device) -> tuple[float, float]:
-    """(mean, max) of the server-trainer log-prob gap over the loss tokens of every rank's rows."""
-    stats = torch.tensor([gap.sum().item(), gap.numel(), gap.max().item() if gap.numel() else 0.0], device=device)
-    if dist.is_initialized():
-        dist.all_reduce(stats[:2])
-        dist.all_reduce(stats[2:], op=dist.ReduceOp.MAX)
-    total, count, worst = stats.tolist()
-    return total / max(count, 1), worst
-
-
 def main(config: str | None = "configs/search_tiny.yaml", **overrides):
     cfg = load_config(Config, config, overrides)
     if cfg.mode not in ("sync", "async"):
@@ -491,15 +475,7 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
         raise ValueError("weight_sync nccl sends to each server's TP ranks: use num_servers instead of dp_size")
     # Under torchrun every rank holds a shard of the model (FSDP2, lib/actor.py); rank 0 alone runs the
     # servers, the rollouts, evaluation and logging, and every rank trains on its rows of rank 0's batch.
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size > 1:
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    rank = dist.get_rank() if world_size > 1 else 0
-    # Ranks > 0 wait out rank 0's rollout inside the batch broadcast. Over gloo they wait on the CPU; an
-    # NCCL broadcast spins a kernel on their GPU all that time (seen: rollout 1.7x slower with SGLang on that GPU).
-    cpu_group = dist.new_group(backend="gloo") if world_size > 1 else None
+    world_size, rank, cpu_group = init_trainer_ranks()
     is_main = rank == 0
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)

@@ -2,6 +2,8 @@
 import asyncio
 import json
 import os
+import subprocess
+import sys
 import time
 from types import SimpleNamespace
 
@@ -9,6 +11,8 @@ import pytest
 import torch
 
 import train_reflect as tr
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # --- reward ---
@@ -281,3 +285,22 @@ def test_two_grpo_steps_run_end_to_end_and_resume(mode, weight_sync, tmp_path):
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     assert [r["step"] for r in rows if "rollout/reward" in r] == [1, 2, 3]
     assert rows[-2]["logprob/server_trainer_abs_diff_mean"] < 0.05  # the resumed weights reached the server
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_train_on_their_share_of_rank0s_batch(tmp_path):
+    run_dir = str(tmp_path / "fsdp")
+    flags = [f"--{k}={v}" for k, v in {**E2E, "checkpoint_every": 2}.items()]
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "train_reflect.py",
+            "--run_dir", run_dir, "--weight_sync", "nccl", *flags]  # FSDP2 and the weight group over gloo on CPUs
+    out = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    steps = [r for r in rows if "rollout/reward" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:  # 4 episodes per step, 2 per rank; loss stats are rank 0's
+        assert r["logprob/server_trainer_abs_diff_max"] < 1e-3
+        assert r["loss/num_tokens"] < r["rollout/gen_tokens"]
+    assert any("test/acc_final" in r for r in rows)
+    assert os.path.exists(os.path.join(run_dir, "final", "model.safetensors"))
+    assert os.path.exists(os.path.join(run_dir, "checkpoints", "latest"))
