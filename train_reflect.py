@@ -577,11 +577,6 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
                 capacity=cfg.async_capacity or 2 * cfg.batch_size, max_staleness=cfg.max_staleness,
                 start_index=data_position, version=version)
 
-    def save_checkpoint():  # every rank writes its shard
-        actor.save_checkpoint(os.path.join(ckpt_dir, "latest"), extra={
-            "step": step, "version": version, "data_position": data_position,
-            "python_rng": random.getstate(), "numpy_rng": np.random.get_state(), "torch_rng": torch.get_rng_state()})
-
     def out_of_time(start: float) -> bool:
         # Under torchrun rank 0's clock decides for every rank, so all ranks leave the loop together.
         return broadcast_from_rank0(bool(cfg.time_budget_s) and time.time() - start > cfg.time_budget_s, cpu_group)
@@ -699,7 +694,9 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
             # 7. checkpoint
             stopping = out_of_time(train_start)
             if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.max_steps or stopping):
-                save_checkpoint()
+                actor.save_checkpoint(os.path.join(ckpt_dir, "latest"), extra={  # every rank writes its shard
+                    "step": step, "version": version, "data_position": data_position, "python_rng": random.getstate(),
+                    "numpy_rng": np.random.get_state(), "torch_rng": torch.get_rng_state()})
         progress.close()
         if producer is not None:
             producer.stop()

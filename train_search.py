@@ -351,7 +351,7 @@ async def evaluate(client, session, tokenizer, cfg, items, retrieval_addr) -> di
     episodes = await rollout_groups(client, session, tokenizer, cfg, items, retrieval_addr, 0.0, 1)
     return {
         "exact_match": float(np.mean([e["exact_match"] for e in episodes])),
-        "f1": float(np.mean([f1_score(e["answer"], e["gold"]) if e["answer"] is not None else 0.0 for e in episodes])),
+        "f1": float(np.mean([compute_reward(e["answer"], e["gold"], "f1") for e in episodes])),
         "turns": float(np.mean([e["num_turns"] for e in episodes])),
         "searches": float(np.mean([e["num_tool_calls"] for e in episodes])),
         "answered": float(np.mean([e["finish_reason"] == "answer" for e in episodes])),
@@ -575,10 +575,7 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
 
     def out_of_time(start: float) -> bool:
         # Under torchrun rank 0's clock decides for every rank, so all ranks leave the loop together.
-        flag = torch.tensor([float(bool(cfg.time_budget_s) and time.time() - start > cfg.time_budget_s)])
-        if world_size > 1:
-            dist.broadcast(flag, src=0, group=cpu_group)
-        return bool(flag.item())
+        return broadcast_from_rank0(bool(cfg.time_budget_s) and time.time() - start > cfg.time_budget_s, cpu_group)
 
     step, version, data_position = 0, 0, 0
     ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
@@ -639,8 +636,7 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
                     keep = rewards.view(-1, cfg.group_size).std(dim=1).gt(0).repeat_interleave(cfg.group_size)
                 batch = {k: v[keep] for k, v in full.items()}
             t_rollout = time.time() - t0
-            if world_size > 1:
-                batch = broadcast_from_rank0(batch, cpu_group)
+            batch = broadcast_from_rank0(batch, cpu_group)
             rows = {k: v[rank::world_size] for k, v in batch.items()}  # this rank's share of the batch
             trainable = len(batch["rewards"]) >= world_size  # every rank needs a row for the collectives
 
