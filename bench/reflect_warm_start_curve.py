@@ -12,6 +12,7 @@ Prints JSON rows (step, seconds, dev / seen accuracy) and appends them to --out;
 import asyncio
 import json
 import os
+import sys
 import tempfile
 import time
 
@@ -19,12 +20,15 @@ import fire
 import torch
 from transformers import AutoTokenizer
 
-import train_reflect as tr
-from lib.client import InferenceClient
-from lib.launch import launch_cpu_server
-from lib.math_data import default_math_dir, read_split
-from lib.tiny_model import default_tiny_model_dir
-from lib.warm_start import sft_warm_start
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import train_reflect as tr  # noqa: E402
+from bench.sft_curve import CurveRecorder  # noqa: E402
+from lib.client import InferenceClient  # noqa: E402
+from lib.launch import launch_cpu_server  # noqa: E402
+from lib.math_data import default_math_dir, read_split  # noqa: E402
+from lib.tiny_model import default_tiny_model_dir  # noqa: E402
+from lib.warm_start import sft_warm_start  # noqa: E402
 
 
 def main(steps: int = 2000, eval_every: int = 500, eval_size: int = 200, lr: float = 2e-3, batch_size: int = 16,
@@ -48,31 +52,21 @@ def main(steps: int = 2000, eval_every: int = 500, eval_size: int = 200, lr: flo
     loop = asyncio.new_event_loop()
     client = InferenceClient([server.address])
     reward_pool = tr.RewardPool(1, cfg.reward_timeout_s)
-    t_start, train_s, last = time.time(), [0.0], [time.time()]
+    t_start = time.time()
+    recorder = CurveRecorder(work, device, client, loop, out)
 
     def evaluate(step, model, tok):
-        train_s[0] += time.time() - last[0]
-        path = os.path.join(work, f"step{step}")
-        model.to("cpu").save_pretrained(path, safe_serialization=True)
-        tok.save_pretrained(path)
-        model.to(device)
+        recorder.load_on_server(step, model, tok)
 
         async def go():
-            await client.update_weights_from_disk(path)
             args = (client, tokenizer, reflection_ids, reward_pool, cfg)
             return await tr.evaluate(*args, dev), await tr.evaluate(*args, seen[:eval_size])
 
-        t = time.time()
         m_dev, m_seen = loop.run_until_complete(go())
-        row = {"name": name, "step": step, "train_s": round(train_s[0], 1), "eval_s": round(time.time() - t, 1),
-               "lr": lr, "batch_size": batch_size, "problems": problems, "reflect_frac": reflect_frac,
-               "device": device, **{f"dev_{k}": round(v, 3) for k, v in m_dev.items()},
-               **{f"seen_{k}": round(v, 3) for k, v in m_seen.items()}}
-        print(json.dumps(row), flush=True)
-        if out:
-            with open(out, "a") as f:
-                f.write(json.dumps(row) + "\n")
-        last[0] = time.time()
+        recorder.record({"name": name, "step": step, "lr": lr, "batch_size": batch_size, "problems": problems,
+                         "reflect_frac": reflect_frac, "device": device,
+                         **{f"dev_{k}": round(v, 3) for k, v in m_dev.items()},
+                         **{f"seen_{k}": round(v, 3) for k, v in m_seen.items()}})
 
     try:
         final = save or os.path.join(work, "final")

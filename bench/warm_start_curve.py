@@ -12,6 +12,7 @@ Prints a table (step, seconds, loss-free dev EM / F1 / answered / searches) and 
 import asyncio
 import json
 import os
+import sys
 import tempfile
 import time
 
@@ -20,13 +21,16 @@ import fire
 import torch
 from transformers import AutoTokenizer
 
-import train_search as ts
-from lib.client import InferenceClient
-from lib.launch import launch_cpu_server
-from lib.retrieval import launch_retrieval_server
-from lib.tiny_model import default_tiny_model_dir
-from lib.warm_start import sft_warm_start
-from lib.wiki_data import default_wiki_dir
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import train_search as ts  # noqa: E402
+from bench.sft_curve import CurveRecorder  # noqa: E402
+from lib.client import InferenceClient  # noqa: E402
+from lib.launch import launch_cpu_server  # noqa: E402
+from lib.retrieval import launch_retrieval_server  # noqa: E402
+from lib.tiny_model import default_tiny_model_dir  # noqa: E402
+from lib.warm_start import sft_warm_start  # noqa: E402
+from lib.wiki_data import default_wiki_dir  # noqa: E402
 
 
 def main(steps: int = 2000, eval_every: int = 250, eval_size: int = 100, worlds: int = 1, lr: float = 2e-3,
@@ -54,23 +58,15 @@ def main(steps: int = 2000, eval_every: int = 250, eval_size: int = 100, worlds:
     loop = asyncio.new_event_loop()
     client = InferenceClient([server.address])
     rows = []
-    t_start = time.time()
-    train_s = [0.0]
-    last = [t_start]
+    recorder = CurveRecorder(work, device, client, loop, out)
 
     def evaluate(step, model, tok):
-        train_s[0] += time.time() - last[0]
-        path = os.path.join(work, f"step{step}")
-        model.to("cpu").save_pretrained(path, safe_serialization=True)
-        tok.save_pretrained(path)
-        model.to(device)
+        recorder.load_on_server(step, model, tok)
 
         async def go():
-            await client.update_weights_from_disk(path)
             async with aiohttp.ClientSession() as session:
                 return await ts.rollout_groups(client, session, tokenizer, cfg, dev, retrieval.address, 0.0, 1)
 
-        t = time.time()
         episodes = loop.run_until_complete(go())
         m = {"exact_match": sum(e["exact_match"] for e in episodes) / len(episodes),
              "f1": sum(e["rewards"].item() for e in episodes) / len(episodes),
@@ -85,16 +81,10 @@ def main(steps: int = 2000, eval_every: int = 250, eval_size: int = 100, worlds:
                     f.write(json.dumps({"name": name, "step": step, "hops": q["hops"], "question": q["question"],
                                         "gold": q["answer"], "hop_queries": q["hop_queries"],
                                         "em": e["exact_match"], "turns": e["turn_texts"]}) + "\n")
-        row = {"name": name, "step": step, "train_s": round(train_s[0], 1), "eval_s": round(time.time() - t, 1),
-               "worlds": worlds, "lr": lr, "batch_size": batch_size, "corpus_lm": corpus_lm, "prompt": prompt, "topk": topk,
-               "device": device, "arch": arch or {}, "demo_tokens": round(sum(lengths) / len(lengths)),
-               **{k: round(v, 4) for k, v in m.items()}}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        if out:
-            with open(out, "a") as f:
-                f.write(json.dumps(row) + "\n")
-        last[0] = time.time()
+        rows.append(recorder.record({
+            "name": name, "step": step, "worlds": worlds, "lr": lr, "batch_size": batch_size, "corpus_lm": corpus_lm,
+            "prompt": prompt, "topk": topk, "device": device, "arch": arch or {},
+            "demo_tokens": round(sum(lengths) / len(lengths)), **{k: round(v, 4) for k, v in m.items()}}))
 
     try:
         final = save or os.path.join(work, "final")
