@@ -12,12 +12,15 @@ halved by the causal mask). Peak bf16 dense: H100/H200 SXM 989 TFLOP/s.
 import argparse
 import inspect
 import os
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-from lib.actor import Actor
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from lib.actor import Actor  # noqa: E402
 
 
 def register_torch_varlen():
