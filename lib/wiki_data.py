@@ -282,14 +282,19 @@ def split_sizes(num_questions: int) -> dict[str, int]:
 
 
 # --- build ---
-def _world_names(seed: int, num_passages: int) -> dict[str, dict[str, list[str]]]:
-    """The entity names (per world part, per kind) that `build_wiki_data` draws for `seed`."""
-    rng = random.Random(seed)
-    taken: set[str] = set()
+def _make_worlds(rng: random.Random, num_passages: int, names: dict[str, dict[str, list[str]]] | None = None) -> dict:
+    """The warm-start world (a tenth of the passages) and the main world, drawn from `rng` in that
+    order. `names`: per part and kind, the names to use instead of drawing new ones."""
+    names, taken = names or {}, set()
     warm_counts = _scaled_counts(num_passages * WARMSTART_WORLD_FRACTION)
     warm_passages = sum(n * len(PASSAGES[kind]) for kind, n in warm_counts.items())
-    worlds = {"warmstart": _make_world(rng, warm_counts, taken),
-              "main": _make_world(rng, _scaled_counts(num_passages - warm_passages), taken)}
+    return {"warmstart": _make_world(rng, warm_counts, taken, names.get("warmstart")),
+            "main": _make_world(rng, _scaled_counts(num_passages - warm_passages), taken, names.get("main"))}
+
+
+def _world_names(seed: int, num_passages: int) -> dict[str, dict[str, list[str]]]:
+    """The entity names (per world part, per kind) that `build_wiki_data` draws for `seed`."""
+    worlds = _make_worlds(random.Random(seed), num_passages)
     return {part: {kind: [e["name"] for e in ents[kind]] for kind in KIND_SHARES} for part, ents in worlds.items()}
 
 
@@ -305,12 +310,7 @@ def build_wiki_data(out_dir: str, seed: int = 0, num_passages: int = 20000,
     if num_passages < 300:
         raise ValueError(f"num_passages={num_passages} is too small for a world with distractors; use >= 300")
     rng = random.Random(seed)
-    taken: set[str] = set()
-    warm_counts = _scaled_counts(num_passages * WARMSTART_WORLD_FRACTION)
-    warm_passages = sum(n * len(PASSAGES[kind]) for kind, n in warm_counts.items())
-    given = _world_names(names_seed, num_passages) if names_seed is not None else {"warmstart": None, "main": None}
-    worlds = {"warmstart": _make_world(rng, warm_counts, taken, given["warmstart"]),
-              "main": _make_world(rng, _scaled_counts(num_passages - warm_passages), taken, given["main"])}
+    worlds = _make_worlds(rng, num_passages, _world_names(names_seed, num_passages) if names_seed is not None else None)
 
     # Pages in random order; the passage budget is filled with filler passages about random people
     # (they mention the name, so they act as distractors too).
