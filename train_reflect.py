@@ -34,11 +34,11 @@ from lib.actor import Actor, grpo_advantages
 from lib.async_rollout import BackgroundLoop, RolloutProducer
 from lib.client import InferenceClient
 from lib.config import load_config, to_dict
-from lib.launch import free_port, launch_cpu_server, launch_sglang
+from lib.launch import launch_cpu_server, launch_sglang
 from lib.metrics import MetricsLogger
 from lib.padding import concat_padded_tensors
 from lib.ranks import broadcast_from_rank0, gap_over_ranks, init_trainer_ranks
-from lib.weight_sync import DistributedWeightSync, sync_weights_from_disk
+from lib.weight_sync import ServerWeightSync
 
 
 @dataclass
@@ -534,24 +534,11 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
                   eps_clip_low=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high, loss_agg=cfg.loss_agg,
                   packed=cfg.pack_sequences, attn_implementation=cfg.attn_implementation)
 
-    # Weight sync. "nccl": this trainer (rank 0) and the server's TP workers join one process group
-    # once, then each step broadcasts the new weights (NCCL on GPUs, gloo on CPUs). "disk":
-    # safetensors + /update_weights_from_disk.
-    broadcaster = None
-    if cfg.weight_sync == "nccl":
-        broadcaster = DistributedWeightSync(client, master_port=free_port() if is_main else 0,
-                                            world_size=1 + len(addrs) * cfg.tp_size,
-                                            rank_offsets=[1 + i * cfg.tp_size for i in range(len(addrs))],
-                                            backend="nccl" if actor.device.type == "cuda" else "gloo")
-        run(broadcaster.init())
-
-    def sync_weights(version: int) -> float:
-        if broadcaster is None:
-            return run(sync_weights_from_disk(actor, client, os.path.join(cfg.run_dir, "weights"), version))
-        named = actor.named_full_parameters()  # under FSDP each tensor is gathered: every rank takes part
-        if world_size > 1:
-            named = list(named)  # gather here, on the thread that owns this rank's GPU
-        return run(broadcaster.update(named, version, bucket_mb=cfg.weight_sync_bucket_mb, flattened=True))
+    # Weight sync (lib/weight_sync.py): "disk" = safetensors + /update_weights_from_disk; "nccl" = the
+    # trainer and every server's TP workers join one process group once, then each step broadcasts the
+    # new weights (NCCL on GPUs, gloo on CPUs).
+    weight_sync = ServerWeightSync(cfg.weight_sync, actor, client, run, num_servers=len(addrs), tp_size=cfg.tp_size,
+                                   disk_dir=os.path.join(cfg.run_dir, "weights"), bucket_mb=cfg.weight_sync_bucket_mb)
 
     step, version, data_position = 0, 0, 0
     ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
@@ -562,7 +549,7 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
         np.random.set_state(extra["numpy_rng"])
         torch.set_rng_state(extra["torch_rng"])
         # The server still holds the initial weights: give it the resumed policy.
-        sync_weights(version)
+        weight_sync.sync(version)
         if is_main:
             print(f"resumed from step {step} (policy version {version}, data position {data_position})")
     logger = trace_file = producer = None
@@ -644,7 +631,7 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
             version += 1
             if is_main:
                 run(client.pause_generation())
-            sync_weights(version)
+            weight_sync.sync(version)
             if is_main:
                 if producer is not None:
                     producer.set_version(version)
@@ -717,8 +704,7 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
             logger.close()
             reward_pool.close()
         try:
-            if broadcaster is not None:
-                run(broadcaster.close(), timeout_s=60)  # a server that outlives this run can join a new group
+            weight_sync.close()
             if is_main:
                 run(client.close(), timeout_s=30)
         finally:

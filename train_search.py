@@ -34,11 +34,11 @@ from lib.actor import Actor, grpo_advantages
 from lib.async_rollout import BackgroundLoop, RolloutProducer
 from lib.client import InferenceClient
 from lib.config import load_config, to_dict
-from lib.launch import free_port, launch_cpu_server, launch_sglang
+from lib.launch import launch_cpu_server, launch_sglang
 from lib.metrics import MetricsLogger
 from lib.padding import concat_padded_tensors
 from lib.ranks import broadcast_from_rank0, gap_over_ranks, init_trainer_ranks
-from lib.weight_sync import DistributedWeightSync, sync_weights_from_disk
+from lib.weight_sync import ServerWeightSync
 
 
 @dataclass
@@ -554,24 +554,11 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
 
     session = run(new_session()) if is_main else None  # for tool calls
 
-    # Weight sync. "nccl": this trainer (rank 0 sends) and every server's TP workers join one process
-    # group once, then each step broadcasts the new weights (NCCL on GPUs, gloo on CPUs). "disk":
-    # safetensors + /update_weights_from_disk.
-    broadcaster = None
-    if cfg.weight_sync == "nccl":
-        broadcaster = DistributedWeightSync(
-            client, master_port=free_port() if is_main else 0, world_size=1 + len(addrs) * cfg.tp_size,
-            rank_offsets=[1 + i * cfg.tp_size for i in range(len(addrs))],
-            backend="nccl" if actor.device.type == "cuda" else "gloo")
-        run(broadcaster.init())
-
-    def sync_weights(version: int) -> float:
-        if broadcaster is None:
-            return run(sync_weights_from_disk(actor, client, os.path.join(cfg.run_dir, "weights"), version))
-        named = actor.named_full_parameters()  # under FSDP each tensor is gathered: every rank takes part
-        if world_size > 1:
-            named = list(named)  # gather here, on the thread that owns this rank's GPU
-        return run(broadcaster.update(named, version, bucket_mb=cfg.weight_sync_bucket_mb, flattened=True))
+    # Weight sync (lib/weight_sync.py): "disk" = safetensors + /update_weights_from_disk; "nccl" = the
+    # trainer and every server's TP workers join one process group once, then each step broadcasts the
+    # new weights (NCCL on GPUs, gloo on CPUs).
+    weight_sync = ServerWeightSync(cfg.weight_sync, actor, client, run, num_servers=len(addrs), tp_size=cfg.tp_size,
+                                   disk_dir=os.path.join(cfg.run_dir, "weights"), bucket_mb=cfg.weight_sync_bucket_mb)
 
     def out_of_time(start: float) -> bool:
         # Under torchrun rank 0's clock decides for every rank, so all ranks leave the loop together.
@@ -586,7 +573,7 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
         random.setstate(extra["python_rng"])
         torch.set_rng_state(extra["torch_rng"])
         # The server still holds the initial weights: give it the resumed policy.
-        sync_weights(version)
+        weight_sync.sync(version)
         if is_main:
             print(f"resumed from step {step} (policy version {version})")
     logger = trace_file = producer = None
@@ -668,7 +655,7 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
             version += 1
             if is_main:
                 run(client.pause_generation())
-            sync_weights(version)
+            weight_sync.sync(version)
             if is_main:
                 if producer is not None:
                     producer.set_version(version)
@@ -742,8 +729,7 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
             trace_file.close()
             logger.close()
         try:
-            if broadcaster is not None:
-                run(broadcaster.close(), timeout_s=60)  # a server that outlives this run can join a new group
+            weight_sync.close()
             if is_main:
                 run(session.close(), timeout_s=30)
                 run(client.close(), timeout_s=30)

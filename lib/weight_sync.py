@@ -152,3 +152,39 @@ class DistributedWeightSync:
         group, self.group = self.group, None
         await _first_error_or_all(self.client.destroy_weights_update_group(self.group_name),
                                   _to_thread_on(self.device, destroy_custom_process_group, group))
+
+
+class ServerWeightSync:
+    """What a training script calls after each update: `sync(version)` sends the actor's weights to
+    every server and returns the seconds taken. `method` "disk": `sync_weights_from_disk` into
+    `disk_dir`; "nccl": a `DistributedWeightSync` group with every server's `tp_size` workers, built
+    here once (gloo when the actor is on CPUs). `run` runs a coroutine on the event loop that owns
+    `client` (`lib.async_rollout.BackgroundLoop.run`). Every trainer rank makes every call; ranks > 0
+    pass `client=None` and `num_servers=0`."""
+
+    def __init__(self, method: str, actor, client, run, *, num_servers: int, tp_size: int = 1,
+                 disk_dir: str, bucket_mb: float = 512):
+        if method not in ("disk", "nccl"):
+            raise ValueError(f"weight sync method must be 'disk' or 'nccl', got {method!r}")
+        from lib.launch import free_port
+
+        self.actor, self.client, self.run, self.disk_dir, self.bucket_mb = actor, client, run, disk_dir, bucket_mb
+        self.broadcaster = None
+        if method == "nccl":
+            self.broadcaster = DistributedWeightSync(
+                client, master_port=free_port() if _trainer_rank() == 0 else 0, world_size=1 + num_servers * tp_size,
+                rank_offsets=[1 + i * tp_size for i in range(num_servers)],
+                backend="nccl" if actor.device.type == "cuda" else "gloo")
+            run(self.broadcaster.init())
+
+    def sync(self, version) -> float:
+        if self.broadcaster is None:
+            return self.run(sync_weights_from_disk(self.actor, self.client, self.disk_dir, version))
+        named = self.actor.named_full_parameters()  # under FSDP each tensor is gathered: every rank takes part
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            named = list(named)  # gather here, on the thread that owns this rank's GPU
+        return self.run(self.broadcaster.update(named, version, bucket_mb=self.bucket_mb, flattened=True))
+
+    def close(self) -> None:
+        if self.broadcaster is not None:
+            self.run(self.broadcaster.close(), timeout_s=60)  # a server that outlives this run can join a new group
