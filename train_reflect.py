@@ -106,6 +106,7 @@ class Config:
     warm_start_lr: float = 2e-3
     warm_start_batch_size: int = 16
     warm_start_reflect_frac: float = 0.3  # demonstrations that recover from a wrong first answer
+    warm_start_direct_frac: float = 0.0  # demonstrations that give the final line only, no worked steps
     warm_start_problems: int = 20000  # distinct synthetic problems for the warm start (the train split changes with it)
     # --- evaluation and logging ---
     eval_every: int = 10  # steps; 0 = only at the end
@@ -284,6 +285,12 @@ class RewardPool:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def shows_work(completion: str) -> bool:
+    """Whether an answer works the problem out (a calculation with '=') before its final answer.
+    Logged, not rewarded: it shows which way RL moves the embedded default's policy."""
+    return "=" in completion.split("####")[0]
+
+
 # --- one episode ---
 async def arun_episode(client: InferenceClient, tokenizer, reflection_ids: list[int], reward_pool: RewardPool,
                        cfg: Config, item: dict, temperature: float) -> dict:
@@ -339,6 +346,7 @@ async def arun_episode(client: InferenceClient, tokenizer, reflection_ids: list[
         "rewards": torch.tensor([reward], dtype=torch.float32),
         "num_turns": turns,
         "correct_turn": turns if score > 0 else 0,  # 0 = never correct
+        "shows_work": bool(texts) and shows_work(texts[0]),
         "finish_reason": finish,
         "question": item["question"],
         "gold": item["answer"],
@@ -369,6 +377,7 @@ async def evaluate(client, tokenizer, reflection_ids, reward_pool, cfg, items) -
         "acc_final": float(np.mean([e["correct_turn"] > 0 for e in episodes])),
         "turns": float(np.mean([e["num_turns"] for e in episodes])),
         "reward": float(np.mean([e["rewards"].item() for e in episodes])),
+        "shows_work": float(np.mean([e["shows_work"] for e in episodes])),
     }
 
 
@@ -418,7 +427,9 @@ def wrong_attempt(answer: str, rng: random.Random) -> str:
 
 def build_demonstrations(tokenizer, cfg: Config, items: list[dict], reflection_ids: list[int]) -> list[dict]:
     """Successful trajectories for SFT, tokenized exactly as arun_episode builds them. Some recover
-    from a wrong first answer after the reflection turn.
+    from a wrong first answer after the reflection turn; a fraction `cfg.warm_start_direct_frac`
+    give the final line (`#### N`) without worked steps, so RL has a behaviour to learn: working
+    the steps out is right far more often.
 
     The loss covers every token except the wrong answer: a model trained from scratch learns to
     copy the question's numbers into its worked steps sooner when it also models the question (the
@@ -432,7 +443,9 @@ def build_demonstrations(tokenizer, cfg: Config, items: list[dict], reflection_i
         if cfg.max_turns > 1 and rng.random() < cfg.warm_start_reflect_frac:
             wrong = tokenizer(wrong_attempt(item["answer"], rng), add_special_tokens=False)["input_ids"] + [eos]
             ids, mask = ids + wrong + reflection_ids, mask + [0] * len(wrong) + [1] * len(reflection_ids)
-        solution = tokenizer(item["answer"], add_special_tokens=False)["input_ids"] + [eos]
+        direct = cfg.warm_start_direct_frac > 0 and rng.random() < cfg.warm_start_direct_frac
+        final = "#### " + item["answer"].rsplit("####", 1)[-1].strip() if direct else item["answer"]
+        solution = tokenizer(final, add_special_tokens=False)["input_ids"] + [eos]
         ids, mask = ids + solution, mask + [1] * len(solution)
         if len(ids) <= cfg.max_tokens:
             examples.append({"input_ids": ids, "loss_mask": mask})
@@ -452,6 +465,7 @@ def embedded_model(cfg: Config) -> str:
     settings = {"base": base, "data": data_dir, "steps": cfg.warm_start_steps, "lr": cfg.warm_start_lr,
                 "batch": cfg.warm_start_batch_size, "prompt": PROMPT_TEMPLATE, "reflection": REFLECTION,
                 "reflect_frac": cfg.warm_start_reflect_frac if cfg.max_turns > 1 else 0.0,
+                "direct_frac": cfg.warm_start_direct_frac,
                 "chat": cfg.apply_chat_template, "seed": cfg.seed, "v": 2}
     out = warm_start_dir("reflect-warm-start", settings)
     if not os.path.exists(os.path.join(out, "model.safetensors")):
@@ -460,7 +474,8 @@ def embedded_model(cfg: Config) -> str:
                                      build_reflection_ids(tokenizer, cfg.apply_chat_template))
         print(f"warm start: {len(demos)} demonstrations, {cfg.warm_start_steps} SFT steps")
         sft_warm_start(base, demos, out, steps=cfg.warm_start_steps, lr=cfg.warm_start_lr,
-                       batch_size=cfg.warm_start_batch_size, seed=cfg.seed)
+                       batch_size=cfg.warm_start_batch_size, seed=cfg.seed,
+                       device="cuda" if torch.cuda.is_available() else "cpu")
     return out
 
 
@@ -648,6 +663,7 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
                     "rollout/acc_turn1": float(np.mean([e["correct_turn"] == 1 for e in episodes])),
                     "rollout/acc_final": float(np.mean([e["correct_turn"] > 0 for e in episodes])),
                     "rollout/turns": float(np.mean([e["num_turns"] for e in episodes])),
+                    "rollout/shows_work": float(np.mean([e["shows_work"] for e in episodes])),
                     "rollout/max_tokens_hit": float(np.mean([e["finish_reason"] == "max_tokens" for e in episodes])),
                     "rollout/seq_len": full["attention_mask"].sum(1).float().mean().item(),
                     "rollout/gen_tokens": gen_tokens,

@@ -114,6 +114,7 @@ class Config:
     warm_start_batch_size: int = 16
     warm_start_worlds: int = 1  # counterfactual worlds (the training world's names, other facts) for demonstrations
     warm_start_corpus_lm: bool = False  # also train on the corpus as plain text ("pretraining")
+    warm_start_direct_frac: float = 0.0  # demonstrations that answer at once, from their own world's facts (no search)
     # --- evaluation and logging ---
     eval_every: int = 10  # steps; 0 = only at the end
     eval_size: int = 200  # dev questions per evaluation
@@ -370,9 +371,14 @@ def read_jsonl(path: str) -> list[dict]:
 
 # --- warm start (embedded default only) ---
 def build_demonstrations(tokenizer, cfg: Config, items: list[dict], corpus_path: str,
-                         loss_on_tool_tokens: bool = True) -> list[dict]:
+                         loss_on_tool_tokens: bool = True, seed: int = 0) -> list[dict]:
     """Successful trajectories for SFT: per hop, search the hop's query and read the real BM25
     results; then answer. Pieces are tokenized exactly as arun_episode tokenizes them.
+
+    A fraction `cfg.warm_start_direct_frac` of them answer at once, without searching: right in
+    the demonstration's own world, a guess from stale memory in the training world, whose facts
+    differ (like a base model answering from what it memorised). RL then has a decision to learn,
+    search or not, that the reward makes plain.
 
     By default the loss covers every token, tool output included: a model trained from scratch
     learns to copy names (question -> query, information -> answer) sooner from the many
@@ -381,11 +387,13 @@ def build_demonstrations(tokenizer, cfg: Config, items: list[dict], corpus_path:
 
     index = load_bm25(corpus_path)
     tool_mask = 1 if loss_on_tool_tokens else 0
+    rng = random.Random(seed)
     examples = []
     for item in items:
         ids = build_prompt_ids(tokenizer, item["question"], cfg.apply_chat_template, PROMPTS[cfg.prompt])
         mask = [tool_mask] * len(ids)
-        for query in item["hop_queries"]:
+        direct = rng.random() < cfg.warm_start_direct_frac
+        for query in ([] if direct else item["hop_queries"]):
             model_text = f"<think> I need to search {query}. </think>\n<search> {query} </search>"
             docs = bm25_search(index, [query], cfg.topk)[0]
             tool_text = f"\n\n<information>{format_docs(docs, cfg.max_info_chars)}</information>\n\n"
@@ -393,7 +401,9 @@ def build_demonstrations(tokenizer, cfg: Config, items: list[dict], corpus_path:
             tool_ids = tokenizer(tool_text, add_special_tokens=False)["input_ids"]
             ids += model_ids + tool_ids
             mask += [1] * len(model_ids) + [tool_mask] * len(tool_ids)
-        final = f"<think> The answer is {item['answer'][0]}. </think>\n<answer> {item['answer'][0]} </answer>"
+        # a direct answer has its own words: the answer after "The answer is" is copied from results
+        lead = "From memory:" if direct else "The answer is"
+        final = f"<think> {lead} {item['answer'][0]}. </think>\n<answer> {item['answer'][0]} </answer>"
         final_ids = tokenizer(final, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         ids += final_ids
         mask += [1] * len(final_ids)
@@ -429,11 +439,11 @@ def warm_start_examples(tokenizer, cfg: Config, data_dir: str) -> list[dict]:
     from lib.wiki_data import SPLITS, default_wiki_dir
 
     examples = build_demonstrations(tokenizer, cfg, read_jsonl(os.path.join(data_dir, "warmstart.jsonl")),
-                                    os.path.join(data_dir, "corpus.jsonl"))
+                                    os.path.join(data_dir, "corpus.jsonl"), seed=cfg.seed)
     for seed in range(1, cfg.warm_start_worlds + 1):
         world = default_wiki_dir(seed=seed, names_seed=0)
         items = [q for split in SPLITS for q in read_jsonl(os.path.join(world, f"{split}.jsonl"))]
-        examples += build_demonstrations(tokenizer, cfg, items, os.path.join(world, "corpus.jsonl"))
+        examples += build_demonstrations(tokenizer, cfg, items, os.path.join(world, "corpus.jsonl"), seed=cfg.seed + seed)
     if cfg.warm_start_corpus_lm:
         examples += corpus_lm_examples(tokenizer, os.path.join(data_dir, "corpus.jsonl"))
     return examples
@@ -451,14 +461,15 @@ def embedded_model_and_data(cfg: Config) -> tuple[str, str]:
     base = default_tiny_model_dir()
     settings = {"base": base, "steps": cfg.warm_start_steps, "lr": cfg.warm_start_lr,
                 "batch": cfg.warm_start_batch_size, "worlds": cfg.warm_start_worlds,
-                "corpus_lm": cfg.warm_start_corpus_lm, "data": data_dir, "prompt": PROMPTS[cfg.prompt],
+                "corpus_lm": cfg.warm_start_corpus_lm, "direct": cfg.warm_start_direct_frac, "data": data_dir, "prompt": PROMPTS[cfg.prompt],
                 "topk": cfg.topk, "chat": cfg.apply_chat_template, "max_tokens": cfg.max_tokens, "v": 3}
     out = warm_start_dir("search-warm-start", settings)
     if not os.path.exists(os.path.join(out, "model.safetensors")):
         demos = warm_start_examples(AutoTokenizer.from_pretrained(base), cfg, data_dir)
         print(f"warm start: {len(demos)} examples, {cfg.warm_start_steps} SFT steps")
         sft_warm_start(base, demos, out, steps=cfg.warm_start_steps, lr=cfg.warm_start_lr,
-                       batch_size=cfg.warm_start_batch_size, seed=cfg.seed)
+                       batch_size=cfg.warm_start_batch_size, seed=cfg.seed,
+                       device="cuda" if torch.cuda.is_available() else "cpu")
     return out, data_dir
 
 

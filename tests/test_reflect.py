@@ -237,6 +237,25 @@ def test_warm_start_demonstrations_never_train_on_the_wrong_first_answer(tokeniz
     assert demo["input_ids"][-len(solution):] == solution and all(demo["loss_mask"][-len(solution):])
 
 
+def test_direct_demonstrations_give_the_final_line_only(tokenizer):
+    reflection_ids = tr.build_reflection_ids(tokenizer, True)
+    items = [ITEM] * 40
+    demos = tr.build_demonstrations(tokenizer, tr.Config(max_turns=1, warm_start_direct_frac=0.5), items, reflection_ids)
+    prompt_len = len(tr.build_prompt_ids(tokenizer, ITEM["question"], True))
+    answers = [tokenizer.decode(d["input_ids"][prompt_len:], skip_special_tokens=True) for d in demos]
+    assert set(answers) == {"#### 7", ITEM["answer"]}
+    assert 10 <= answers.count("#### 7") <= 30  # about half
+    assert [tr.shows_work(a) for a in answers] == [a == ITEM["answer"] for a in answers]
+    # frac 0 (the default): every demonstration works the problem out
+    plain = tr.build_demonstrations(tokenizer, tr.Config(max_turns=2), items, reflection_ids)
+    assert all(tokenizer.decode(d["input_ids"]).count("3 + 4 = 7") == 1 for d in plain)
+
+
+def test_shows_work_looks_for_a_calculation_before_the_answer():
+    assert tr.shows_work("3 + 4 = 7.\n#### 7") and tr.shows_work("3 + 4 = 7, so 7")
+    assert not tr.shows_work("#### 7") and not tr.shows_work("7") and not tr.shows_work("#### 3 + 4 = 7")
+
+
 # --- data ---
 def test_gsm8k_style_files_load_and_dev_is_carved_from_train(tmp_path):
     import datasets

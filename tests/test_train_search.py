@@ -140,6 +140,26 @@ def test_malformed_model_output_never_crashes_an_episode(tokenizer):
 
 
 @pytest.mark.slow
+def test_warm_start_demonstrations_search_each_hop_or_answer_directly(tokenizer):
+    from lib.wiki_data import default_wiki_dir
+
+    data_dir = default_wiki_dir(seed=0)
+    items = ts.read_jsonl(os.path.join(data_dir, "warmstart.jsonl"))[:40]
+    cfg = ts.Config(prompt="short", topk=2, warm_start_direct_frac=0.5)
+    demos = ts.build_demonstrations(tokenizer, cfg, items, os.path.join(data_dir, "corpus.jsonl"))
+    texts = [tokenizer.decode(d["input_ids"]) for d in demos]
+    direct = [t for t in texts if "<search>" not in t]
+    assert 10 <= len(direct) <= 30  # about half
+    for item, text in zip(items, texts):
+        gold = item["answer"][0]
+        if "<search>" in text:  # one search per hop, then the answer read from the results
+            assert text.count("<search>") == len(item["hop_queries"]) and f"The answer is {gold}." in text
+        else:
+            assert f"<think> From memory: {gold}. </think>\n<answer> {gold} </answer>" in text
+    plain = ts.build_demonstrations(tokenizer, ts.Config(prompt="short", topk=2), items, os.path.join(data_dir, "corpus.jsonl"))
+    assert all("<search>" in tokenizer.decode(d["input_ids"]) for d in plain)  # the default: every one searches
+
+
 def test_two_steps_then_resume_from_checkpoint(tmp_path):
     run_dir = str(tmp_path / "run")
     args = [sys.executable, "train_search.py", "--run_dir", run_dir, "--batch_size", "2", "--group_size", "2",
