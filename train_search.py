@@ -114,7 +114,9 @@ class Config:
     warm_start_batch_size: int = 16
     warm_start_worlds: int = 1  # counterfactual worlds (the training world's names, other facts) for demonstrations
     warm_start_corpus_lm: bool = False  # also train on the corpus as plain text ("pretraining")
-    warm_start_direct_frac: float = 0.0  # demonstrations that answer at once, from their own world's facts (no search)
+    warm_start_direct_steps: int = 0  # then SFT steps on demonstrations of which a fraction answer without searching
+    warm_start_direct_frac: float = 0.6  # ... that fraction: they answer from their own world's facts, which are stale here
+    warm_start_direct_lr: float = 5e-4
     # --- evaluation and logging ---
     eval_every: int = 10  # steps; 0 = only at the end
     eval_size: int = 200  # dev questions per evaluation
@@ -371,14 +373,14 @@ def read_jsonl(path: str) -> list[dict]:
 
 # --- warm start (embedded default only) ---
 def build_demonstrations(tokenizer, cfg: Config, items: list[dict], corpus_path: str,
-                         loss_on_tool_tokens: bool = True, seed: int = 0) -> list[dict]:
+                         loss_on_tool_tokens: bool = True, direct_frac: float = 0.0, seed: int = 0) -> list[dict]:
     """Successful trajectories for SFT: per hop, search the hop's query and read the real BM25
     results; then answer. Pieces are tokenized exactly as arun_episode tokenizes them.
 
-    A fraction `cfg.warm_start_direct_frac` of them answer at once, without searching: right in
-    the demonstration's own world, a guess from stale memory in the training world, whose facts
-    differ (like a base model answering from what it memorised). RL then has a decision to learn,
-    search or not, that the reward makes plain.
+    A fraction `direct_frac` of them answer at once, without searching: right in the
+    demonstration's own world, a guess from stale memory in the training world, whose facts differ
+    (like a chat model answering from what it memorised). RL then has a decision to learn, search
+    or not, that the reward makes plain.
 
     By default the loss covers every token, tool output included: a model trained from scratch
     learns to copy names (question -> query, information -> answer) sooner from the many
@@ -392,7 +394,7 @@ def build_demonstrations(tokenizer, cfg: Config, items: list[dict], corpus_path:
     for item in items:
         ids = build_prompt_ids(tokenizer, item["question"], cfg.apply_chat_template, PROMPTS[cfg.prompt])
         mask = [tool_mask] * len(ids)
-        direct = rng.random() < cfg.warm_start_direct_frac
+        direct = rng.random() < direct_frac
         for query in ([] if direct else item["hop_queries"]):
             model_text = f"<think> I need to search {query}. </think>\n<search> {query} </search>"
             docs = bm25_search(index, [query], cfg.topk)[0]
@@ -430,7 +432,7 @@ def corpus_lm_examples(tokenizer, corpus_path: str, chunk_tokens: int = 256) -> 
     return examples
 
 
-def warm_start_examples(tokenizer, cfg: Config, data_dir: str) -> list[dict]:
+def warm_start_examples(tokenizer, cfg: Config, data_dir: str, direct_frac: float = 0.0) -> list[dict]:
     """SFT data of the embedded default: demonstrations on the warm-start split (questions about a
     part of the world that train/dev/test never ask about) and on `warm_start_worlds`
     counterfactual worlds (lib/wiki_data: the same names, other facts: the model learns to read
@@ -439,11 +441,12 @@ def warm_start_examples(tokenizer, cfg: Config, data_dir: str) -> list[dict]:
     from lib.wiki_data import SPLITS, default_wiki_dir
 
     examples = build_demonstrations(tokenizer, cfg, read_jsonl(os.path.join(data_dir, "warmstart.jsonl")),
-                                    os.path.join(data_dir, "corpus.jsonl"), seed=cfg.seed)
+                                    os.path.join(data_dir, "corpus.jsonl"), direct_frac=direct_frac, seed=cfg.seed)
     for seed in range(1, cfg.warm_start_worlds + 1):
         world = default_wiki_dir(seed=seed, names_seed=0)
         items = [q for split in SPLITS for q in read_jsonl(os.path.join(world, f"{split}.jsonl"))]
-        examples += build_demonstrations(tokenizer, cfg, items, os.path.join(world, "corpus.jsonl"), seed=cfg.seed + seed)
+        examples += build_demonstrations(tokenizer, cfg, items, os.path.join(world, "corpus.jsonl"),
+                                         direct_frac=direct_frac, seed=cfg.seed + seed)
     if cfg.warm_start_corpus_lm:
         examples += corpus_lm_examples(tokenizer, os.path.join(data_dir, "corpus.jsonl"))
     return examples
@@ -461,16 +464,31 @@ def embedded_model_and_data(cfg: Config) -> tuple[str, str]:
     base = default_tiny_model_dir()
     settings = {"base": base, "steps": cfg.warm_start_steps, "lr": cfg.warm_start_lr,
                 "batch": cfg.warm_start_batch_size, "worlds": cfg.warm_start_worlds,
-                "corpus_lm": cfg.warm_start_corpus_lm, "direct": cfg.warm_start_direct_frac, "data": data_dir, "prompt": PROMPTS[cfg.prompt],
+                "corpus_lm": cfg.warm_start_corpus_lm, "data": data_dir, "prompt": PROMPTS[cfg.prompt],
                 "topk": cfg.topk, "chat": cfg.apply_chat_template, "max_tokens": cfg.max_tokens, "v": 3}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     out = warm_start_dir("search-warm-start", settings)
     if not os.path.exists(os.path.join(out, "model.safetensors")):
         demos = warm_start_examples(AutoTokenizer.from_pretrained(base), cfg, data_dir)
         print(f"warm start: {len(demos)} examples, {cfg.warm_start_steps} SFT steps")
         sft_warm_start(base, demos, out, steps=cfg.warm_start_steps, lr=cfg.warm_start_lr,
-                       batch_size=cfg.warm_start_batch_size, seed=cfg.seed,
-                       device="cuda" if torch.cuda.is_available() else "cpu")
-    return out, data_dir
+                       batch_size=cfg.warm_start_batch_size, seed=cfg.seed, device=device)
+    if cfg.warm_start_direct_steps <= 0:
+        return out, data_dir
+    # Second stage: the searcher learns to answer most questions from memory (its demonstrations'
+    # worlds), as a chat model does. Copying is learned first and kept: mixing the direct answers
+    # in from the start stopped it from forming (docs/benchmarks.md).
+    stage2 = {"stage1": out, "steps": cfg.warm_start_direct_steps, "lr": cfg.warm_start_direct_lr,
+              "frac": cfg.warm_start_direct_frac, "batch": cfg.warm_start_batch_size, "v": 1}
+    out2 = warm_start_dir("search-warm-start-direct", stage2)
+    if not os.path.exists(os.path.join(out2, "model.safetensors")):
+        demos = warm_start_examples(AutoTokenizer.from_pretrained(base), cfg, data_dir, cfg.warm_start_direct_frac)
+        print(f"warm start, stage 2: {cfg.warm_start_direct_steps} SFT steps, "
+              f"{cfg.warm_start_direct_frac:.0%} of the demonstrations answer without searching")
+        sft_warm_start(out, demos, out2, steps=cfg.warm_start_direct_steps, lr=cfg.warm_start_direct_lr,
+                       batch_size=cfg.warm_start_batch_size, warmup_steps=min(20, cfg.warm_start_direct_steps // 10),
+                       seed=cfg.seed + 1, device=device)
+    return out2, data_dir
 
 
 # --- main: the GRPO loop ---

@@ -145,8 +145,8 @@ def test_warm_start_demonstrations_search_each_hop_or_answer_directly(tokenizer)
 
     data_dir = default_wiki_dir(seed=0)
     items = ts.read_jsonl(os.path.join(data_dir, "warmstart.jsonl"))[:40]
-    cfg = ts.Config(prompt="short", topk=2, warm_start_direct_frac=0.5)
-    demos = ts.build_demonstrations(tokenizer, cfg, items, os.path.join(data_dir, "corpus.jsonl"))
+    cfg = ts.Config(prompt="short", topk=2)
+    demos = ts.build_demonstrations(tokenizer, cfg, items, os.path.join(data_dir, "corpus.jsonl"), direct_frac=0.5)
     texts = [tokenizer.decode(d["input_ids"]) for d in demos]
     direct = [t for t in texts if "<search>" not in t]
     assert 10 <= len(direct) <= 30  # about half
@@ -156,7 +156,7 @@ def test_warm_start_demonstrations_search_each_hop_or_answer_directly(tokenizer)
             assert text.count("<search>") == len(item["hop_queries"]) and f"The answer is {gold}." in text
         else:
             assert f"<think> From memory: {gold}. </think>\n<answer> {gold} </answer>" in text
-    plain = ts.build_demonstrations(tokenizer, ts.Config(prompt="short", topk=2), items, os.path.join(data_dir, "corpus.jsonl"))
+    plain = ts.build_demonstrations(tokenizer, cfg, items, os.path.join(data_dir, "corpus.jsonl"))
     assert all("<search>" in tokenizer.decode(d["input_ids"]) for d in plain)  # the default: every one searches
 
 
@@ -164,7 +164,8 @@ def test_two_steps_then_resume_from_checkpoint(tmp_path):
     run_dir = str(tmp_path / "run")
     args = [sys.executable, "train_search.py", "--run_dir", run_dir, "--batch_size", "2", "--group_size", "2",
             "--max_turns", "2", "--max_new_tokens_per_turn", "16", "--eval_every", "0", "--test_size", "2",
-            "--warm_start_steps", "2", "--warm_start_batch_size", "2", "--checkpoint_every", "1", "--lr", "1e-4"]
+            "--warm_start_steps", "2", "--warm_start_batch_size", "2", "--warm_start_direct_steps", "2",
+            "--checkpoint_every", "1", "--lr", "1e-4"]
     first = subprocess.run(args + ["--max_steps", "2"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
@@ -185,7 +186,7 @@ def test_two_steps_then_resume_from_checkpoint(tmp_path):
 
 COMMON = ["--batch_size", "2", "--group_size", "2", "--max_turns", "2", "--max_new_tokens_per_turn", "16",
           "--eval_every", "0", "--test_size", "2", "--warm_start_steps", "2", "--warm_start_batch_size", "2",
-          "--checkpoint_every", "1", "--lr", "1e-4", "--max_steps", "2", "--tensorboard", "False"]
+          "--warm_start_direct_steps", "2", "--checkpoint_every", "1", "--lr", "1e-4", "--max_steps", "2", "--tensorboard", "False"]
 
 
 def train_rows(run_dir):
