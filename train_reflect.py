@@ -106,7 +106,9 @@ class Config:
     warm_start_lr: float = 2e-3
     warm_start_batch_size: int = 16
     warm_start_reflect_frac: float = 0.3  # demonstrations that recover from a wrong first answer
-    warm_start_direct_frac: float = 0.0  # demonstrations that give the final line only, no worked steps
+    warm_start_direct_steps: int = 0  # then SFT steps on demonstrations of which a fraction give the final line only
+    warm_start_direct_frac: float = 0.6  # ... that fraction ("#### N", no worked steps)
+    warm_start_direct_lr: float = 5e-4
     warm_start_problems: int = 20000  # distinct synthetic problems for the warm start (the train split changes with it)
     # --- evaluation and logging ---
     eval_every: int = 10  # steps; 0 = only at the end
@@ -425,9 +427,10 @@ def wrong_attempt(answer: str, rng: random.Random) -> str:
     return f"{head}#### {wrong}"
 
 
-def build_demonstrations(tokenizer, cfg: Config, items: list[dict], reflection_ids: list[int]) -> list[dict]:
+def build_demonstrations(tokenizer, cfg: Config, items: list[dict], reflection_ids: list[int],
+                         direct_frac: float = 0.0) -> list[dict]:
     """Successful trajectories for SFT, tokenized exactly as arun_episode builds them. Some recover
-    from a wrong first answer after the reflection turn; a fraction `cfg.warm_start_direct_frac`
+    from a wrong first answer after the reflection turn; a fraction `direct_frac`
     give the final line (`#### N`) without worked steps, so RL has a behaviour to learn: working
     the steps out is right far more often.
 
@@ -443,7 +446,7 @@ def build_demonstrations(tokenizer, cfg: Config, items: list[dict], reflection_i
         if cfg.max_turns > 1 and rng.random() < cfg.warm_start_reflect_frac:
             wrong = tokenizer(wrong_attempt(item["answer"], rng), add_special_tokens=False)["input_ids"] + [eos]
             ids, mask = ids + wrong + reflection_ids, mask + [0] * len(wrong) + [1] * len(reflection_ids)
-        direct = cfg.warm_start_direct_frac > 0 and rng.random() < cfg.warm_start_direct_frac
+        direct = direct_frac > 0 and rng.random() < direct_frac
         final = "#### " + item["answer"].rsplit("####", 1)[-1].strip() if direct else item["answer"]
         solution = tokenizer(final, add_special_tokens=False)["input_ids"] + [eos]
         ids, mask = ids + solution, mask + [1] * len(solution)
@@ -465,18 +468,33 @@ def embedded_model(cfg: Config) -> str:
     settings = {"base": base, "data": data_dir, "steps": cfg.warm_start_steps, "lr": cfg.warm_start_lr,
                 "batch": cfg.warm_start_batch_size, "prompt": PROMPT_TEMPLATE, "reflection": REFLECTION,
                 "reflect_frac": cfg.warm_start_reflect_frac if cfg.max_turns > 1 else 0.0,
-                "direct_frac": cfg.warm_start_direct_frac,
                 "chat": cfg.apply_chat_template, "seed": cfg.seed, "v": 2}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    reflection_ids = build_reflection_ids(tokenizer, cfg.apply_chat_template)
     out = warm_start_dir("reflect-warm-start", settings)
     if not os.path.exists(os.path.join(out, "model.safetensors")):
-        tokenizer = AutoTokenizer.from_pretrained(base)
-        demos = build_demonstrations(tokenizer, cfg, read_split(data_dir, "warmstart"),
-                                     build_reflection_ids(tokenizer, cfg.apply_chat_template))
+        demos = build_demonstrations(tokenizer, cfg, read_split(data_dir, "warmstart"), reflection_ids)
         print(f"warm start: {len(demos)} demonstrations, {cfg.warm_start_steps} SFT steps")
         sft_warm_start(base, demos, out, steps=cfg.warm_start_steps, lr=cfg.warm_start_lr,
-                       batch_size=cfg.warm_start_batch_size, seed=cfg.seed,
-                       device="cuda" if torch.cuda.is_available() else "cpu")
-    return out
+                       batch_size=cfg.warm_start_batch_size, seed=cfg.seed, device=device)
+    if cfg.warm_start_direct_steps <= 0:
+        return out
+    # Second stage: the solver learns to write most answers without working them out. Worked steps
+    # are learned first and kept: mixing answer-only demonstrations in from the start kept the
+    # worked steps from being learned (docs/benchmarks.md).
+    stage2 = {"stage1": out, "steps": cfg.warm_start_direct_steps, "lr": cfg.warm_start_direct_lr,
+              "frac": cfg.warm_start_direct_frac, "batch": cfg.warm_start_batch_size, "v": 1}
+    out2 = warm_start_dir("reflect-warm-start-direct", stage2)
+    if not os.path.exists(os.path.join(out2, "model.safetensors")):
+        demos = build_demonstrations(tokenizer, cfg, read_split(data_dir, "warmstart"), reflection_ids,
+                                     cfg.warm_start_direct_frac)
+        print(f"warm start, stage 2: {cfg.warm_start_direct_steps} SFT steps, "
+              f"{cfg.warm_start_direct_frac:.0%} of the demonstrations without worked steps")
+        sft_warm_start(out, demos, out2, steps=cfg.warm_start_direct_steps, lr=cfg.warm_start_direct_lr,
+                       batch_size=cfg.warm_start_batch_size, warmup_steps=min(20, cfg.warm_start_direct_steps // 10),
+                       seed=cfg.seed + 1, device=device)
+    return out2
 
 
 # --- main: the GRPO loop ---

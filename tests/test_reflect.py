@@ -240,7 +240,7 @@ def test_warm_start_demonstrations_never_train_on_the_wrong_first_answer(tokeniz
 def test_direct_demonstrations_give_the_final_line_only(tokenizer):
     reflection_ids = tr.build_reflection_ids(tokenizer, True)
     items = [ITEM] * 40
-    demos = tr.build_demonstrations(tokenizer, tr.Config(max_turns=1, warm_start_direct_frac=0.5), items, reflection_ids)
+    demos = tr.build_demonstrations(tokenizer, tr.Config(max_turns=1), items, reflection_ids, direct_frac=0.5)
     prompt_len = len(tr.build_prompt_ids(tokenizer, ITEM["question"], True))
     answers = [tokenizer.decode(d["input_ids"][prompt_len:], skip_special_tokens=True) for d in demos]
     assert set(answers) == {"#### 7", ITEM["answer"]}
@@ -280,7 +280,7 @@ def test_a_dev_split_in_the_files_is_used_as_is(tmp_path):
 
 # --- end to end ---
 E2E = dict(max_steps=2, batch_size=2, group_size=2, max_turns=2, max_new_tokens_per_turn=24,
-           eval_every=0, eval_size=4, test_size=4, warm_start_steps=4, warm_start_batch_size=4,
+           eval_every=0, eval_size=4, test_size=4, warm_start_steps=4, warm_start_batch_size=4, warm_start_direct_steps=2,
            checkpoint_every=1, tensorboard=False, trainer_threads=1, warm_start_problems=2000)
 
 
