@@ -289,7 +289,7 @@ E2E = dict(max_steps=2, batch_size=2, group_size=2, max_turns=2, max_new_tokens_
 def test_two_grpo_steps_run_end_to_end_and_resume(mode, weight_sync, tmp_path):
     run_dir = str(tmp_path / mode)
     result = tr.main(config="configs/reflect_tiny.yaml", run_dir=run_dir, mode=mode, weight_sync=weight_sync, **E2E)
-    assert set(result) == {"acc_turn1", "acc_final", "turns", "reward"}
+    assert set(result) == {"acc_turn1", "acc_final", "turns", "reward", "shows_work"}
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     steps = [r for r in rows if "loss/pg" in r or "rollout/reward" in r]
     assert [r["step"] for r in steps] == [1, 2]
