@@ -139,7 +139,6 @@ def test_malformed_model_output_never_crashes_an_episode(tokenizer):
     assert ep["rewards"].item() == 0.0 and ep["num_turns"] >= 1
 
 
-@pytest.mark.slow
 def test_warm_start_demonstrations_search_each_hop_or_answer_directly(tokenizer):
     from lib.wiki_data import default_wiki_dir
 
@@ -160,6 +159,7 @@ def test_warm_start_demonstrations_search_each_hop_or_answer_directly(tokenizer)
     assert all("<search>" in tokenizer.decode(d["input_ids"]) for d in plain)  # the default: every one searches
 
 
+@pytest.mark.slow
 def test_two_steps_then_resume_from_checkpoint(tmp_path):
     run_dir = str(tmp_path / "run")
     args = [sys.executable, "train_search.py", "--run_dir", run_dir, "--batch_size", "2", "--group_size", "2",
