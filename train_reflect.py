@@ -469,7 +469,6 @@ def embedded_model(cfg: Config) -> str:
                 "batch": cfg.warm_start_batch_size, "prompt": PROMPT_TEMPLATE, "reflection": REFLECTION,
                 "reflect_frac": cfg.warm_start_reflect_frac if cfg.max_turns > 1 else 0.0,
                 "chat": cfg.apply_chat_template, "seed": cfg.seed, "v": 2}
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     tokenizer = AutoTokenizer.from_pretrained(base)
     reflection_ids = build_reflection_ids(tokenizer, cfg.apply_chat_template)
     out = warm_start_dir("reflect-warm-start", settings)
@@ -477,7 +476,7 @@ def embedded_model(cfg: Config) -> str:
         demos = build_demonstrations(tokenizer, cfg, read_split(data_dir, "warmstart"), reflection_ids)
         print(f"warm start: {len(demos)} demonstrations, {cfg.warm_start_steps} SFT steps")
         sft_warm_start(base, demos, out, steps=cfg.warm_start_steps, lr=cfg.warm_start_lr,
-                       batch_size=cfg.warm_start_batch_size, seed=cfg.seed, device=device)
+                       batch_size=cfg.warm_start_batch_size, seed=cfg.seed)
     if cfg.warm_start_direct_steps <= 0:
         return out
     # Second stage: the solver learns to write most answers without working them out. Worked steps
@@ -493,7 +492,7 @@ def embedded_model(cfg: Config) -> str:
               f"{cfg.warm_start_direct_frac:.0%} of the demonstrations without worked steps")
         sft_warm_start(out, demos, out2, steps=cfg.warm_start_direct_steps, lr=cfg.warm_start_direct_lr,
                        batch_size=cfg.warm_start_batch_size, warmup_steps=min(20, cfg.warm_start_direct_steps // 10),
-                       seed=cfg.seed + 1, device=device)
+                       seed=cfg.seed + 1)
     return out2
 
 

@@ -466,13 +466,12 @@ def embedded_model_and_data(cfg: Config) -> tuple[str, str]:
                 "batch": cfg.warm_start_batch_size, "worlds": cfg.warm_start_worlds,
                 "corpus_lm": cfg.warm_start_corpus_lm, "data": data_dir, "prompt": PROMPTS[cfg.prompt],
                 "topk": cfg.topk, "chat": cfg.apply_chat_template, "max_tokens": cfg.max_tokens, "v": 3}
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     out = warm_start_dir("search-warm-start", settings)
     if not os.path.exists(os.path.join(out, "model.safetensors")):
         demos = warm_start_examples(AutoTokenizer.from_pretrained(base), cfg, data_dir)
         print(f"warm start: {len(demos)} examples, {cfg.warm_start_steps} SFT steps")
         sft_warm_start(base, demos, out, steps=cfg.warm_start_steps, lr=cfg.warm_start_lr,
-                       batch_size=cfg.warm_start_batch_size, seed=cfg.seed, device=device)
+                       batch_size=cfg.warm_start_batch_size, seed=cfg.seed)
     if cfg.warm_start_direct_steps <= 0:
         return out, data_dir
     # Second stage: the searcher learns to answer most questions from memory (its demonstrations'
@@ -487,7 +486,7 @@ def embedded_model_and_data(cfg: Config) -> tuple[str, str]:
               f"{cfg.warm_start_direct_frac:.0%} of the demonstrations answer without searching")
         sft_warm_start(out, demos, out2, steps=cfg.warm_start_direct_steps, lr=cfg.warm_start_direct_lr,
                        batch_size=cfg.warm_start_batch_size, warmup_steps=min(20, cfg.warm_start_direct_steps // 10),
-                       seed=cfg.seed + 1, device=device)
+                       seed=cfg.seed + 1)
     return out2, data_dir
 
 

@@ -33,19 +33,22 @@ def sft_warm_start(
     warmup_steps: int = 20,
     seed: int = 0,
     num_threads: int | None = None,
-    device: str = "cpu",
+    device: str | None = None,
     callback=None,
     callback_every: int = 0,
 ) -> str:
     """Train `base_model_dir` on `examples` ({"input_ids": [...], "loss_mask": [...]}) and save the
     result (model + tokenizer, HF format) to `out_dir`. Returns `out_dir`; reuses it if present.
-    `callback(step, model, tokenizer)` runs every `callback_every` steps (learning curves in bench/)."""
+    `callback(step, model, tokenizer)` runs every `callback_every` steps (learning curves in bench/).
+    `device`: None = cuda when there is one (a GPU box builds the embedded default in about a minute)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if os.path.exists(os.path.join(out_dir, "model.safetensors")):
         return out_dir
     if not examples:
         raise ValueError("sft_warm_start got no examples; build demonstrations from the warm-start split first")
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if num_threads:
         torch.set_num_threads(num_threads)
     torch.manual_seed(seed)
