@@ -13,6 +13,7 @@ start (embedded default only), main() with the GRPO loop.
 """
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import json
 import multiprocessing
@@ -30,14 +31,14 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from lib.actor import Actor, grpo_advantages
-from lib.async_rollout import BackgroundLoop, RolloutProducer
-from lib.client import InferenceClient
+from lib.actor import Actor, equal_reward_groups, grpo_advantages, logprob_mismatch, read_checkpoint_extra
+from lib.async_rollout import BackgroundLoop, RolloutProducer, gather_groups
+from lib.client import InferenceClient, model_eos_ids
 from lib.config import load_config, to_dict
 from lib.launch import launch_cpu_server, launch_sglang
 from lib.metrics import MetricsLogger
 from lib.padding import concat_padded_tensors
-from lib.ranks import broadcast_from_rank0, gap_over_ranks, init_trainer_ranks
+from lib.ranks import broadcast_from_rank0, init_trainer_ranks, server_seed
 from lib.weight_sync import ServerWeightSync
 
 
@@ -74,6 +75,7 @@ class Config:
     turn_discount: float = 0.9  # reward x turn_discount^(turns - 1)
     max_tokens: int = 1024  # context budget of one episode: prompt + all turns + reflections
     max_new_tokens_per_turn: int = 128
+    stop_token_ids: list = field(default_factory=list)  # ids that end a turn; [] = the model's EOS set (tokenizer + generation_config)
     temperature: float = 1.0
     apply_chat_template: bool = True  # wrap prompts in the tokenizer's chat template
     # --- reward ---
@@ -93,6 +95,8 @@ class Config:
     scale_adv_by_std: bool = True  # False = Dr. GRPO
     drop_equal_groups: bool = False  # dynamic sampling: drop groups whose rewards are all equal
     loss_agg: str = "token-mean"  # or "seq-mean-token-mean"
+    behav_imp_weight_cap: float = 2.0  # cap of the server->trainer importance weight per token; 0 = no cap
+    behav_imp_weight_mode: str = "truncate"  # above the cap: "truncate" to it (TIS) or "mask" the token out (AReaL)
     max_tokens_per_mb: int = 16384  # micro-batch token budget of the trainer
     pack_sequences: bool = True  # padding-free rows; best with attn_implementation flash_attention_2
     attn_implementation: str | None = None  # trainer attention: None = sdpa; "flash_attention_2" on GPUs
@@ -296,10 +300,12 @@ def shows_work(completion: str) -> bool:
 # --- one episode ---
 async def arun_episode(client: InferenceClient, tokenizer, reflection_ids: list[int], reward_pool: RewardPool,
                        cfg: Config, item: dict, temperature: float) -> dict:
-    """One trajectory in DESIGN §3 format: answer, and after a wrong answer reflect and answer again.
+    """One trajectory (docs/trajectory.md): answer, and after a wrong answer reflect and answer again.
     Token ids in, token ids out: generated tokens enter the trajectory exactly as the server sampled
-    them, with its log-probs; the end-of-turn and reflection tokens have loss_mask 0."""
+    them, with its log-probs; the end-of-turn and reflection tokens have loss_mask 0. A turn ends
+    on any of the model's EOS ids (`cfg.stop_token_ids`), sampled tokens kept as they are."""
     eos = tokenizer.eos_token_id
+    end_ids = cfg.stop_token_ids or [eos]
     prompt_ids = build_prompt_ids(tokenizer, item["question"], cfg.apply_chat_template)
     input_ids, loss_mask, logprobs, versions = list(prompt_ids), [0] * len(prompt_ids), [0.0] * len(prompt_ids), [-1] * len(prompt_ids)
 
@@ -319,11 +325,11 @@ async def arun_episode(client: InferenceClient, tokenizer, reflection_ids: list[
                 break
             gen = await client.generate(
                 input_ids, max_new_tokens=min(cfg.max_new_tokens_per_turn, budget), temperature=temperature,
-                stop_token_ids=[eos], trajectory_id=trajectory_id)
+                stop_token_ids=end_ids, trajectory_id=trajectory_id)
             turns += 1
             append(gen.output_ids, gen.logprobs, gen.versions)
-            if not gen.output_ids or gen.output_ids[-1] != eos:
-                append([eos])  # close the turn as the chat template would; not sampled, so not trained on
+            if not gen.output_ids or gen.output_ids[-1] not in end_ids:
+                append([eos])  # a turn cut by length: close it as the chat template would; not sampled, not trained on
             text = tokenizer.decode(gen.output_ids, skip_special_tokens=True)
             texts.append(text)
             score = await reward_pool.score(reward_fn, text, item["answer"])
@@ -362,19 +368,21 @@ async def rollout_group(client, tokenizer, reflection_ids, reward_pool, cfg, ite
         arun_episode(client, tokenizer, reflection_ids, reward_pool, cfg, item, temperature) for _ in range(group_size)]))
 
 
-async def rollout_groups(client, tokenizer, reflection_ids, reward_pool, cfg, items, temperature, group_size) -> list[list[dict]]:
-    """All groups at once; the client's concurrency limit and the server's batching decide how many
-    generate at the same time."""
-    return list(await asyncio.gather(*[
-        rollout_group(client, tokenizer, reflection_ids, reward_pool, cfg, item, temperature, group_size) for item in items]))
+async def rollout_groups(client, tokenizer, reflection_ids, reward_pool, cfg, items, temperature, group_size):
+    """(groups, number of failed groups): all groups at once; the client's concurrency limit and the
+    server's batching decide how many generate at the same time. A group with a failed episode
+    (server error or abort) is dropped and counted."""
+    return await gather_groups([rollout_group(client, tokenizer, reflection_ids, reward_pool, cfg, item, temperature,
+                                              group_size) for item in items])
 
 
 # --- evaluation ---
 async def evaluate(client, tokenizer, reflection_ids, reward_pool, cfg, items) -> dict:
     """Greedy, one episode per question: accuracy at the first turn, after reflection, mean turns."""
-    groups = await rollout_groups(client, tokenizer, reflection_ids, reward_pool, cfg, items, 0.0, 1)
+    groups, failed = await rollout_groups(client, tokenizer, reflection_ids, reward_pool, cfg, items, 0.0, 1)
     episodes = [g[0] for g in groups]
     return {
+        "failed": failed,
         "acc_turn1": float(np.mean([e["correct_turn"] == 1 for e in episodes])),
         "acc_final": float(np.mean([e["correct_turn"] > 0 for e in episodes])),
         "turns": float(np.mean([e["num_turns"] for e in episodes])),
@@ -505,6 +513,8 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
         raise ValueError(f"weight_sync must be 'disk' or 'nccl', got {cfg.weight_sync!r}")
     if cfg.weight_sync == "nccl" and cfg.dp_size > 1:
         raise ValueError("weight_sync nccl sends to the server's TP ranks: use dp_size 1")
+    if cfg.behav_imp_weight_mode not in ("truncate", "mask"):
+        raise ValueError(f"behav_imp_weight_mode must be 'truncate' or 'mask', got {cfg.behav_imp_weight_mode!r}")
     # Under torchrun every rank holds a shard of the model (FSDP2, lib/actor.py); rank 0 alone runs the
     # server, the rollouts, the rewards, evaluation and logging; every rank trains on its rows of rank 0's batch.
     world_size, rank, cpu_group = init_trainer_ranks()
@@ -523,6 +533,8 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
     if is_main and world_size > 1:
         dist.barrier()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if not cfg.stop_token_ids:  # a turn ends on any of the model's EOS ids (Qwen2.5: <|im_end|> and <|endoftext|>)
+        cfg = dataclasses.replace(cfg, stop_token_ids=model_eos_ids(model_path, tokenizer))
     reflection_ids = build_reflection_ids(tokenizer, cfg.apply_chat_template)
     splits = load_splits(cfg)
     train_items, dev_items, test_items = splits["train"], splits["dev"][: cfg.eval_size], splits["test"][: cfg.test_size]
@@ -536,20 +548,24 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
         epoch, offset = divmod(index, len(train_items))
         return train_items[epoch_order(epoch)[offset]]
 
-    # Servers (rank 0): started here and killed with this process, or given by the user.
+    # Servers (rank 0): started here and killed with this process, or given by the user. A resumed run
+    # seeds the server's sampling by its step, so it does not replay the start of the run.
+    ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
+    resume_extra = read_checkpoint_extra(os.path.join(ckpt_dir, "latest")) if cfg.resume else None
+    sampling_seed = server_seed(cfg.seed, resume_extra["step"] if resume_extra else 0)
     servers, addrs = [], []
     if is_main and cfg.server == "external":
         addrs = list(cfg.server_addrs)
     elif is_main and cfg.server == "sglang":
         server = launch_sglang(model_path, base_gpu_id=cfg.base_gpu_id, tp_size=cfg.tp_size, dp_size=cfg.dp_size,
-                               mem_fraction_static=cfg.mem_fraction_static, random_seed=cfg.seed,
+                               mem_fraction_static=cfg.mem_fraction_static, random_seed=sampling_seed,
                                extra_args=cfg.sglang_extra_args.split(),
                                log_path=os.path.join(cfg.run_dir, "sglang.log"))
         servers.append(server)
         addrs = [server.address]
     elif is_main:
         server = launch_cpu_server(model_path, device=cfg.server_device, num_threads=cfg.server_threads,
-                                   random_seed=cfg.seed, log_path=os.path.join(cfg.run_dir, "cpu_server.log"))
+                                   random_seed=sampling_seed, log_path=os.path.join(cfg.run_dir, "cpu_server.log"))
         servers.append(server)
         addrs = [server.address]
 
@@ -564,7 +580,8 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
                   temperature=cfg.temperature, max_tokens_per_mb=cfg.max_tokens_per_mb, dtype=cfg.trainer_dtype,
                   kl_coef=cfg.kl_coef, ref_model_path=model_path if cfg.kl_coef > 0 else None,
                   eps_clip_low=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high, loss_agg=cfg.loss_agg,
-                  packed=cfg.pack_sequences, attn_implementation=cfg.attn_implementation)
+                  packed=cfg.pack_sequences, attn_implementation=cfg.attn_implementation,
+                  behaviour_weight_cap=cfg.behav_imp_weight_cap or None, behaviour_cap_mode=cfg.behav_imp_weight_mode)
 
     # Weight sync (lib/weight_sync.py): "disk" = safetensors + /update_weights_from_disk; "nccl" = the
     # trainer and every server's TP workers join one process group once, then each step broadcasts the
@@ -573,7 +590,6 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
                                    disk_dir=os.path.join(cfg.run_dir, "weights"), bucket_mb=cfg.weight_sync_bucket_mb)
 
     step, version, data_position = 0, 0, 0
-    ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
     if cfg.resume and os.path.exists(os.path.join(ckpt_dir, "latest")):
         extra = actor.load_checkpoint(os.path.join(ckpt_dir, "latest"))
         step, version, data_position = extra["step"], extra["version"], extra["data_position"]
@@ -616,12 +632,15 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
                 reward_timeouts, reward_failures = reward_pool.num_timeouts, reward_pool.num_failures
                 # 1. rollout: sync mode runs this step's groups now; async mode takes groups that have
                 # been generating in the background, dropping any that are too stale.
+                # A group with a failed episode (server error, abort) is dropped and counted, never trained on.
                 if producer is None:
                     items = [item_at(data_position + i) for i in range(cfg.batch_size)]
-                    groups = run(rollout_groups(*episode_args, items, cfg.temperature, cfg.group_size))
+                    groups, failed_groups = run(rollout_groups(*episode_args, items, cfg.temperature, cfg.group_size))
                     data_position += cfg.batch_size
                 else:
+                    failed_before = producer.num_failed
                     groups = producer.get_groups(cfg.batch_size)
+                    failed_groups = producer.num_failed - failed_before
                     data_position = producer.data_position()
                 episodes = [e for g in groups for e in g]
                 full = concat_padded_tensors([{k: v for k, v in e.items() if isinstance(v, torch.Tensor)}
@@ -630,11 +649,13 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
                 mask = full["loss_mask"].bool()
                 token_staleness = (version - full["versions"])[mask].float()
 
-                # 2. advantages (per sequence, broadcast over its tokens by the loss)
+                # 2. advantages (per sequence, broadcast over its tokens by the loss); a group whose
+                # rewards are all equal has advantage exactly 0, and dynamic sampling drops it
                 full["advantages"] = grpo_advantages(rewards, cfg.group_size, scale_by_std=cfg.scale_adv_by_std)
-                keep = torch.ones_like(rewards, dtype=torch.bool)
-                if cfg.drop_equal_groups:
-                    keep = rewards.view(-1, cfg.group_size).std(dim=1).gt(0).repeat_interleave(cfg.group_size)
+                equal = equal_reward_groups(rewards, cfg.group_size)
+                keep = ~equal if cfg.drop_equal_groups else torch.ones_like(equal)
+                if equal.all():
+                    tqdm.write(f"step {step + 1}: every group's rewards are equal: no learning signal this step")
                 batch = {k: v[keep] for k, v in full.items()}
             t_rollout = time.time() - t0
             batch = broadcast_from_rank0(batch, cpu_group)
@@ -645,12 +666,11 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
             # behaviour policy's, as the server reported them). In sync mode the two policies are
             # the same, so their gap is a bug detector.
             t1 = time.time()
-            gap_mean = gap_max = 0.0
+            mismatch = {}
             if trainable:
                 rows["proximal_logprobs"] = actor.compute_logprobs(rows)
-                row_mask = rows["loss_mask"].bool()
-                gap_mean, gap_max = gap_over_ranks((rows["proximal_logprobs"] - rows["logprobs"]).abs()[row_mask],
-                                                   actor.device)
+                mismatch = logprob_mismatch(rows["proximal_logprobs"], rows["logprobs"], rows["loss_mask"],
+                                            cfg.behav_imp_weight_cap or None)
             t_logp = time.time() - t1
 
             # 4. PPO update
@@ -685,14 +705,14 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
                     "rollout/seq_len": full["attention_mask"].sum(1).float().mean().item(),
                     "rollout/gen_tokens": gen_tokens,
                     "rollout/kept_groups": int(keep.sum()) // cfg.group_size,
+                    "rollout/equal_reward_groups": int(equal.sum()) // cfg.group_size,
                     "rollout/staleness_mean": token_staleness.mean().item() if token_staleness.numel() else 0.0,
                     "rollout/staleness_max": token_staleness.max().item() if token_staleness.numel() else 0.0,
                     "rollout/dropped_stale_groups": producer.num_dropped_stale if producer else 0,
-                    "rollout/failed_groups": producer.num_failed if producer else 0,
+                    "rollout/failed_groups": failed_groups,
                     "reward/timeouts": reward_pool.num_timeouts - reward_timeouts,
                     "reward/worker_failures": reward_pool.num_failures - reward_failures,
-                    "logprob/server_trainer_abs_diff_mean": gap_mean,
-                    "logprob/server_trainer_abs_diff_max": gap_max,
+                    **{f"logprob/{k}": v for k, v in mismatch.items()},  # server vs trainer, all ranks
                     "perf/step_s": step_s, "perf/rollout_s": t_rollout, "perf/logp_s": t_logp,
                     "perf/update_s": t_update, "perf/sync_s": t_sync,
                     "perf/trained_tokens_per_s": gen_tokens / max(step_s, 1e-6),

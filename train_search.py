@@ -30,14 +30,15 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from lib.actor import Actor, grpo_advantages
-from lib.async_rollout import BackgroundLoop, RolloutProducer
-from lib.client import InferenceClient
+from lib.actor import (Actor, equal_reward_groups, grpo_advantages, logprob_mismatch, merge_stats, minibatch_rows,
+                       read_checkpoint_extra)
+from lib.async_rollout import BackgroundLoop, RolloutProducer, gather_groups
+from lib.client import InferenceClient, model_eos_ids
 from lib.config import load_config, to_dict
 from lib.launch import launch_cpu_server, launch_sglang
 from lib.metrics import MetricsLogger
 from lib.padding import concat_padded_tensors
-from lib.ranks import broadcast_from_rank0, gap_over_ranks, init_trainer_ranks
+from lib.ranks import broadcast_from_rank0, init_trainer_ranks, server_seed
 from lib.weight_sync import ServerWeightSync
 
 
@@ -77,7 +78,8 @@ class Config:
     max_turns: int = 32
     reward: str = "f1"  # "f1" (ASearcher) or "em" (exact match, Search-R1)
     max_tokens: int = 2048  # context budget of one episode: prompt + all turns + tool output
-    max_new_tokens_per_turn: int = 128
+    max_new_tokens_per_turn: int = 128  # tokens per generation request; a turn cut by it goes on (same turn) while the budget lasts
+    stop_token_ids: list = field(default_factory=list)  # ids that end a turn; [] = the model's EOS set (tokenizer + generation_config)
     temperature: float = 1.0
     prompt: str = "full"  # "full" (ASearcher-style instructions) or "short" (the question only)
     apply_chat_template: bool = True  # wrap the prompt in the tokenizer's chat template
@@ -100,6 +102,8 @@ class Config:
     neg_adv_scale: float = 1.0  # weight of below-average episodes; 0 = learn from the better ones only
     ppo_minibatches: int = 1  # optimizer steps per batch, each on a random 1/N of the rows (PPO clipping then acts)
     loss_agg: str = "token-mean"  # or "seq-mean-token-mean"
+    behav_imp_weight_cap: float = 2.0  # cap of the server->trainer importance weight per token; 0 = no cap
+    behav_imp_weight_mode: str = "truncate"  # above the cap: "truncate" to it (TIS) or "mask" the token out (AReaL)
     max_tokens_per_mb: int = 16384  # micro-batch token budget of the trainer
     pack_sequences: bool = True  # padding-free rows; best with attn_implementation flash_attention_2
     attn_implementation: str | None = None  # trainer attention: None = sdpa; "flash_attention_2" on GPUs
@@ -175,25 +179,28 @@ def parse_answer(text: str) -> str | None:
 
 # --- tools ---
 class ToolError(Exception):
-    pass
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 async def call_tool(session: aiohttp.ClientSession, url: str, payload: dict, cfg: Config) -> dict:
     """POST with a timeout and retries with exponential backoff; a 4xx is not retried."""
-    last_error = ""
+    last_error, status = "", None
     for attempt in range(cfg.tool_retries):
         try:
             async with session.post(url, json=payload, timeout=aiohttp.ClientTimeout(total=cfg.tool_timeout_s)) as r:
                 if r.status < 400:
                     return await r.json()
-                last_error = f"HTTP {r.status}: {(await r.text())[:200]}"
+                last_error, status = f"HTTP {r.status}", r.status
                 if r.status < 500:
                     break
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            last_error = f"{type(e).__name__}: {e}"
+            last_error = type(e).__name__
         if attempt + 1 < cfg.tool_retries:
             await asyncio.sleep(0.5 * 2**attempt)
-    raise ToolError(f"{url} failed after {cfg.tool_retries} attempts ({last_error})")
+    # The message goes into the model's context: the cause, not the server's address.
+    raise ToolError(f"failed after {attempt + 1} attempts ({last_error})", status)
 
 
 def doc_title_text(doc: dict) -> tuple[str, str]:
@@ -226,6 +233,8 @@ async def run_tool(session, retrieval_addr: str, kind: str, arg: str, cfg: Confi
         title, text = doc_title_text(out["result"])
         return f"Page (Title: {title}) {text}"[: cfg.max_info_chars], True
     except ToolError as e:
+        if kind == "access" and e.status == 404:  # a title that does not exist: an answer, not a failure
+            return f"There is no page titled {arg}.", True
         return f"The {kind} tool failed: {e}", False
     except (KeyError, IndexError, TypeError, ValueError) as e:
         return f"The {kind} tool returned a malformed result ({type(e).__name__})", False
@@ -239,11 +248,13 @@ def normalize_answer(s: str) -> str:
     return " ".join(s.split())
 
 
-def exact_match(pred: str, golds: list[str]) -> float:
+def exact_match(pred: str, golds: str | list[str]) -> float:
+    golds = [golds] if isinstance(golds, str) else golds
     return float(any(normalize_answer(pred) == normalize_answer(g) for g in golds))
 
 
-def f1_score(pred: str, golds: list[str]) -> float:
+def f1_score(pred: str, golds: str | list[str]) -> float:
+    golds = [golds] if isinstance(golds, str) else golds
     best = 0.0
     pred_tokens = normalize_answer(pred).split()
     for gold in golds:
@@ -257,7 +268,7 @@ def f1_score(pred: str, golds: list[str]) -> float:
     return best
 
 
-def compute_reward(answer: str | None, golds: list[str], metric: str = "f1") -> float:
+def compute_reward(answer: str | None, golds: str | list[str], metric: str = "f1") -> float:
     """F1 (ASearcher) or exact match (Search-R1) against the best gold answer; no answer scores 0.
     F1 gives partial credit, which a small policy can farm: `capital of X` scores 0.33 against the
     gold alias `City of Y` (docs/benchmarks.md)."""
@@ -269,9 +280,11 @@ def compute_reward(answer: str | None, golds: list[str], metric: str = "f1") -> 
 # --- one episode ---
 async def arun_episode(client: InferenceClient, session, tokenizer, cfg: Config, item: dict,
                        retrieval_addr: str, temperature: float) -> dict:
-    """One multi-turn trajectory in DESIGN §3 format. Token ids in, token ids out: generated tokens
+    """One multi-turn trajectory (docs/trajectory.md). Token ids in, token ids out: generated tokens
     enter the trajectory exactly as the server sampled them, with its log-probs; tool output is
-    tokenized on its own and masked out of the loss."""
+    tokenized on its own and masked out of the loss. A turn is one `client.generate` call: its
+    pieces (`max_new_tokens_per_turn` each) are joined by the client and end at the first stop
+    string or EOS across all of them."""
     prompt_ids = build_prompt_ids(tokenizer, item["question"], cfg.apply_chat_template, PROMPTS[cfg.prompt])
     input_ids, loss_mask, logprobs, versions = list(prompt_ids), [0] * len(prompt_ids), [0.0] * len(prompt_ids), [-1] * len(prompt_ids)
     trajectory_id = uuid.uuid4().hex
@@ -283,8 +296,9 @@ async def arun_episode(client: InferenceClient, session, tokenizer, cfg: Config,
                 finish = "max_tokens"
                 break
             gen = await client.generate(
-                input_ids, max_new_tokens=min(cfg.max_new_tokens_per_turn, budget), temperature=temperature,
-                stop=STOP_STRINGS, stop_token_ids=[tokenizer.eos_token_id], trajectory_id=trajectory_id)
+                input_ids, max_new_tokens=budget, piece_tokens=cfg.max_new_tokens_per_turn, temperature=temperature,
+                stop=STOP_STRINGS, stop_token_ids=cfg.stop_token_ids or [tokenizer.eos_token_id],
+                trajectory_id=trajectory_id)
             turns += 1
             input_ids += gen.output_ids
             loss_mask += [1] * len(gen.output_ids)
@@ -298,10 +312,8 @@ async def arun_episode(client: InferenceClient, session, tokenizer, cfg: Config,
                 break
             query, page = parse_search_query(text), parse_access(text)
             if query is None and page is None:
-                # EOS or a turn cut by its length without a tool call: nothing more will come.
-                finish = "max_tokens" if len(input_ids) >= cfg.max_tokens else "no_action"
-                if gen.finish_reason == "length" and len(input_ids) < cfg.max_tokens:
-                    continue  # the turn hit max_new_tokens_per_turn mid-thought: let it go on
+                # The turn ended without a tool call: at EOS (or an empty tag), or at the context budget.
+                finish = "max_tokens" if gen.finish_reason == "length" else "no_action"
                 break
             tool_calls += 1
             info, ok = await run_tool(session, retrieval_addr, "search" if query is not None else "access",
@@ -340,19 +352,25 @@ async def arun_episode(client: InferenceClient, session, tokenizer, cfg: Config,
 
 
 # --- group rollout ---
+async def rollout_group(client, session, tokenizer, cfg, item, retrieval_addr, temperature, group_size) -> list[dict]:
+    return list(await asyncio.gather(*[arun_episode(client, session, tokenizer, cfg, item, retrieval_addr, temperature)
+                                       for _ in range(group_size)]))
+
+
 async def rollout_groups(client, session, tokenizer, cfg, items, retrieval_addr, temperature, group_size):
-    """group_size episodes per question, all questions at once; the client's concurrency limit and
-    the server's batching decide how many generate at the same time."""
-    episodes = await asyncio.gather(*[
-        arun_episode(client, session, tokenizer, cfg, item, retrieval_addr, temperature)
-        for item in items for _ in range(group_size)])
-    return episodes
+    """(groups, number of failed groups): group_size episodes per question, all questions at once;
+    the client's concurrency limit and the server's batching decide how many generate at the same
+    time. A group with a failed episode (server error or abort) is dropped and counted."""
+    return await gather_groups([rollout_group(client, session, tokenizer, cfg, item, retrieval_addr, temperature,
+                                              group_size) for item in items])
 
 
 # --- evaluation ---
 async def evaluate(client, session, tokenizer, cfg, items, retrieval_addr) -> dict:
-    episodes = await rollout_groups(client, session, tokenizer, cfg, items, retrieval_addr, 0.0, 1)
+    groups, failed = await rollout_groups(client, session, tokenizer, cfg, items, retrieval_addr, 0.0, 1)
+    episodes = [g[0] for g in groups]
     return {
+        "failed": failed,
         "exact_match": float(np.mean([e["exact_match"] for e in episodes])),
         "f1": float(np.mean([compute_reward(e["answer"], e["gold"], "f1") for e in episodes])),
         "turns": float(np.mean([e["num_turns"] for e in episodes])),
@@ -499,6 +517,8 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
         raise ValueError(f"weight_sync must be 'disk' or 'nccl', got {cfg.weight_sync!r}")
     if cfg.reward not in ("f1", "em"):
         raise ValueError(f"reward must be 'f1' or 'em', got {cfg.reward!r}")
+    if cfg.behav_imp_weight_mode not in ("truncate", "mask"):
+        raise ValueError(f"behav_imp_weight_mode must be 'truncate' or 'mask', got {cfg.behav_imp_weight_mode!r}")
     if cfg.weight_sync == "nccl" and cfg.dp_size > 1:
         raise ValueError("weight_sync nccl sends to each server's TP ranks: use num_servers instead of dp_size")
     # Under torchrun every rank holds a shard of the model (FSDP2, lib/actor.py); rank 0 alone runs the
@@ -525,6 +545,8 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
         raise ValueError("set data_dir to a folder with train.jsonl, dev.jsonl, test.jsonl (and corpus.jsonl "
                          "unless retrieval_addr points at a running retrieval server)")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if not cfg.stop_token_ids:  # a turn ends on any of the model's EOS ids (Qwen2.5: <|im_end|> and <|endoftext|>)
+        cfg = dataclasses.replace(cfg, stop_token_ids=model_eos_ids(model_path, tokenizer))
     train_items = read_jsonl(os.path.join(data_dir, "train.jsonl"))
     dev_items = read_jsonl(os.path.join(data_dir, "dev.jsonl"))[: cfg.eval_size]
     test_items = read_jsonl(os.path.join(data_dir, "test.jsonl"))[: cfg.test_size]
@@ -538,7 +560,11 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
         epoch, offset = divmod(index, len(train_items))
         return train_items[epoch_order(epoch)[offset]]
 
-    # Servers (rank 0): started here and killed with this process, or given by the user.
+    # Servers (rank 0): started here and killed with this process, or given by the user. A resumed run
+    # seeds the server's sampling by its step, so it does not replay the start of the run.
+    ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
+    resume_extra = read_checkpoint_extra(os.path.join(ckpt_dir, "latest")) if cfg.resume else None
+    sampling_seed = server_seed(cfg.seed, resume_extra["step"] if resume_extra else 0)
     servers, addrs = [], []
     retrieval_addr = cfg.retrieval_addr.rstrip("/")
     if is_main and not retrieval_addr:
@@ -552,14 +578,14 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
         for i in range(cfg.num_servers):
             server = launch_sglang(model_path, base_gpu_id=cfg.base_gpu_id + i * cfg.tp_size * cfg.dp_size,
                                    tp_size=cfg.tp_size, dp_size=cfg.dp_size,
-                                   mem_fraction_static=cfg.mem_fraction_static, random_seed=cfg.seed,
+                                   mem_fraction_static=cfg.mem_fraction_static, random_seed=sampling_seed,
                                    extra_args=cfg.sglang_extra_args.split(),
                                    log_path=os.path.join(cfg.run_dir, f"sglang{i}.log"))
             servers.append(server)
             addrs.append(server.address)
     elif is_main:
         server = launch_cpu_server(model_path, device=cfg.server_device, num_threads=cfg.server_threads,
-                                   random_seed=cfg.seed, log_path=os.path.join(cfg.run_dir, "cpu_server.log"))
+                                   random_seed=sampling_seed, log_path=os.path.join(cfg.run_dir, "cpu_server.log"))
         servers.append(server)
         addrs = [server.address]
 
@@ -575,6 +601,7 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
                   kl_coef=cfg.kl_coef, ref_model_path=model_path if cfg.kl_coef > 0 else None,
                   eps_clip_low=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high, loss_agg=cfg.loss_agg,
                   freeze_embeddings=cfg.freeze_embeddings, packed=cfg.pack_sequences,
+                  behaviour_weight_cap=cfg.behav_imp_weight_cap or None, behaviour_cap_mode=cfg.behav_imp_weight_mode,
                   attn_implementation=cfg.attn_implementation)
 
     async def new_session():  # aiohttp sessions belong to the loop they are made in
@@ -593,7 +620,6 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
         return broadcast_from_rank0(bool(cfg.time_budget_s) and time.time() - start > cfg.time_budget_s, cpu_group)
 
     step, version, data_position = 0, 0, 0
-    ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
     if cfg.resume and os.path.exists(os.path.join(ckpt_dir, "latest")):
         extra = actor.load_checkpoint(os.path.join(ckpt_dir, "latest"))
         step, version = extra["step"], extra["version"]
@@ -611,8 +637,8 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
         trace_file = open(os.path.join(cfg.run_dir, "traces.jsonl"), "a")
         if cfg.mode == "async":
             producer = RolloutProducer(
-                bg, lambda item: rollout_groups(client, session, tokenizer, cfg, [item], retrieval_addr,
-                                                cfg.temperature, cfg.group_size),
+                bg, lambda item: rollout_group(client, session, tokenizer, cfg, item, retrieval_addr,
+                                               cfg.temperature, cfg.group_size),
                 item_at, capacity=cfg.async_capacity or 2 * cfg.batch_size, max_staleness=cfg.max_staleness,
                 start_index=data_position, version=version)
 
@@ -631,24 +657,30 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
             if is_main:
                 # 1. rollout: sync mode runs this step's groups now; async mode takes groups that have
                 # been generating in the background, dropping any that are too stale.
+                # A group with a failed episode (server error, abort) is dropped and counted, never trained on.
                 if producer is None:
                     items = [item_at(data_position + i) for i in range(cfg.batch_size)]
-                    episodes = run(rollout_groups(client, session, tokenizer, cfg, items, retrieval_addr,
-                                                  cfg.temperature, cfg.group_size))
+                    groups, failed_groups = run(rollout_groups(client, session, tokenizer, cfg, items, retrieval_addr,
+                                                               cfg.temperature, cfg.group_size))
                     data_position += cfg.batch_size
                 else:
-                    episodes = [e for group in producer.get_groups(cfg.batch_size) for e in group]
+                    failed_before = producer.num_failed
+                    groups = producer.get_groups(cfg.batch_size)
+                    failed_groups = producer.num_failed - failed_before
                     data_position = producer.data_position()
+                episodes = [e for group in groups for e in group]
                 full = concat_padded_tensors([{k: v for k, v in e.items() if isinstance(v, torch.Tensor)}
                                               for e in episodes])
                 rewards = full["rewards"]
 
-                # 2. advantages (per sequence, broadcast over its tokens by the loss)
+                # 2. advantages (per sequence, broadcast over its tokens by the loss); a group whose
+                # rewards are all equal has advantage exactly 0, and dynamic sampling drops it
                 adv = grpo_advantages(rewards, cfg.group_size, scale_by_std=cfg.scale_adv_by_std)
                 full["advantages"] = torch.where(adv < 0, adv * cfg.neg_adv_scale, adv)
-                keep = torch.ones_like(rewards, dtype=torch.bool)
-                if cfg.drop_equal_groups:
-                    keep = rewards.view(-1, cfg.group_size).std(dim=1).gt(0).repeat_interleave(cfg.group_size)
+                equal = equal_reward_groups(rewards, cfg.group_size)
+                keep = ~equal if cfg.drop_equal_groups else torch.ones_like(equal)
+                if equal.all():
+                    tqdm.write(f"step {step + 1}: every group's rewards are equal: no learning signal this step")
                 batch = {k: v[keep] for k, v in full.items()}
             t_rollout = time.time() - t0
             batch = broadcast_from_rank0(batch, cpu_group)
@@ -659,23 +691,22 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
             # behaviour policy's, as the server reported them). In sync mode the two policies are
             # the same, so their gap is a bug detector.
             t1 = time.time()
-            gap_mean = gap_max = 0.0
+            mismatch = {}
             if trainable:
                 rows["proximal_logprobs"] = actor.compute_logprobs(rows)
-                mask = rows["loss_mask"].bool()
-                gap_mean, gap_max = gap_over_ranks((rows["proximal_logprobs"] - rows["logprobs"]).abs()[mask],
-                                                   actor.device)
+                mismatch = logprob_mismatch(rows["proximal_logprobs"], rows["logprobs"], rows["loss_mask"],
+                                            cfg.behav_imp_weight_cap or None)
             t_logp = time.time() - t1
 
             # 4. PPO update: one optimizer step per mini-batch; after the first, the policy has moved
-            # away from the proximal one and the clip bounds it.
+            # away from the proximal one and the clip bounds it. Every rank runs the same number of
+            # steps (its collectives must pair up): the count fits the rank with the fewest rows.
             t2 = time.time()
             stats = {}
             if trainable:
                 num_mb = max(1, min(cfg.ppo_minibatches, len(batch["rewards"]) // world_size))
-                order = torch.randperm(len(rows["rewards"]), generator=torch.Generator().manual_seed(cfg.seed + step))
-                per_mb = [actor.update({k: v[part] for k, v in rows.items()}) for part in order.chunk(num_mb)]
-                stats = {k: float(np.mean([s[k] for s in per_mb])) for k in per_mb[0]}
+                parts = minibatch_rows(len(rows["rewards"]), num_mb, seed=cfg.seed + step)
+                stats = merge_stats([actor.update({k: v[part] for k, v in rows.items()}) for part in parts])
             t_update = time.time() - t2
 
             # 5. weight sync: pause generation, push the new weights, continue; bump the version
@@ -709,12 +740,12 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
                     "rollout/seq_len": full["attention_mask"].sum(1).float().mean().item(),
                     "rollout/gen_tokens": gen_tokens,
                     "rollout/kept_groups": int(keep.sum()) // cfg.group_size,
+                    "rollout/equal_reward_groups": int(equal.sum()) // cfg.group_size,
                     "rollout/staleness_mean": token_staleness.mean().item() if token_staleness.numel() else 0.0,
                     "rollout/staleness_max": token_staleness.max().item() if token_staleness.numel() else 0.0,
                     "rollout/dropped_stale_groups": producer.num_dropped_stale if producer else 0,
-                    "rollout/failed_groups": producer.num_failed if producer else 0,
-                    "logprob/server_trainer_abs_diff_mean": gap_mean,
-                    "logprob/server_trainer_abs_diff_max": gap_max,
+                    "rollout/failed_groups": failed_groups,
+                    **{f"logprob/{k}": v for k, v in mismatch.items()},  # server vs trainer, all ranks
                     "perf/step_s": step_s, "perf/rollout_s": t_rollout, "perf/logp_s": t_logp,
                     "perf/update_s": t_update, "perf/sync_s": t_sync,
                     "perf/gen_tokens_per_s": gen_tokens / max(t_rollout, 1e-6),

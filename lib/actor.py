@@ -19,6 +19,7 @@ from torch import nn
 from lib.padding import pack_sequences, sequence_lengths, split_by_token_budget, unpack_sequences
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean")
+CAP_MODES = ("truncate", "mask")
 
 
 # --- log-probs ---
@@ -128,34 +129,67 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, *, scale_by_std: boo
     `group_size` rows; without `scale_by_std` just r − group mean (Dr. GRPO).
 
     std is the sample std (Bessel-corrected), as TRL and verl compute it; a group of one has
-    advantage 0.
+    advantage 0. A group whose rewards are all equal (`equal_reward_groups`) gets exactly 0: in
+    float32, eight rewards of 0.9 have a mean that differs from 0.9 by ~6e-8 and a std of ~6e-8,
+    and dividing one by the other gave every row of such a group about ±0.06, all of one sign.
     """
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
-    grouped = rewards.float().view(-1, group_size)
+    grouped = rewards.double().view(-1, group_size)
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     if scale_by_std:
         std = grouped.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(centred[:, :1])
         centred = centred / (std + eps)
-    return centred.reshape(-1)
+    centred = centred.masked_fill(equal_reward_groups(rewards, group_size).view(-1, group_size), 0.0)
+    return centred.reshape(-1).float()
 
 
-def equal_reward_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """bool [B], True on every row of a group whose rewards are all equal (zero advantage, no
-    learning signal). Dynamic sampling keeps `~equal_reward_groups(...)`."""
-    grouped = rewards.view(-1, group_size)
-    equal = (grouped == grouped[:, :1]).all(dim=1)
+def equal_reward_groups(rewards: torch.Tensor, group_size: int, rel_tol: float = 1e-6) -> torch.Tensor:
+    """bool [B], True on every row of a group whose rewards are all equal (no learning signal):
+    equal up to `rel_tol` of their size, so that 0.1 + 0.2 and 0.3 are one reward. Dynamic
+    sampling keeps `~equal_reward_groups(...)`."""
+    grouped = rewards.double().view(-1, group_size)
+    first = grouped[:, :1]
+    tol = rel_tol * torch.clamp(first.abs(), min=1.0)
+    equal = ((grouped - first).abs() <= tol).all(dim=1)
     return equal.repeat_interleave(group_size)
 
 
-def logprob_agreement(trainer_logprobs: torch.Tensor, server_logprobs: torch.Tensor,
-                      loss_mask: torch.Tensor) -> dict:
-    """mean and max |trainer − server| log-prob over generated tokens: a bug detector (a gap well
-    above bf16 noise means the two sides do not compute the same policy)."""
-    gap = (trainer_logprobs - server_logprobs).abs()[loss_mask.bool()]
-    if gap.numel() == 0:
-        return {"abs_diff_mean": 0.0, "abs_diff_max": 0.0}
-    return {"abs_diff_mean": gap.mean().item(), "abs_diff_max": gap.max().item()}
+def logprob_mismatch(proximal_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, loss_mask: torch.Tensor,
+                     behaviour_weight_cap: float | None = None) -> dict:
+    """How far the trainer's log-probs (`proximal`) are from the server's (`behaviour`) on the
+    generated tokens, over every rank's rows under torchrun: mean and max |Δ|, the behaviour
+    importance weight exp(proximal − behaviour) (mean, max, fraction above the cap), and the k3
+    estimate of KL(behaviour ‖ proximal) from the server's samples. In sync mode the two are the
+    same policy, so everything here beyond bf16 noise is a mismatch between the two engines."""
+    delta = (proximal_logprobs - behaviour_logprobs)[loss_mask.bool()].double()
+    weight = torch.exp(delta)
+    capped = weight > behaviour_weight_cap if behaviour_weight_cap is not None else torch.zeros_like(delta).bool()
+    sums = torch.tensor([delta.numel(), delta.abs().sum().item(), weight.sum().item(), capped.sum().item(),
+                         (weight - 1.0 - delta).sum().item()], dtype=torch.float64)
+    maxes = torch.tensor([delta.abs().max().item() if delta.numel() else 0.0,
+                          weight.max().item() if delta.numel() else 0.0], dtype=torch.float64)
+    if dist.is_available() and dist.is_initialized():
+        device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+        sums, maxes = sums.to(device), maxes.to(device)
+        dist.all_reduce(sums)
+        dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+    count, abs_sum, weight_sum, capped_sum, k3_sum = sums.tolist()
+    n = max(count, 1.0)
+    return {"server_trainer_abs_diff_mean": abs_sum / n, "server_trainer_abs_diff_max": maxes[0].item(),
+            "behaviour_weight_mean": weight_sum / n, "behaviour_weight_max": maxes[1].item(),
+            "behaviour_capped_fraction": capped_sum / n, "mismatch_kl_k3": k3_sum / n}
+
+
+def minibatch_rows(num_rows: int, num_minibatches: int, seed: int) -> list[torch.Tensor]:
+    """Exactly `num_minibatches` non-empty, disjoint sets of row indices covering range(num_rows),
+    in a random order from `seed` (`torch.chunk` may return fewer parts than asked, and under
+    torchrun every rank must run the same number of optimizer steps). Needs
+    1 <= num_minibatches <= num_rows."""
+    if not 1 <= num_minibatches <= num_rows:
+        raise ValueError(f"cannot split {num_rows} rows into {num_minibatches} non-empty mini-batches")
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed))
+    return list(torch.tensor_split(order, num_minibatches))
 
 
 # --- loss ---
@@ -163,16 +197,19 @@ def logprob_agreement(trainer_logprobs: torch.Tensor, server_logprobs: torch.Ten
 def ppo_loss(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
              advantages: torch.Tensor, loss_mask: torch.Tensor, *, eps_clip_low: float = 0.2,
              eps_clip_high: float = 0.28, agg: str = "token-mean", behaviour_weight_cap: float | None = None,
-             ref_logprobs: torch.Tensor | None = None, kl_coef: float = 0.0, entropy: torch.Tensor | None = None,
+             behaviour_cap_mode: str = "truncate", ref_logprobs: torch.Tensor | None = None, kl_coef: float = 0.0, entropy: torch.Tensor | None = None,
              total_loss_tokens: float | None = None, total_loss_seqs: float | None = None):
     """Decoupled PPO-clip loss (AReaL's form): returns `(loss scalar, stats dict of floats)`.
 
     All token tensors are `[B, T]`; `advantages` is `[B]` (one per sequence) or `[B, T]`.
     Per token: ratio = exp(logprobs − proximal); objective max(−A·ratio, −A·clip(ratio, 1−ε_low,
     1+ε_high)) times the behaviour importance weight exp(proximal − behaviour) (no gradient), which
-    corrects for the server's policy being older than the proximal one. Tokens whose weight exceeds
-    `behaviour_weight_cap` contribute 0 (they stay in the denominator, so the loss scale does not
-    depend on how many were capped). When proximal == behaviour this is plain PPO. With
+    corrects for the server's policy being older than the proximal one, and for the server and the
+    trainer computing the same policy a little differently (bf16 kernels vs the trainer's). Above
+    `behaviour_weight_cap` the weight is truncated to the cap (`behaviour_cap_mode="truncate"`,
+    truncated importance sampling as TRL and verl apply it) or the token contributes 0 ("mask", as
+    AReaL does; masked tokens stay in the denominator, so the loss scale does not depend on how many
+    were masked). When proximal == behaviour this is plain PPO. With
     `ref_logprobs` and `kl_coef`, adds kl_coef · k3(current ‖ ref) per token.
 
     Aggregation: "token-mean" = Σ over tokens / `total_loss_tokens`; "seq-mean-token-mean" =
@@ -182,6 +219,8 @@ def ppo_loss(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, behaviour_
     """
     if agg not in LOSS_AGGS:
         raise ValueError(f"agg must be one of {LOSS_AGGS}, got {agg!r}")
+    if behaviour_cap_mode not in CAP_MODES:
+        raise ValueError(f"behaviour_cap_mode must be one of {CAP_MODES}, got {behaviour_cap_mode!r}")
     mask = loss_mask.to(logprobs.dtype)
     if advantages.dim() == 1:
         advantages = advantages[:, None]
@@ -195,9 +234,12 @@ def ppo_loss(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, behaviour_
     with torch.no_grad():
         behaviour_weight = torch.exp((proximal_logprobs - behaviour_logprobs) * mask)
         kept = torch.ones_like(mask, dtype=torch.bool)
+        applied = behaviour_weight
         if behaviour_weight_cap is not None:
             kept = behaviour_weight <= behaviour_weight_cap
-    per_token = per_token * torch.where(kept, behaviour_weight, 0.0)
+            capped_value = 0.0 if behaviour_cap_mode == "mask" else behaviour_weight_cap
+            applied = torch.where(kept, behaviour_weight, capped_value)
+    per_token = per_token * applied
     kl_ref = None
     if ref_logprobs is not None and kl_coef:
         ref_log_ratio = (ref_logprobs - logprobs) * mask
@@ -245,7 +287,7 @@ def _lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) ->
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def _merge_stats(per_mb: list[dict]) -> dict:
+def merge_stats(per_mb: list[dict]) -> dict:
     """Token-weighted means across micro-batches; `*_max` keys take the max; counts add up."""
     total = sum(s["num_tokens"] for s in per_mb)
     merged = {"num_tokens": total}
@@ -278,7 +320,8 @@ class Actor:
                  gradient_checkpointing: bool = False, freeze_embeddings: bool = False,
                  ref_model_path: str | None = None, kl_coef: float = 0.0,
                  eps_clip_low: float = 0.2, eps_clip_high: float = 0.28, loss_agg: str = "token-mean",
-                 behaviour_weight_cap: float | None = None, logits_chunk_tokens: int = 2048,
+                 behaviour_weight_cap: float | None = None, behaviour_cap_mode: str = "truncate",
+                 logits_chunk_tokens: int = 2048,
                  attn_implementation: str | None = None, packed: bool = True):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -291,7 +334,9 @@ class Actor:
         self.compute_dtype = getattr(torch, dtype)
         self.grad_clip, self.temperature, self.max_tokens_per_mb = grad_clip, temperature, max_tokens_per_mb
         self.kl_coef, self.eps_clip_low, self.eps_clip_high = kl_coef, eps_clip_low, eps_clip_high
-        self.loss_agg, self.behaviour_weight_cap = loss_agg, behaviour_weight_cap
+        if behaviour_cap_mode not in CAP_MODES:
+            raise ValueError(f"behaviour_cap_mode must be one of {CAP_MODES}, got {behaviour_cap_mode!r}")
+        self.loss_agg, self.behaviour_weight_cap, self.behaviour_cap_mode = loss_agg, behaviour_weight_cap, behaviour_cap_mode
         # Packing pays off with varlen attention (flash_attention_2); with sdpa the [N, N] mask makes
         # it about 2x slower than padded rows on CPU (measured on the tiny model), so it is optional.
         self.packed = packed
@@ -426,6 +471,7 @@ class Actor:
                 logprobs, mb["proximal_logprobs"].float(), mb["logprobs"].float(), mb["advantages"].float(),
                 mb["loss_mask"], eps_clip_low=self.eps_clip_low, eps_clip_high=self.eps_clip_high,
                 agg=self.loss_agg, behaviour_weight_cap=self.behaviour_weight_cap,
+                behaviour_cap_mode=self.behaviour_cap_mode,
                 ref_logprobs=mb["ref_logprobs"].float() if "ref_logprobs" in mb else None, kl_coef=self.kl_coef,
                 entropy=entropy, total_loss_tokens=total_tokens, total_loss_seqs=total_seqs)
             if rows is None:  # a padding micro-batch under FSDP: run the collectives, add nothing
@@ -451,7 +497,7 @@ class Actor:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return {"loss": loss_sum, "grad_norm": grad_norm, "lr": lr, "num_micro_batches": len(groups),
-                "skipped": float(skipped), **_merge_stats(per_mb)}
+                "skipped": float(skipped), **merge_stats(per_mb)}
 
     # --- weights out: HF export, weight sync, checkpoints ---
 
@@ -521,8 +567,7 @@ class Actor:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        if not os.path.exists(path) and os.path.exists(os.path.join(path.rstrip("/") + ".old", "trainer_state.pt")):
-            path = path.rstrip("/") + ".old"  # killed in the middle of _swap_in: the previous one is whole
+        path = _whole_checkpoint(path)
         if not os.path.exists(os.path.join(path, "trainer_state.pt")):
             raise FileNotFoundError(f"no checkpoint at {path} (trainer_state.pt missing); "
                                     f"start without --resume or point at a directory save_checkpoint wrote")
@@ -536,6 +581,21 @@ class Actor:
         trainer_state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
         self.scheduler.load_state_dict(trainer_state["scheduler"])
         return trainer_state["extra"]
+
+
+def _whole_checkpoint(path: str) -> str:
+    if not os.path.exists(path) and os.path.exists(os.path.join(path.rstrip("/") + ".old", "trainer_state.pt")):
+        return path.rstrip("/") + ".old"  # killed in the middle of _swap_in: the previous one is whole
+    return path
+
+
+def read_checkpoint_extra(path: str) -> dict | None:
+    """The `extra` dict of the checkpoint at `path` (step, version, ...) without loading weights;
+    None if there is none. For what must be known before the model is built (e.g. a server's seed)."""
+    state_file = os.path.join(_whole_checkpoint(path), "trainer_state.pt")
+    if not os.path.exists(state_file):
+        return None
+    return torch.load(state_file, weights_only=False)["extra"]
 
 
 @contextlib.contextmanager

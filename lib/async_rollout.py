@@ -50,6 +50,29 @@ class BackgroundLoop:
             self.loop.close()
 
 
+async def gather_groups(group_coroutines) -> tuple[list, int]:
+    """Run the groups of one step concurrently: (the groups that finished, how many failed).
+
+    A group fails when one of its episodes raises: a server that refused or aborted a request
+    (`lib.client.GenerationAborted`), a timeout, a bug. Its episodes are not training data (an
+    aborted turn is not what the policy would have written; the rest of the group alone would give
+    wrong advantages), so the whole group is dropped, its traceback printed and counted. If every
+    group of the step fails, the first error is raised: something is broken, not unlucky."""
+    results = await asyncio.gather(*group_coroutines, return_exceptions=True)
+    groups, errors = [], []
+    for result in results:
+        if isinstance(result, BaseException):
+            if not isinstance(result, Exception):
+                raise result  # cancellation, KeyboardInterrupt
+            traceback.print_exception(result)
+            errors.append(result)
+        else:
+            groups.append(result)
+    if errors and not groups:
+        raise RuntimeError(f"all {len(errors)} groups of the step failed; the first error is the cause") from errors[0]
+    return groups, len(errors)
+
+
 def oldest_version(group: list[dict]) -> int:
     """The smallest policy version over the model-sampled tokens of a group; -1 if it has none."""
     versions = [int(v) for ep in group for v in ep["versions"].flatten().tolist() if v >= 0]

@@ -6,16 +6,22 @@ first turn and stays there (its prefix is in that server's cache). Control calls
 updates, ...) go to every server. Field names and their sources: docs/client.md and
 docs/sglang_contract.md.
 
+One `generate()` call is one model turn, whatever number of requests it takes: pieces cut by
+`piece_tokens` are continued, and stop strings, stop token ids and the length limit are applied to
+the whole turn by the client (a server sees only its own piece).
+
 Pause handling, for async RL: `pause_generation()` (mode "abort", SGLang's default) makes every
 server answer its in-flight requests with finish_reason abort and their partial output. A
 `generate()` call that gets such an answer while the client is paused waits for
 `continue_generation()` and then re-sends prompt + output so far for the remaining tokens; the
 tokens of each piece are tagged in `Generation.versions` with the client's policy version when that
-piece was sent, so the trainer knows which tokens came from which weights.
+piece was sent, so the trainer knows which tokens came from which weights. Any other abort raises
+`GenerationAborted`.
 """
 import asyncio
 import dataclasses
 import json
+import math
 
 import aiohttp
 
@@ -32,6 +38,7 @@ class Generation:
     weight_version: str  # the server's weight_version when the last piece finished
     versions: list[int]  # per output token: client policy version when its piece was sent
     num_resumes: int = 0  # how many times a pause cut this generation and it was re-sent
+    num_continuations: int = 0  # how many times a piece cut by `piece_tokens` was continued
 
 
 class InferenceServerError(RuntimeError):
@@ -41,6 +48,10 @@ class InferenceServerError(RuntimeError):
         super().__init__(message)
         self.address = address
         self.status = status
+
+
+class GenerationAborted(InferenceServerError):
+    """A server aborted a generation for a reason other than a pause (see `InferenceClient.generate`)."""
 
 
 class InferenceClient:
@@ -78,36 +89,55 @@ class InferenceClient:
     async def generate(self, input_ids: list[int], *, max_new_tokens: int, temperature: float = 1.0,
                        top_p: float = 1.0, top_k: int = -1, stop: list[str] | None = None,
                        stop_token_ids: list[int] | None = None, trajectory_id=None,
-                       extra_sampling_params: dict | None = None) -> Generation:
-        """Generate up to `max_new_tokens` after `input_ids`. Give the same `trajectory_id` for every turn
-        of one episode (and call `end_trajectory` at its end) to keep it on one server.
-        `extra_sampling_params` go into SGLang's sampling_params as they are (e.g. min_p, ignore_eos)."""
+                       piece_tokens: int | None = None, extra_sampling_params: dict | None = None) -> Generation:
+        """Generate up to `max_new_tokens` after `input_ids`: one model turn, which ends at the first
+        completed stop string, at any id of `stop_token_ids` (pass the model's whole EOS set), or at
+        `max_new_tokens`, whatever each server answer's finish_reason says.
+
+        The turn may reach the server as several requests ("pieces"): with `piece_tokens`, each
+        request asks for at most that many tokens and a piece cut by it is continued; a pause
+        (`pause_generation`) cuts a piece, which is re-sent after `continue_generation`. A server
+        checks stops only in its own piece's output, so the client re-checks them over the whole
+        turn: a stop string that straddles a cut ends the turn at the token that completes it
+        (tokens, log-probs and versions cut at the same index), and so does a stop token id that a
+        server reported as `length` (SGLang checks length first). Give the same `trajectory_id` for
+        every turn of one episode (and call `end_trajectory` at its end) to keep it on one server.
+        `extra_sampling_params` go into SGLang's sampling_params as they are (e.g. min_p).
+
+        An abort that is not a pause (a server-side timeout, a failed forward, `abort_request`)
+        raises `GenerationAborted`: that turn's output is not what the policy would have written,
+        so it must not become training data."""
         self._bind_loop()
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if piece_tokens is not None and piece_tokens < 1:
+            raise ValueError(f"piece_tokens must be >= 1 (or None), got {piece_tokens}")
         if isinstance(stop, str):
             stop = [stop]
+        stop = [s for s in (stop or []) if s]
+        stop_ids = {int(t) for t in (stop_token_ids or [])}
         sampling = {**(extra_sampling_params or {}), "temperature": temperature, "top_p": top_p, "top_k": top_k}
         if stop:
             sampling["stop"] = list(stop)
-        if stop_token_ids:
-            sampling["stop_token_ids"] = [int(t) for t in stop_token_ids]
+        if stop_ids:
+            sampling["stop_token_ids"] = sorted(stop_ids)
         address = self._route(trajectory_id)
         prompt = [int(t) for t in input_ids]
         output_ids, logprobs, versions, texts, token_texts = [], [], [], [], []
-        cached_tokens, num_resumes, first_piece_len = 0, 0, None
+        cached_tokens, num_resumes, num_continuations, cut = 0, 0, 0, None
         self._in_flight[address] += 1
         try:
             while True:
+                remaining = max_new_tokens - len(output_ids)
+                asked = min(remaining, piece_tokens) if piece_tokens else remaining
                 await self._acquire_send_slot()
                 try:
                     version, pause_count = self.version, self._pause_count
                     body = {"input_ids": prompt + output_ids,
-                            "sampling_params": {**sampling, "max_new_tokens": max_new_tokens - len(output_ids)},
+                            "sampling_params": {**sampling, "max_new_tokens": asked},
                             "return_logprob": True,
-                            # A resumed piece needs its tokens' texts to find a stop string that
-                            # straddles the cut (each server looks only at its own output).
-                            "return_text_in_logprobs": bool(num_resumes and stop)}
+                            # Each token's text, to find a stop string across pieces (see above).
+                            "return_text_in_logprobs": bool(stop)}
                     answer = await self._request("POST", address, "/generate", body)
                 finally:
                     self._semaphore.release()
@@ -116,40 +146,45 @@ class InferenceClient:
                 logprobs += piece["logprobs"]
                 versions += [version] * len(piece["output_ids"])
                 texts.append(piece["text"])
-                if num_resumes:
-                    token_texts += piece["token_texts"]
+                token_texts += piece["token_texts"]
                 cached_tokens += piece["cached_tokens"]
                 finish_reason, matched, weight_version = piece["finish_reason"], piece["matched"], piece["weight_version"]
-                if finish_reason != "abort" or not (self._paused or self._pause_count != pause_count):
+                paused = finish_reason == "abort" and (self._paused or self._pause_count != pause_count)
+                if finish_reason == "abort" and not paused:
+                    raise GenerationAborted(
+                        f"/generate at {address} was aborted ({piece['abort_message'] or 'no message'}) after "
+                        f"{len(output_ids)} tokens, not by a pause: a server-side timeout, a failed forward or "
+                        f"abort_request; the episode must be dropped, not trained on", address=address)
+                # Did the turn end, whatever this piece's finish_reason says? (A pause-abort lands
+                # after a token was sampled; SGLang checks length before stop tokens and strings.)
+                cut = _first_stop(token_texts, stop) if stop else None
+                if cut is not None:
                     break
-                # Cut by a pause. The step that saw the abort still sampled a token, which may end the
-                # generation: SGLang checks abort before length, stop strings and stop tokens.
-                first_piece_len = len(output_ids) if first_piece_len is None else first_piece_len
+                if output_ids and output_ids[-1] in stop_ids:
+                    finish_reason, matched = "stop", output_ids[-1]
+                    break
                 if len(output_ids) >= max_new_tokens:
                     finish_reason, matched = "length", None
                     break
-                if stop and _stop_across_pieces(texts[0], token_texts, stop) is not None:
-                    break  # finish_reason and the cut are set below
-                if stop_token_ids and output_ids and output_ids[-1] in stop_token_ids:
-                    finish_reason, matched = "stop", output_ids[-1]
-                    break
-                num_resumes += 1
+                if paused:
+                    num_resumes += 1
+                elif finish_reason == "length" and piece_tokens and len(piece["output_ids"]) >= asked:
+                    num_continuations += 1
+                else:
+                    break  # the server's own stop, or a length it set itself (its context length)
         finally:
             self._in_flight[address] -= 1
         text = "".join(texts)
-        cut = _stop_across_pieces(texts[0], token_texts, stop) if stop and first_piece_len is not None else None
         if cut is not None:
             index, stop_string = cut
-            end = first_piece_len + index + 1
-            # A stop at the very last token of a normal finish is the server's own verdict; keep it.
-            if end < len(output_ids) or finish_reason == "abort":
-                output_ids, logprobs, versions = output_ids[:end], logprobs[:end], versions[:end]
-                finish_reason, matched = "stop", stop_string
-                text = texts[0] + "".join(token_texts[:index + 1])
-                text = text[:text.find(stop_string)]
+            output_ids, logprobs, versions = output_ids[:index + 1], logprobs[:index + 1], versions[:index + 1]
+            finish_reason, matched = "stop", stop_string
+            text = "".join(token_texts[:index + 1])
+            text = text[:text.find(stop_string)]  # trimmed, as SGLang trims its text
         return Generation(output_ids=output_ids, logprobs=logprobs, finish_reason=finish_reason, matched=matched,
                           text=text, prompt_tokens=len(prompt), cached_tokens=cached_tokens,
-                          weight_version=weight_version, versions=versions, num_resumes=num_resumes)
+                          weight_version=weight_version, versions=versions, num_resumes=num_resumes,
+                          num_continuations=num_continuations)
 
     def end_trajectory(self, trajectory_id):
         """Forget the route of a finished trajectory (it no longer counts towards its server's load)."""
@@ -210,7 +245,7 @@ class InferenceClient:
 
     async def abort_request(self, rid: str | None = None, abort_all: bool = True) -> None:
         """Abort request `rid` (an SGLang rid prefix) or, with no rid, every request on every server.
-        Aborted `generate` calls return finish_reason "abort" (not re-sent unless paused)."""
+        Aborted `generate` calls raise `GenerationAborted` (they are not re-sent unless paused)."""
         await self._fan_out("POST", "/abort_request", {"rid": rid or "", "abort_all": rid is None and abort_all})
 
     async def get_server_info(self) -> list[dict]:
@@ -337,6 +372,23 @@ class InferenceClient:
             attempt += 1
 
 
+def model_eos_ids(model_path: str, tokenizer) -> list[int]:
+    """Every id that ends a model turn: the tokenizer's EOS and generation_config.json's
+    `eos_token_id` (an int or a list; Qwen2.5-Instruct lists <|im_end|> and <|endoftext|>). Pass
+    them as `stop_token_ids` so the client ends a turn on any of them."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    try:
+        from transformers import GenerationConfig
+
+        extra = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except (OSError, ValueError):  # no generation_config.json: the tokenizer's EOS is all there is
+        extra = None
+    for token in [extra] if isinstance(extra, int) else (extra or []):
+        if int(token) not in ids:
+            ids.append(int(token))
+    return ids
+
+
 def _parse_generation(answer: dict, address: str) -> dict:
     """The fields of one /generate answer that a Generation is built from (see docs/client.md)."""
     try:
@@ -349,7 +401,8 @@ def _parse_generation(answer: dict, address: str) -> dict:
         raise InferenceServerError(f"/generate at {address} answered without {e}; expected SGLang's shape "
                                    f"(output_ids, meta_info.finish_reason, meta_info.output_token_logprobs): "
                                    f"{str(answer)[:500]}", address=address) from None
-    agree = len(rows) == len(output_ids) and all(row[1] == t for row, t in zip(rows, output_ids))
+    agree = len(rows) == len(output_ids) and all(isinstance(row, (list, tuple)) and len(row) >= 2 and row[1] == t
+                                                 for row, t in zip(rows, output_ids))
     if not agree:
         if finish_reason != "abort":
             raise InferenceServerError(
@@ -358,29 +411,38 @@ def _parse_generation(answer: dict, address: str) -> dict:
                 f"needs its log-prob", address=address)
         # An aborted piece is re-sent from what it kept: keep only the tokens that have their log-prob.
         keep = 0
-        while keep < min(len(rows), len(output_ids)) and rows[keep][1] == output_ids[keep]:
+        while (keep < min(len(rows), len(output_ids)) and isinstance(rows[keep], (list, tuple))
+               and len(rows[keep]) >= 2 and rows[keep][1] == output_ids[keep]):
             keep += 1
         output_ids, rows = output_ids[:keep], rows[:keep]
-    return {"output_ids": output_ids, "logprobs": [float(row[0]) for row in rows],
-            "token_texts": [row[2] if len(row) > 2 and row[2] is not None else "" for row in rows],
-            "finish_reason": finish_reason, "matched": reason.get("matched"), "text": answer.get("text", ""),
+    try:
+        logprobs = [float(row[0]) for row in rows]
+    except (TypeError, ValueError):
+        logprobs = [math.nan]
+    if not all(math.isfinite(lp) for lp in logprobs):
+        raise InferenceServerError(f"/generate at {address} returned a log-prob that is not a finite number "
+                                   f"({str(rows)[:300]}); every sampled token needs its log-prob", address=address)
+    token_texts = [str(row[2]) if len(row) > 2 and row[2] is not None else "" for row in rows]
+    if token_texts and not any(token_texts):
+        # A server that ignores return_text_in_logprobs: its text, on the piece's last token, still
+        # shows a stop string that the piece's last token completed (a pause or length cut landed).
+        token_texts[-1] = answer.get("text") or ""
+    return {"output_ids": output_ids, "logprobs": logprobs, "token_texts": token_texts,
+            "finish_reason": finish_reason, "matched": reason.get("matched"), "text": answer.get("text") or "",
+            "abort_message": reason.get("message"),
             "cached_tokens": int(meta.get("cached_tokens") or 0),
             "weight_version": str(meta.get("weight_version", ""))}
 
 
-def _stop_across_pieces(first_text: str, token_texts: list[str], stop: list[str]):
-    """Where the output first completes a stop string, when a pause cut it into pieces: (-1, s) if
-    the first piece's text holds s (its last token completed it as the abort landed), else (i, s)
-    for the i-th token after the first cut. None if no stop string occurs. Each server saw only its
-    own piece, so a stop string that began before a cut went unnoticed there."""
-    for s in stop:
-        if s in first_text:
-            return -1, s
-    text = first_text
+def _first_stop(token_texts: list[str], stop: list[str]):
+    """(i, s): the first output token i whose text completes stop string s, over the whole output
+    (all pieces); None if no stop string occurs."""
+    text = ""
     for index, token_text in enumerate(token_texts):
         text += token_text
+        tail = text[-(max(map(len, stop)) + len(token_text)):]
         for s in stop:
-            if s in text[-(len(s) + len(token_text)):]:
+            if s in tail:
                 return index, s
     return None
 

@@ -29,11 +29,7 @@ def broadcast_from_rank0(obj, group):
     return box[0]
 
 
-def gap_over_ranks(gap: torch.Tensor, device) -> tuple[float, float]:
-    """(mean, max) of the server-trainer log-prob gap over the loss tokens of every rank's rows."""
-    stats = torch.tensor([gap.sum().item(), gap.numel(), gap.max().item() if gap.numel() else 0.0], device=device)
-    if dist.is_initialized():
-        dist.all_reduce(stats[:2])
-        dist.all_reduce(stats[2:], op=dist.ReduceOp.MAX)
-    total, count, worst = stats.tolist()
-    return total / max(count, 1), worst
+def server_seed(seed: int, step: int) -> int:
+    """The inference server's sampling seed for a run (re)started at `step`: a resumed run must not
+    replay the random stream of the run's first steps."""
+    return (seed * 1_000_003 + step) % 2**31

@@ -5,7 +5,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from lib.actor import Actor, compute_logprobs, equal_reward_groups, grpo_advantages, logprob_agreement, ppo_loss
+from lib.actor import (Actor, compute_logprobs, equal_reward_groups, grpo_advantages, logprob_mismatch, minibatch_rows,
+                       ppo_loss)
 from lib.padding import concat_padded_tensors
 
 ARCH = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -86,11 +87,17 @@ def test_entropy_is_that_of_the_next_token_distribution(model):
     assert entropy[0, 1:].tolist() == pytest.approx(expected.tolist(), abs=1e-5)
 
 
-def test_logprob_agreement_compares_only_generated_tokens():
+def test_logprob_mismatch_compares_only_generated_tokens_and_reports_weights_and_k3_kl():
     trainer = torch.tensor([[0.0, -1.0, -2.0, -9.0]])
     server = torch.tensor([[0.0, -1.5, -1.9, 0.0]])
-    gap = logprob_agreement(trainer, server, torch.tensor([[0, 1, 1, 0]]))
-    assert gap["abs_diff_mean"] == pytest.approx(0.3) and gap["abs_diff_max"] == pytest.approx(0.5)
+    m = logprob_mismatch(trainer, server, torch.tensor([[0, 1, 1, 0]]), behaviour_weight_cap=1.5)
+    assert m["server_trainer_abs_diff_mean"] == pytest.approx(0.3) and m["server_trainer_abs_diff_max"] == pytest.approx(0.5)
+    weights = [math.exp(0.5), math.exp(-0.1)]
+    assert m["behaviour_weight_mean"] == pytest.approx(sum(weights) / 2)
+    assert m["behaviour_weight_max"] == pytest.approx(math.exp(0.5))
+    assert m["behaviour_capped_fraction"] == pytest.approx(0.5)  # e^0.5 = 1.65 > 1.5
+    k3 = [w - 1 - d for w, d in zip(weights, [0.5, -0.1])]
+    assert m["mismatch_kl_k3"] == pytest.approx(sum(k3) / 2)
 
 
 # --- advantages ---
@@ -114,6 +121,41 @@ def test_a_group_with_equal_rewards_has_zero_advantage():
 def test_equal_reward_groups_marks_every_row_of_an_all_equal_group():
     mask = equal_reward_groups(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0]), 2)
     assert mask.tolist() == [True, True, False, False, True, True]
+
+
+@pytest.mark.parametrize("value", [0.9, 2 / 3, 0.4, 0.1 + 0.2, 1e-3, 123.456])
+@pytest.mark.parametrize("scale_by_std", [True, False])
+def test_equal_float_rewards_give_exactly_zero_advantage_in_groups_of_eight(value, scale_by_std):
+    """float32 noise used to give such groups |A| ~ 0.06, every row of one sign."""
+    rewards = torch.tensor([value] * 8 + [0.0, 1.0] * 4, dtype=torch.float32)
+    adv = grpo_advantages(rewards, 8, scale_by_std=scale_by_std)
+    assert adv[:8].tolist() == [0.0] * 8
+    assert adv[8:].abs().min().item() > 0.4  # the mixed group keeps its signal
+    assert equal_reward_groups(rewards, 8).tolist() == [True] * 8 + [False] * 8
+
+
+def test_rewards_equal_up_to_rounding_are_one_reward():
+    rewards = torch.tensor([0.1 + 0.2, 0.3, 0.3, 0.30000001], dtype=torch.float64)
+    assert equal_reward_groups(rewards, 4).all() and grpo_advantages(rewards, 4).abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("num_rows,num_minibatches", [(5, 4), (7, 3), (3, 3), (10, 1), (9, 8)])
+def test_minibatch_rows_gives_exactly_the_asked_number_of_nonempty_disjoint_parts(num_rows, num_minibatches):
+    parts = minibatch_rows(num_rows, num_minibatches, seed=0)
+    assert len(parts) == num_minibatches and all(len(p) > 0 for p in parts)
+    assert sorted(torch.cat(parts).tolist()) == list(range(num_rows))
+
+
+def test_every_rank_gets_the_same_minibatch_count_for_uneven_rows():
+    """The training loop's rule: count = min(ppo_minibatches, rows // world_size); rank r holds
+    rows r, r + W, ... of the batch. torch.chunk(5 rows, 4) gave 3 parts on one rank, 4 on another."""
+    for total in range(2, 40):
+        for world_size in (1, 2, 3, 4):
+            if total < world_size:
+                continue
+            count = max(1, min(4, total // world_size))
+            counts = {len(minibatch_rows(len(range(r, total, world_size)), count, seed=1)) for r in range(world_size)}
+            assert counts == {count}
 
 
 # --- loss ---
@@ -153,9 +195,28 @@ def test_ppo_loss_gradient_inside_the_clip_range_is_minus_advantage_times_ratio(
 
 def test_ppo_loss_masks_tokens_whose_behaviour_weight_exceeds_the_cap():
     logprobs, proximal, behaviour, adv, mask = two_token_case()
-    loss, stats = ppo_loss(logprobs, proximal, behaviour, adv, mask, behaviour_weight_cap=1.5)
+    loss, stats = ppo_loss(logprobs, proximal, behaviour, adv, mask, behaviour_weight_cap=1.5,
+                           behaviour_cap_mode="mask")
     assert loss.item() == pytest.approx((0.0 + 0.8) / 2)  # row 0 dropped, still in the denominator
     assert stats["behaviour_capped_fraction"] == 0.5
+
+
+def test_ppo_loss_truncates_the_behaviour_weight_at_the_cap_by_default():
+    logprobs, proximal, behaviour, adv, mask = two_token_case()
+    loss, stats = ppo_loss(logprobs, proximal, behaviour, adv, mask, behaviour_weight_cap=1.5)
+    # row 0: max(-1.5, -1.28) * min(2, 1.5) = -1.92; row 1 unchanged (weight 1)
+    assert loss.item() == pytest.approx((-1.92 + 0.8) / 2)
+    assert stats["behaviour_capped_fraction"] == 0.5 and stats["behaviour_weight_max"] == pytest.approx(2.0)
+
+
+def test_ppo_loss_gradient_of_a_capped_token_is_bounded_by_the_cap():
+    proximal = torch.tensor([[0.0, -1.0]])
+    logprobs = proximal.clone().requires_grad_()
+    behaviour = proximal - 3.0  # weight e^3 = 20
+    loss, _ = ppo_loss(logprobs, proximal, behaviour, torch.tensor([1.0]), torch.tensor([[0, 1]]),
+                       behaviour_weight_cap=2.0)
+    loss.backward()
+    assert logprobs.grad[0, 1].item() == pytest.approx(-2.0)  # -A * ratio(1) * cap
 
 
 def test_ppo_loss_adds_k3_kl_to_the_reference():

@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 from transformers import AutoTokenizer
 
-from lib.client import InferenceClient, InferenceServerError
+from lib.client import GenerationAborted, InferenceClient, InferenceServerError
 from lib.launch import free_port, launch_cpu_server
 from lib.tiny_model import build_tiny_model
 
@@ -161,16 +161,19 @@ def test_pause_cuts_an_inflight_generation_and_continue_resumes_it_under_the_new
     assert max(abs(a - b) for a, b in zip(resumed.logprobs, uninterrupted.logprobs)) < 1e-4
 
 
-def test_abort_request_while_not_paused_ends_generation_with_abort(server, prompt):
+def test_abort_request_while_not_paused_raises_generation_aborted(server, prompt):
+    """An abort that is not a pause is an infrastructure failure: its output must not become
+    training data, so the call raises instead of returning a short turn."""
     async def body(client):
         task = asyncio.create_task(client.generate(prompt, max_new_tokens=CONTEXT_LENGTH - len(prompt),
                                                    extra_sampling_params=SEEDED))
         await _until_running(client, min_tokens_s=0.05)
         await client.abort_request()
-        return await task
-    gen = with_client([server.address], body)
-    assert gen.finish_reason == "abort" and gen.num_resumes == 0
-    assert len(gen.output_ids) == len(gen.logprobs) < CONTEXT_LENGTH - len(prompt)
+        with pytest.raises(GenerationAborted) as info:
+            await task
+        return str(info.value)
+    message = with_client([server.address], body)
+    assert "not by a pause" in message and server.address in message
 
 
 # --- routing, retries and pause edge cases, against fakes ---
