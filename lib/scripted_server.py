@@ -10,7 +10,8 @@ answer shape a real server gives, hostile ones included, without a model.
     server.requests               # every /generate body it received, in order
 
 Each `/generate` request takes the next reply of the script (the last one is repeated once the
-script runs out); a reply may also be a function `body -> Reply`. A `Reply` is what the model
+script runs out); a reply may also be a function `body -> Reply` (`continuing` makes one that plays
+a single model turn across the requests a client cuts it into). A `Reply` is what the model
 would sample if nothing stopped it. The server then applies SGLang's rules (0.5.15,
 `Req.check_finished`) to those tokens, token by token and in SGLang's order: `max_new_tokens`
 first (so an EOS sampled as the last allowed token is reported as `length`), then the stop token
@@ -46,6 +47,7 @@ class ScriptedServer:
         self.tokenizer = tokenizer
         self.script = list(script)
         self.requests: list[dict] = []
+        self.answers: list[dict] = []  # what it answered to each, in order (the server's own record)
         self.control_calls: list[str] = []  # paths of every other call, in order
         self.eos_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         self._counter = 0
@@ -99,7 +101,9 @@ class ScriptedServer:
             await asyncio.sleep(reply.delay_s)
         if reply.status != 200:
             return web.Response(status=reply.status)
-        return web.json_response(self.answer(reply, body))
+        answer = self.answer(reply, body)
+        self.answers.append(answer)
+        return web.json_response(answer)
 
     def answer(self, reply: Reply, body: dict) -> dict:
         """SGLang's answer to `body` when the model samples `reply`."""
@@ -152,3 +156,15 @@ class ScriptedServer:
                               "prompt_tokens": len(body.get("input_ids") or []), "completion_tokens": len(out),
                               "cached_tokens": 0, "weight_version": "default", "output_token_logprobs": rows}}
 
+
+def continuing(text_or_ids, tokenizer=None):
+    """A script entry for one model turn of `text_or_ids` that a client may fetch in several
+    requests: each request gets the rest of the turn after the longest part of it that its
+    input_ids already end with."""
+    ids = tokenizer(text_or_ids, add_special_tokens=False)["input_ids"] if isinstance(text_or_ids, str) else list(text_or_ids)
+
+    def reply(body: dict) -> Reply:
+        held = body["input_ids"]
+        done = max((k for k in range(1, min(len(ids), len(held)) + 1) if held[-k:] == ids[:k]), default=0)
+        return Reply(ids=ids[done:])
+    return reply

@@ -226,6 +226,78 @@ def test_garbage_model_output_scores_zero_without_an_exception(tokenizer):
     assert episode["rewards"].item() == 0.0 and episode["finish_reason"] == "max_turns"
 
 
+def scripted_episode(tokenizer, script, **cfg_overrides):
+    """arun_episode with the real client against lib.scripted_server (SGLang's finishing rules)."""
+    from lib.client import InferenceClient
+    from lib.scripted_server import ScriptedServer
+
+    cfg = tr.Config(**{"max_turns": 3, "max_tokens": 1024, **cfg_overrides})
+    reflection_ids = tr.build_reflection_ids(tokenizer, cfg.apply_chat_template)
+
+    async def go(address):
+        client = InferenceClient([address], max_retries=0)
+        try:
+            return await tr.arun_episode(client, tokenizer, reflection_ids, InlinePool(), cfg, ITEM, 1.0)
+        finally:
+            await client.close()
+    with ScriptedServer(tokenizer, script) as server:
+        return asyncio.run(go(server.address)), server, reflection_ids
+
+
+def test_a_turn_ending_on_another_eos_id_gets_no_second_end_of_turn(tokenizer):
+    """Qwen2.5 lists <|im_end|> and <|endoftext|> as EOS; a turn that ends on <|endoftext|> used to
+    get an <|im_end|> appended after it."""
+    from lib.scripted_server import Reply
+
+    other = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    answer = tokenizer("#### 8", add_special_tokens=False)["input_ids"]
+    episode, server, reflection_ids = scripted_episode(
+        tokenizer, [Reply(ids=answer + [other]), Reply("#### 7", eos=True)],
+        stop_token_ids=[tokenizer.eos_token_id, other])
+    ids, mask = episode["input_ids"][0].tolist(), episode["loss_mask"][0].tolist()
+    start = len(server.requests[0]["input_ids"])
+    assert ids[start:start + len(answer) + 1 + len(reflection_ids)] == answer + [other] + reflection_ids
+    assert mask[start:start + len(answer) + 1] == [1] * (len(answer) + 1)
+    assert server.requests[1]["input_ids"] == ids[:len(server.requests[1]["input_ids"])]
+    assert episode["rewards"].item() == pytest.approx(0.9)
+
+
+def test_eos_as_the_last_allowed_token_closes_the_turn_once(tokenizer):
+    """The server reports it as length; the turn is still closed by the sampled EOS, trained on."""
+    from lib.scripted_server import Reply
+
+    answer = tokenizer("#### 7", add_special_tokens=False)["input_ids"]
+    episode, server, _ = scripted_episode(tokenizer, [Reply(ids=answer, eos=True)],
+                                          max_new_tokens_per_turn=len(answer) + 1)
+    assert server.answers[0]["meta_info"]["finish_reason"]["type"] == "length"
+    ids, mask = episode["input_ids"][0].tolist(), episode["loss_mask"][0].tolist()
+    assert ids[-len(answer) - 1:] == answer + [tokenizer.eos_token_id] and mask[-1] == 1
+    assert ids.count(tokenizer.eos_token_id) == 1 + tr.build_prompt_ids(tokenizer, ITEM["question"], True).count(
+        tokenizer.eos_token_id)
+
+
+def test_an_aborted_turn_drops_the_group_and_is_counted(tokenizer):
+    from lib.client import InferenceClient
+    from lib.scripted_server import Reply, ScriptedServer
+
+    cfg = tr.Config(max_turns=1)
+    reflection_ids = tr.build_reflection_ids(tokenizer, True)
+    calls = {"n": 0}
+
+    def script(body):
+        calls["n"] += 1
+        return Reply("#### 7", abort_after=1) if calls["n"] == 3 else Reply("#### 7", eos=True)
+
+    async def go(address):
+        client = InferenceClient([address], max_retries=0)
+        groups = await tr.rollout_groups(client, tokenizer, reflection_ids, InlinePool(), cfg, [ITEM, ITEM], 1.0, 2)
+        await client.close()
+        return groups
+    with ScriptedServer(tokenizer, [script]) as server:
+        groups, failed = asyncio.run(go(server.address))
+    assert failed == 1 and len(groups) == 1 and [e["rewards"].item() for e in groups[0]] == [1.0, 1.0]
+
+
 def test_warm_start_demonstrations_never_train_on_the_wrong_first_answer(tokenizer):
     cfg = tr.Config(max_turns=2, warm_start_reflect_frac=1.0)
     reflection_ids = tr.build_reflection_ids(tokenizer, True)

@@ -71,3 +71,10 @@ def test_exact_match_reward_gives_no_partial_credit():
     assert round(compute_reward("capital of Lunranmark", golds, "f1"), 2) == 0.33
     assert compute_reward("capital of Lunranmark", golds, "em") == 0.0
     assert compute_reward("the zeltartar city.", golds, "em") == 1.0
+
+
+def test_a_gold_answer_given_as_one_string_is_one_answer_not_its_characters():
+    assert f1_score("James Bond", "James Bond") == 1.0
+    assert exact_match("James Bond", "James Bond") == 1.0
+    assert compute_reward("James Bond", "James Bond", "em") == 1.0
+    assert f1_score("J", "James Bond") == 0.0 and exact_match("J", "J B") == 0.0

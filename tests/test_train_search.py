@@ -1,5 +1,6 @@
-"""train_search.py's episode against real servers, the tool-failure path, and the whole script
-(2 steps, then a resume) end to end on the embedded default."""
+"""train_search.py's episode against real servers and against lib.scripted_server (SGLang's answer
+shapes, hostile ones included, for scripted model output), the tool paths, and the whole script
+(2 steps, then a resume; async; torchrun) end to end on the embedded default."""
 import asyncio
 import json
 import os
@@ -11,8 +12,10 @@ import pytest
 from transformers import AutoTokenizer
 
 import train_search as ts
-from lib.client import Generation, InferenceClient
+from lib.client import GenerationAborted, InferenceClient
 from lib.launch import launch_cpu_server
+from lib.retrieval import launch_retrieval_server
+from lib.scripted_server import Reply, ScriptedServer, continuing
 from lib.tiny_model import default_tiny_model_dir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,25 +52,6 @@ class RecordingClient(InferenceClient):
         return gen
 
 
-class ScriptedClient:
-    """Stands in for the server where a test needs the model to call a tool: returns the token ids
-    of scripted turns (a random tiny model never writes <search>)."""
-
-    def __init__(self, tokenizer, turns):
-        self.tokenizer, self.turns, self.calls = tokenizer, list(turns), 0
-
-    async def generate(self, input_ids, *, max_new_tokens, **kw):
-        text = self.turns[min(self.calls, len(self.turns) - 1)]
-        self.calls += 1
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"][:max_new_tokens]
-        finish = "stop" if len(ids) < max_new_tokens else "length"
-        return Generation(output_ids=ids, logprobs=[-0.5] * len(ids), finish_reason=finish, matched=None, text=text,
-                          prompt_tokens=len(input_ids), cached_tokens=0, weight_version="0", versions=[0] * len(ids))
-
-    def end_trajectory(self, trajectory_id):
-        pass
-
-
 def run_episode(client, tokenizer, cfg, retrieval_addr="http://127.0.0.1:9", temperature=1.0):
     async def go():
         async with aiohttp.ClientSession() as session:
@@ -94,38 +78,163 @@ def test_every_sampled_token_is_in_the_trajectory_once_with_its_server_logprob(s
     assert pos == len(ids) and sum(mask) == sum(len(g.output_ids) for _, g in client.record)
 
 
-def test_tool_output_is_masked_and_decoding_reproduces_the_conversation(tokenizer):
-    turns = ["<think> look it up </think><search> Ostrel Guild </search>", "<answer> Pem Varo </answer>"]
-    cfg = ts.Config(max_turns=4, tool_retries=1, tool_timeout_s=2)
-    ep = run_episode(ScriptedClient(tokenizer, turns), tokenizer, cfg)
+@pytest.fixture(scope="module")
+def retrieval(tmp_path_factory):
+    corpus = tmp_path_factory.mktemp("corpus") / "corpus.jsonl"
+    docs = [{"id": "0", "contents": '"Ostrel Guild"\nThe Ostrel Guild was founded by Pem Varo in Tarqua.'},
+            {"id": "1", "contents": '"Tarqua"\nTarqua is a harbour town.'}]
+    corpus.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    srv = launch_retrieval_server(str(corpus))
+    yield srv.address
+    srv.terminate()
+
+
+def scripted_episode(tokenizer, script, cfg, retrieval_addr="http://127.0.0.1:9"):
+    """arun_episode with the real client against a scripted SGLang stand-in; (episode, server)."""
+    async def go(address):
+        client = InferenceClient([address], max_retries=0)
+        try:
+            async with aiohttp.ClientSession() as session:
+                return await ts.arun_episode(client, session, tokenizer, cfg, ITEM, retrieval_addr, 1.0)
+        finally:
+            await client.close()
+    with ScriptedServer(tokenizer, script) as server:
+        ep = asyncio.run(go(server.address))
+    return ep, server
+
+
+def model_text(tokenizer, ep):
     ids, mask = ep["input_ids"][0].tolist(), ep["loss_mask"][0].tolist()
+    return tokenizer.decode([t for t, m in zip(ids, mask) if m])
+
+
+def test_tool_output_is_masked_and_decoding_reproduces_the_conversation(tokenizer, retrieval):
+    turns = ["<think> look it up </think><search> Ostrel Guild </search>", "<answer> Pem Varo </answer>"]
+    cfg = ts.Config(max_turns=4, tool_retries=1, tool_timeout_s=5)
+    ep, _ = scripted_episode(tokenizer, [Reply(turns[0] + " and more"), Reply(turns[1])], cfg, retrieval)
+    ids = ep["input_ids"][0].tolist()
     prompt_text = tokenizer.decode(ts.build_prompt_ids(tokenizer, ITEM["question"], True))
     info = ep["turn_texts"][1][1]
+    assert "Pem Varo" in info and ep["num_tool_failures"] == 0
     expected = prompt_text + turns[0] + f"\n\n<information>{info}</information>\n\n" + turns[1]
     assert tokenizer.decode(ids) == expected
-    model_part = [t for t, m in zip(ids, mask) if m]
-    assert tokenizer.decode(model_part) == turns[0] + turns[1]
+    assert model_text(tokenizer, ep) == turns[0] + turns[1]
     assert ep["rewards"].item() == 1.0 and ep["finish_reason"] == "answer" and ep["num_turns"] == 2
 
 
+def test_every_sampled_token_of_a_turn_cut_into_pieces_is_in_the_trajectory_once_with_its_logprob(tokenizer):
+    cfg = ts.Config(max_turns=2, max_new_tokens_per_turn=3)
+    turn = "<think> the founder of the guild is known </think><answer> Pem Varo </answer>"
+    ep, server = scripted_episode(tokenizer, [continuing(turn, tokenizer)], cfg)
+    sampled = [t for a in server.answers for t in a["output_ids"]]
+    sampled_lps = [row[0] for a in server.answers for row in a["meta_info"]["output_token_logprobs"]]
+    mask = ep["loss_mask"][0].tolist()
+    assert len(server.answers) > 5, "the turn came in many pieces"
+    assert [t for t, m in zip(ep["input_ids"][0].tolist(), mask) if m] == sampled
+    assert [lp for lp, m in zip(ep["logprobs"][0].tolist(), mask) if m] == pytest.approx(sampled_lps, abs=1e-7)
+    assert ep["num_turns"] == 1 and ep["finish_reason"] == "answer" and ep["rewards"].item() == 1.0
+
+
+def test_an_answer_cut_by_the_turn_length_is_parsed_from_the_whole_turn(tokenizer):
+    """'<answer> Pem' then ' Varo </answer>': parsed piece by piece this was no_action, reward 0."""
+    cfg = ts.Config(max_turns=4, max_new_tokens_per_turn=4)
+    ep, server = scripted_episode(tokenizer, [continuing("<answer> Pem Varo </answer>", tokenizer)], cfg)
+    assert len(server.requests) >= 2
+    assert ep["finish_reason"] == "answer" and ep["answer"] == "Pem Varo" and ep["rewards"].item() == 1.0
+    assert ep["num_turns"] == 1
+
+
+def test_a_search_cut_by_the_turn_length_still_calls_the_tool(tokenizer, retrieval):
+    cfg = ts.Config(max_turns=3, max_new_tokens_per_turn=3, tool_retries=1, tool_timeout_s=5)
+    search_turn = continuing("<search> Ostrel Guild </search>", tokenizer)
+    answer_turn = continuing("<answer> Pem Varo </answer>", tokenizer)
+
+    def model(body):  # each turn in as many pieces as the client asks for
+        tool_answered = "<information>Doc" in tokenizer.decode(body["input_ids"])
+        return answer_turn(body) if tool_answered else search_turn(body)
+    ep, server = scripted_episode(tokenizer, [model], cfg, retrieval)
+    assert len(server.requests) > 3
+    assert ep["num_tool_calls"] == 1 and "Pem Varo" in ep["turn_texts"][1][1]
+    assert ep["finish_reason"] == "answer" and ep["rewards"].item() == 1.0
+
+
+def test_a_stop_string_split_by_a_length_cut_ends_the_turn_and_an_invented_block_is_never_trained(tokenizer, retrieval):
+    """The server of the second piece never sees '</search>' and lets the model write on: an
+    invented <information> block and answer. The client cuts the turn where '</search>' completes."""
+    invented = "<search> Ostrel Guild </search><information> Pem Varo is a fish </information><answer> fish </answer>"
+    ids = tokenizer(invented, add_special_tokens=False)["input_ids"]
+    k = next(n for n in range(1, len(ids)) if "</search>" in tokenizer.decode(ids[:n])) - 1
+    cfg = ts.Config(max_turns=3, max_new_tokens_per_turn=k, tool_retries=1, tool_timeout_s=5)
+    script = [Reply(ids=ids[:k]), Reply(ids=ids[k:]), continuing("<answer> Pem Varo </answer>", tokenizer)]
+    ep, _ = scripted_episode(tokenizer, script, cfg, retrieval)
+    assert model_text(tokenizer, ep) == "<search> Ostrel Guild </search><answer> Pem Varo </answer>"
+    assert ep["num_tool_calls"] == 1 and ep["rewards"].item() == 1.0
+
+
+def test_eos_sampled_as_the_last_token_of_a_piece_ends_the_turn(tokenizer):
+    """Both servers report it as length; the episode used to ask the model to go on after its own
+    end of turn and reward what came next."""
+    think = tokenizer("<think> I am done </think>", add_special_tokens=False)["input_ids"]
+    cfg = ts.Config(max_turns=4, max_new_tokens_per_turn=len(think) + 1)
+    ep, server = scripted_episode(tokenizer, [Reply(ids=think, eos=True), Reply("<answer> Pem Varo </answer>")], cfg)
+    assert server.answers[0]["meta_info"]["finish_reason"]["type"] == "length"
+    assert len(server.requests) == 1 and ep["finish_reason"] == "no_action" and ep["rewards"].item() == 0.0
+
+
+def test_an_aborted_generation_fails_its_group_which_is_dropped_and_counted(tokenizer):
+    calls = {"n": 0}
+
+    def script(body):
+        calls["n"] += 1
+        return Reply("<answer> Pem", abort_after=1) if calls["n"] == 2 else Reply("<answer> Pem Varo </answer>")
+
+    async def go(address, items):
+        async with aiohttp.ClientSession() as session:
+            return await ts.rollout_groups(InferenceClient([address], max_retries=0), session, tokenizer, cfg, items,
+                                           "http://127.0.0.1:9", 1.0, 2)
+    cfg = ts.Config(max_turns=2)
+    with ScriptedServer(tokenizer, [script]) as server:
+        groups, failed = asyncio.run(go(server.address, [ITEM, ITEM]))
+    assert failed == 1 and len(groups) == 1 and len(groups[0]) == 2
+    assert all(e["rewards"].item() == 1.0 for e in groups[0])
+    with ScriptedServer(tokenizer, [Reply("x", abort_after=0)]) as server:
+        with pytest.raises(RuntimeError, match="all 2 groups"):
+            asyncio.run(go(server.address, [ITEM, ITEM]))
+
+
+def test_the_episode_raises_on_an_abort_rather_than_scoring_it(tokenizer):
+    with pytest.raises(GenerationAborted):
+        scripted_episode(tokenizer, [Reply("<answer> Pem Varo </answer>", abort_after=3)], ts.Config())
+
+
+def test_a_missing_page_is_an_answer_not_a_tool_failure(tokenizer, retrieval):
+    cfg = ts.Config(max_turns=3, tool_retries=1, tool_timeout_s=5)
+    ep, _ = scripted_episode(tokenizer, [Reply("<access> Nowhere Hall </access>"), Reply("<answer> x </answer>")],
+                             cfg, retrieval)
+    assert ep["num_tool_calls"] == 1 and ep["num_tool_failures"] == 0
+    assert ep["turn_texts"][1][1] == "There is no page titled Nowhere Hall."
+
+
 def test_tool_that_stays_down_puts_a_failure_message_in_context_and_is_counted(tokenizer):
-    turns = ["<search> Ostrel Guild </search>", "<answer> no idea </answer>"]
     cfg = ts.Config(max_turns=4, tool_retries=2, tool_timeout_s=1)
-    ep = run_episode(ScriptedClient(tokenizer, turns), tokenizer, cfg, retrieval_addr="http://127.0.0.1:9")
+    ep, _ = scripted_episode(tokenizer, [Reply("<search> Ostrel Guild </search>"), Reply("<answer> no idea </answer>")],
+                             cfg, retrieval_addr="http://127.0.0.1:9")
+    message = ep["turn_texts"][1][1]
     assert ep["num_tool_calls"] == 1 and ep["num_tool_failures"] == 1
-    assert "The search tool failed" in ep["turn_texts"][1][1] and "2 attempts" in ep["turn_texts"][1][1]
+    assert "The search tool failed" in message and "2 attempts" in message
+    assert "127.0.0.1" not in message, "the server's address is not the model's business"
     assert ep["finish_reason"] == "answer" and ep["rewards"].item() == 0.0
 
 
-def test_episode_ends_cleanly_at_max_turns(tokenizer):
-    cfg = ts.Config(max_turns=3, tool_retries=1, tool_timeout_s=1)
-    ep = run_episode(ScriptedClient(tokenizer, ["<search> again </search>"]), tokenizer, cfg)
+def test_episode_ends_cleanly_at_max_turns(tokenizer, retrieval):
+    cfg = ts.Config(max_turns=3, tool_retries=1, tool_timeout_s=5)
+    ep, _ = scripted_episode(tokenizer, [Reply("<search> again </search>")], cfg, retrieval)
     assert ep["num_turns"] == 3 and ep["finish_reason"] == "max_turns" and ep["rewards"].item() == 0.0
 
 
 def test_episode_ends_cleanly_at_the_context_budget(server, tokenizer):
-    prompt_len = len(ts.build_prompt_ids(tokenizer, ITEM["question"], True))
-    cfg = ts.Config(max_turns=50, max_new_tokens_per_turn=16, max_tokens=prompt_len + 40)
+    prompt_len_ = len(ts.build_prompt_ids(tokenizer, ITEM["question"], True))
+    cfg = ts.Config(max_turns=50, max_new_tokens_per_turn=16, max_tokens=prompt_len_ + 40)
     ep = run_episode(InferenceClient([server.address]), tokenizer, cfg)
     assert ep["input_ids"].shape[1] <= cfg.max_tokens
     assert ep["finish_reason"] in ("max_tokens", "no_action", "answer")
@@ -135,8 +244,9 @@ def test_episode_ends_cleanly_at_the_context_budget(server, tokenizer):
 def test_malformed_model_output_never_crashes_an_episode(tokenizer):
     garbage = ["<search></search><answer>", "</answer><access>\x00\udcff</access>", "<<search>>", "\ufffd" * 50]
     cfg = ts.Config(max_turns=4, tool_retries=1, tool_timeout_s=1)
-    ep = run_episode(ScriptedClient(tokenizer, garbage), tokenizer, cfg)
-    assert ep["rewards"].item() == 0.0 and ep["num_turns"] >= 1
+    for text in garbage:
+        ep, _ = scripted_episode(tokenizer, [Reply(text.encode("utf-8", "replace").decode("utf-8")), Reply(text)], cfg)
+        assert ep["rewards"].item() == 0.0 and ep["num_turns"] >= 1
 
 
 def test_warm_start_demonstrations_search_each_hop_or_answer_directly(tokenizer):
