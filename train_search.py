@@ -707,6 +707,7 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
                 num_mb = max(1, min(cfg.ppo_minibatches, len(batch["rewards"]) // world_size))
                 parts = minibatch_rows(len(rows["rewards"]), num_mb, seed=cfg.seed + step)
                 stats = merge_stats([actor.update({k: v[part] for k, v in rows.items()}) for part in parts])
+                stats["minibatches"] = len(parts)
             t_update = time.time() - t2
 
             # 5. weight sync: pause generation, push the new weights, continue; bump the version

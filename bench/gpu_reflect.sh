@@ -5,7 +5,7 @@
 #   MODEL=/path/to/reflect-warm-start OUT=/tmp/out bash bench/gpu_reflect.sh
 #
 # MODEL: the reflect warm start (~/.cache/agentrl/reflect-warm-start-*; cast to bf16 to travel light).
-# Needs SGLang 0.5.15 from the offline kit in .kit (../shared/gpu-sglang/README.md) and 2 GPUs.
+# Needs SGLang 0.5.15 from the offline kit in .kit (docs/gpu.md) and 2 GPUs.
 set -u
 T0=$(date +%s); ts() { echo "[t=$(( $(date +%s) - T0 ))s] $*"; }
 eval "$(bash .kit/install.sh)"

@@ -7,7 +7,7 @@
 #   bash bench/gpu_suite.sh D    # ~9.5 min: train_search.py step-time breakdown, TRL side by side, sync vs async
 #                                #   with tool latency, torchrun FSDP2 x 2 with NCCL sync, colocated
 #
-# Needs: SGLang 0.5.15 from the offline kit in .kit (../shared/gpu-sglang/README.md); the tiny model in
+# Needs: SGLang 0.5.15 from the offline kit in .kit (docs/gpu.md); the tiny model in
 # .gpu_carry/tiny (a copy of ~/.cache/agentrl/tiny-qwen2-*, weights cast to bf16 to fit the 64 MiB
 # transfer); optional wheels in .whl for packages the machine lacks (none are needed by these benches). Logs and JSON results go to $OUT.
 # Random-weight models with Qwen2.5 shapes are built in /tmp by bench/make_random_model.py.

@@ -1,7 +1,7 @@
 """The trainer's policy: token log-probs, GRPO advantages, the decoupled PPO-clip loss, and the
 `Actor` that owns model + optimizer + schedule (one process, or FSDP2 under torchrun).
 
-Conventions (DESIGN.md §3): tensors are right padded `[B, T]`; `logprobs[:, t]` is the log-prob
+Conventions (docs/trajectory.md): tensors are right padded `[B, T]`; `logprobs[:, t]` is the log-prob
 of token t given tokens < t (0 at position 0 and on padding), the same layout the server's
 behaviour log-probs use in a trajectory; `loss_mask` is 1 on generated tokens.
 """

@@ -1,7 +1,7 @@
 """Batching token-level trajectories: right padding, packing into one variable-length row and
 back, and micro-batches by token budget.
 
-A trajectory (DESIGN.md §3) is a dict of `[1, T]` tensors plus `rewards [1]` and scalar stats.
+A trajectory (docs/trajectory.md) is a dict of `[1, T]` tensors plus `rewards [1]` and scalar stats.
 `concat_padded_tensors` turns a list of them into one `[B, T_max]` batch; `pack_sequences` drops
 the padding again for the forward pass (`position_ids` restart at 0 per sequence, which is how
 transformers' Qwen2 and flash-attention varlen tell sequences apart), and `unpack_sequences`

@@ -9,7 +9,7 @@ Two paths, both speaking SGLang's protocol (lib's CPU server implements the same
   tensors from rank 0 in that same order. The servers receive one broadcast per name, in order,
   so the HTTP call and the broadcasts must run concurrently: the broadcasts go to a thread.
 
-Neither pauses generation: the training loop pauses, syncs, continues (DESIGN.md §1).
+Neither pauses generation: the training loop pauses, syncs, continues (docs/trajectory.md, step order).
 Under FSDP every trainer rank calls these (gathering full tensors is collective); only rank 0
 talks to the servers and broadcasts.
 """

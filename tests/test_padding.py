@@ -5,7 +5,7 @@ from lib.padding import concat_padded_tensors, pack_sequences, split_by_token_bu
 
 
 def episode(ids, gen_from, reward, turns=1):
-    """One trajectory in DESIGN.md §3 format: tokens from `gen_from` on were generated."""
+    """One trajectory (docs/trajectory.md): tokens from `gen_from` on were generated."""
     T = len(ids)
     generated = torch.tensor([[t >= gen_from for t in range(T)]])
     return {

@@ -320,13 +320,18 @@ def test_async_mode_with_tool_latency_and_broadcast_sync_runs_two_steps(tmp_path
 @pytest.mark.slow
 def test_torchrun_two_ranks_train_on_their_share_of_rank0s_batch(tmp_path):
     run_dir = str(tmp_path / "fsdp")
+    # 3 x 3 = 9 episodes: rank 0 holds 5 rows, rank 1 holds 4, and 4 mini-batches are asked for.
+    # torch.chunk split them into 3 and 4 parts: the ranks ran different numbers of optimizer steps.
+    common = dict(zip(COMMON[::2], COMMON[1::2]))
+    common.update({"--batch_size": "3", "--group_size": "3", "--ppo_minibatches": "4"})
     args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "train_search.py",
-            "--run_dir", run_dir, "--weight_sync", "nccl", *COMMON]  # FSDP2 over gloo on CPUs
+            "--run_dir", run_dir, "--weight_sync", "nccl", *[x for kv in common.items() for x in kv]]  # FSDP2 over gloo
     out = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = train_rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
-    for r in rows:  # 4 episodes per step, 2 per rank; loss stats are rank 0's
+    for r in rows:  # 9 episodes per step, 5 and 4 per rank; loss stats are rank 0's
+        assert r["loss/minibatches"] == 4
         assert r["logprob/server_trainer_abs_diff_max"] < 1e-3
         assert r["loss/num_tokens"] < r["rollout/gen_tokens"]
     assert os.path.exists(os.path.join(run_dir, "final", "model.safetensors"))
