@@ -599,7 +599,8 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
         # The server still holds the initial weights: give it the resumed policy.
         weight_sync.sync(version)
         if is_main:
-            print(f"resumed from step {step} (policy version {version}, data position {data_position})")
+            print(f"resumed from step {step} (policy version {version}, data position {data_position}); "
+                  f"server sampling seed {sampling_seed}")
     logger = trace_file = producer = None
     episode_args = (client, tokenizer, reflection_ids, reward_pool, cfg)
     if is_main:

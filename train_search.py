@@ -629,7 +629,7 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
         # The server still holds the initial weights: give it the resumed policy.
         weight_sync.sync(version)
         if is_main:
-            print(f"resumed from step {step} (policy version {version})")
+            print(f"resumed from step {step} (policy version {version}); server sampling seed {sampling_seed}")
     logger = trace_file = producer = None
     if is_main:
         client.set_version(version)

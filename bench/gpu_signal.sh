@@ -4,6 +4,7 @@
 #   bash bench/gpu_signal.sh ws      # embedded defaults' warm starts, built here (GPU SFT), evaluated on test
 #   bash bench/gpu_signal.sh ab      # GRPO before/after the fixes from those warm starts, 2 seeds, side by side
 #   bash bench/gpu_signal.sh sglang  # real SGLang colocated with the trainer: server/trainer mismatch metrics
+#                                    #   (needs the warm starts of `ws`; RUNS="reflect_sync ..." picks runs)
 #
 # "before" is the code of commit 483c05a (the last one before the fixes), unpacked in .old/
 # (git archive 483c05a | tar -x -C .old). Both stages share AGENTRL_CACHE, so `sglang` reuses the
@@ -59,12 +60,15 @@ fi
 
 if [ "$STAGE" = sglang ]; then
   ts "casting the warm starts to bf16 for SGLang"
-  python3 - <<'PY'
+  python3 - <<'PY' || exit 1
 import glob, os, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 root = os.environ["AGENTRL_CACHE"]
 for name in ("search-warm-start-direct", "reflect-warm-start-direct"):
-    src = sorted(glob.glob(f"{root}/{name}-*"), key=os.path.getmtime)[-1]  # what `ws` built
+    built = sorted(glob.glob(f"{root}/{name}-*"), key=os.path.getmtime)
+    if not built:
+        raise SystemExit(f"no {name} in {root}: run `bash bench/gpu_signal.sh ws` first on this machine")
+    src = built[-1]  # what `ws` built
     dst = f"/tmp/{name.split('-')[0]}_bf16"
     AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(dst)
     AutoTokenizer.from_pretrained(src).save_pretrained(dst)
@@ -78,11 +82,16 @@ PY
     ts "end $name rc=$?"
     cp runs/$name/metrics.jsonl $OUT/$name.metrics.jsonl 2>/dev/null
   }
-  one sglang_reflect_sync train_reflect.py --model_path /tmp/reflect_bf16 --mode sync --max_steps 12
-  one sglang_reflect_async train_reflect.py --model_path /tmp/reflect_bf16 --mode async --max_steps 12
+  RUNS=${RUNS:-reflect_sync reflect_async search_sync}
   DATA=$(python3 -c "from lib.wiki_data import default_wiki_dir as d; print(d(seed=0))")
-  one sglang_search_sync train_search.py --model_path /tmp/search_bf16 --data_dir $DATA --mode sync --max_steps 10 \
-    --config configs/search_tiny.yaml
+  for r in $RUNS; do
+    case $r in
+      reflect_sync) one sglang_reflect_sync train_reflect.py --model_path /tmp/reflect_bf16 --mode sync --max_steps 12 ;;
+      reflect_async) one sglang_reflect_async train_reflect.py --model_path /tmp/reflect_bf16 --mode async --max_steps 12 ;;
+      search_sync) one sglang_search_sync train_search.py --model_path /tmp/search_bf16 --data_dir $DATA --mode sync \
+        --max_steps 10 ;;
+    esac
+  done
   python3 - <<'PY'
 import glob, json, os, statistics
 keys = ["server_trainer_abs_diff_mean", "server_trainer_abs_diff_max", "behaviour_weight_mean", "behaviour_weight_max",

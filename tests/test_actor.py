@@ -5,8 +5,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from lib.actor import (Actor, compute_logprobs, equal_reward_groups, grpo_advantages, logprob_mismatch, minibatch_rows,
-                       ppo_loss)
+from lib.actor import (Actor, compute_logprobs, equal_reward_groups, grpo_advantages, logprob_mismatch, merge_stats,
+                       minibatch_rows, ppo_loss)
 from lib.padding import concat_padded_tensors
 
 ARCH = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -144,6 +144,14 @@ def test_minibatch_rows_gives_exactly_the_asked_number_of_nonempty_disjoint_part
     parts = minibatch_rows(num_rows, num_minibatches, seed=0)
     assert len(parts) == num_minibatches and all(len(p) > 0 for p in parts)
     assert sorted(torch.cat(parts).tolist()) == list(range(num_rows))
+
+
+def test_stats_of_minibatches_merge_when_one_had_no_loss_tokens():
+    """A mini-batch whose rows generated nothing has only num_tokens in its loss stats; merging by
+    the first mini-batch's keys raised KeyError."""
+    merged = merge_stats([{"num_tokens": 0, "loss": 0.0, "grad_norm": 0.0},
+                          {"num_tokens": 4, "loss": 1.0, "grad_norm": 2.0, "clip_fraction": 0.5, "approx_kl_max": 0.1}])
+    assert merged["num_tokens"] == 4 and merged["clip_fraction"] == 0.5 and merged["approx_kl_max"] == 0.1
 
 
 def test_every_rank_gets_the_same_minibatch_count_for_uneven_rows():

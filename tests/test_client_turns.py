@@ -108,3 +108,10 @@ def test_malformed_logprobs_raise_instead_of_entering_a_trajectory(tokenizer, sh
     with ScriptedServer(tokenizer, [Reply("<answer> x </answer>", logprobs=shape)]) as server:
         with pytest.raises(InferenceServerError, match="log-prob"):
             generate(server, max_new_tokens=50, stop=STOPS)
+
+
+def test_a_server_error_raises_after_the_retries_and_names_the_server(tokenizer):
+    with ScriptedServer(tokenizer, [Reply("<answer> x </answer>", status=500)]) as server:
+        with pytest.raises(InferenceServerError, match="HTTP 500") as info:
+            generate(server, max_new_tokens=50, stop=STOPS)
+        assert server.address in str(info.value)

@@ -361,13 +361,15 @@ E2E = dict(max_steps=2, batch_size=2, group_size=2, max_turns=2, max_new_tokens_
 def test_two_grpo_steps_run_end_to_end_and_resume(mode, weight_sync, tmp_path):
     run_dir = str(tmp_path / mode)
     result = tr.main(config="configs/reflect_tiny.yaml", run_dir=run_dir, mode=mode, weight_sync=weight_sync, **E2E)
-    assert set(result) == {"acc_turn1", "acc_final", "turns", "reward", "shows_work"}
+    assert set(result) == {"acc_turn1", "acc_final", "turns", "reward", "shows_work", "failed"} and result["failed"] == 0
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     steps = [r for r in rows if "loss/pg" in r or "rollout/reward" in r]
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
         assert r["logprob/server_trainer_abs_diff_mean"] < 0.05  # trainer and server agree on the policy
         assert r["rollout/staleness_max"] <= (1 if mode == "async" else 0)
+        assert r["rollout/failed_groups"] == 0 and r["logprob/behaviour_weight_max"] > 0.5
+        assert r["logprob/mismatch_kl_k3"] >= 0.0 and 0 <= r["logprob/behaviour_capped_fraction"] <= 1
     assert any("test/acc_final" in r for r in rows)
     assert os.path.exists(os.path.join(run_dir, "traces.jsonl"))
     # resume continues from step 2's checkpoint to step 3

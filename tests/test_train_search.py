@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 import train_search as ts
 from lib.client import GenerationAborted, InferenceClient
 from lib.launch import launch_cpu_server
+from lib.ranks import server_seed
 from lib.retrieval import launch_retrieval_server
 from lib.scripted_server import Reply, ScriptedServer, continuing
 from lib.tiny_model import default_tiny_model_dir
@@ -273,7 +274,7 @@ def test_warm_start_demonstrations_search_each_hop_or_answer_directly(tokenizer)
 def test_two_steps_then_resume_from_checkpoint(tmp_path):
     run_dir = str(tmp_path / "run")
     args = [sys.executable, "train_search.py", "--run_dir", run_dir, "--batch_size", "2", "--group_size", "2",
-            "--max_turns", "2", "--max_new_tokens_per_turn", "16", "--eval_every", "0", "--test_size", "2",
+            "--max_turns", "2", "--max_new_tokens_per_turn", "16", "--max_tokens", "384", "--eval_every", "0", "--test_size", "2",
             "--warm_start_steps", "2", "--warm_start_batch_size", "2", "--warm_start_direct_steps", "2",
             "--checkpoint_every", "1", "--lr", "1e-4"]
     first = subprocess.run(args + ["--max_steps", "2"], cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -288,13 +289,15 @@ def test_two_steps_then_resume_from_checkpoint(tmp_path):
                             text=True, timeout=600)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from step 2 (policy version 2)" in second.stdout
+    # The server's sampling does not replay the run's first steps: its seed depends on the step.
+    assert f"server sampling seed {server_seed(0, 2)}" in second.stdout and server_seed(0, 2) != server_seed(0, 0)
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     assert [r["step"] for r in rows if "rollout/reward" in r] == [1, 2, 3]
     # After the resume the server holds the trained weights, so the log-probs still agree.
     assert rows[-2]["logprob/server_trainer_abs_diff_max"] < 1e-3
 
 
-COMMON = ["--batch_size", "2", "--group_size", "2", "--max_turns", "2", "--max_new_tokens_per_turn", "16",
+COMMON = ["--batch_size", "2", "--group_size", "2", "--max_turns", "2", "--max_new_tokens_per_turn", "16", "--max_tokens", "384",
           "--eval_every", "0", "--test_size", "2", "--warm_start_steps", "2", "--warm_start_batch_size", "2",
           "--warm_start_direct_steps", "2", "--checkpoint_every", "1", "--lr", "1e-4", "--max_steps", "2", "--tensorboard", "False"]
 
@@ -348,5 +351,5 @@ def test_time_budget_stops_after_a_step_with_a_checkpoint_and_minibatches_split_
     assert [r["step"] for r in rows] == [1]  # the budget ran out during step 1
     assert "test after 1 steps" in out.stdout
     assert os.path.exists(os.path.join(run_dir, "checkpoints", "latest"))  # saved at the stop, not at step 10
-    # 4 episodes in 2 mini-batches: each optimizer step saw about half of the generated tokens.
-    assert rows[0]["loss/num_tokens"] < rows[0]["rollout/gen_tokens"]
+    # 4 episodes in 2 mini-batches (2 optimizer steps) that together cover every generated token once.
+    assert rows[0]["loss/minibatches"] == 2 and rows[0]["loss/num_tokens"] == rows[0]["rollout/gen_tokens"]
