@@ -36,9 +36,10 @@ from lib.async_rollout import BackgroundLoop, RolloutProducer, gather_groups
 from lib.client import InferenceClient, model_eos_ids
 from lib.config import load_config, to_dict
 from lib.launch import launch_cpu_server, launch_sglang
-from lib.metrics import MetricsLogger
+from lib.metrics import MetricsLogger, continue_jsonl
 from lib.padding import concat_padded_tensors
 from lib.ranks import broadcast_from_rank0, init_trainer_ranks, server_seed
+from lib.supervise import Supervisor
 from lib.weight_sync import ServerWeightSync
 
 
@@ -162,7 +163,7 @@ def build_reflection_ids(tokenizer, apply_chat_template: bool) -> list[int]:
 
 # --- reward ---
 # Never evaluates the completion: it extracts one number with linear-time regexes and compares it
-# as an exact fraction. math-verify is not used: GSM8K gold answers are plain numbers, which this
+# as an exact fraction. No math-verify: GSM8K gold answers are plain numbers, which this
 # handles, and its LaTeX parsing of untrusted text is slower and has no time bound of its own.
 _NUMBER = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?|(?<![\w.])-?\.\d+")
 _FRAC = re.compile(r"\\[dt]?frac\s*\{\s*(-?[\d.,]+)\s*\}\s*\{\s*(-?[\d.,]+)\s*\}")
@@ -553,7 +554,8 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
     ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
     resume_extra = read_checkpoint_extra(os.path.join(ckpt_dir, "latest")) if cfg.resume else None
     sampling_seed = server_seed(cfg.seed, resume_extra["step"] if resume_extra else 0)
-    servers, addrs = [], []
+    # The launched server is supervised (lib/supervise.py): if it dies, the run stops with its log.
+    supervisors, addrs = [], []
     if is_main and cfg.server == "external":
         addrs = list(cfg.server_addrs)
     elif is_main and cfg.server == "sglang":
@@ -561,12 +563,12 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
                                mem_fraction_static=cfg.mem_fraction_static, random_seed=sampling_seed,
                                extra_args=cfg.sglang_extra_args.split(),
                                log_path=os.path.join(cfg.run_dir, "sglang.log"))
-        servers.append(server)
+        supervisors.append(Supervisor("inference server", server))
         addrs = [server.address]
     elif is_main:
         server = launch_cpu_server(model_path, device=cfg.server_device, num_threads=cfg.server_threads,
                                    random_seed=sampling_seed, log_path=os.path.join(cfg.run_dir, "cpu_server.log"))
-        servers.append(server)
+        supervisors.append(Supervisor("inference server", server))
         addrs = [server.address]
 
     # Every client call runs on one event loop in a background thread, so in async mode the
@@ -590,7 +592,9 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
                                    disk_dir=os.path.join(cfg.run_dir, "weights"), bucket_mb=cfg.weight_sync_bucket_mb)
 
     step, version, data_position = 0, 0, 0
-    if cfg.resume and os.path.exists(os.path.join(ckpt_dir, "latest")):
+    if cfg.resume and resume_extra is None:
+        print(f"--resume True: no checkpoint in {ckpt_dir}; starting from step 0")
+    if resume_extra is not None:
         extra = actor.load_checkpoint(os.path.join(ckpt_dir, "latest"))
         step, version, data_position = extra["step"], extra["version"], extra["data_position"]
         random.setstate(extra["python_rng"])
@@ -605,8 +609,12 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
     episode_args = (client, tokenizer, reflection_ids, reward_pool, cfg)
     if is_main:
         client.set_version(version)
-        logger = MetricsLogger(cfg.run_dir, to_dict(cfg), tensorboard=cfg.tensorboard, wandb_project=cfg.wandb_project)
-        trace_file = open(os.path.join(cfg.run_dir, "traces.jsonl"), "a")
+        # One run per file: a fresh start moves an earlier run's rows aside, a resume drops the rows of
+        # steps after its checkpoint (they are about to be run again).
+        logger = MetricsLogger(cfg.run_dir, to_dict(cfg), tensorboard=cfg.tensorboard, wandb_project=cfg.wandb_project,
+                               resume_step=step if resume_extra is not None else None)
+        trace_file = open(continue_jsonl(os.path.join(cfg.run_dir, "traces.jsonl"),
+                                         step if resume_extra is not None else None), "a")
         if cfg.mode == "async":
             producer = RolloutProducer(
                 bg, lambda item: rollout_group(*episode_args, item, cfg.temperature, cfg.group_size), item_at,
@@ -630,13 +638,21 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
             t0 = time.time()
             batch = None
             if is_main:
+                for s in supervisors:
+                    s.check()
                 reward_timeouts, reward_failures = reward_pool.num_timeouts, reward_pool.num_failures
                 # 1. rollout: sync mode runs this step's groups now; async mode takes groups that have
                 # been generating in the background, dropping any that are too stale.
                 # A group with a failed episode (server error, abort) is dropped and counted, never trained on.
                 if producer is None:
                     items = [item_at(data_position + i) for i in range(cfg.batch_size)]
-                    groups, failed_groups = run(rollout_groups(*episode_args, items, cfg.temperature, cfg.group_size))
+                    try:
+                        groups, failed_groups = run(rollout_groups(*episode_args, items, cfg.temperature,
+                                                                   cfg.group_size))
+                    except RuntimeError:
+                        for s in supervisors:
+                            s.check()  # a dead server is the clearer cause
+                        raise
                     data_position += cfg.batch_size
                 else:
                     failed_before = producer.num_failed
@@ -763,8 +779,8 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
                 run(client.close(), timeout_s=30)
         finally:
             bg.close()
-            for s in servers:
-                s.terminate()
+            for s in supervisors:
+                s.stop()
             if world_size > 1:
                 dist.destroy_process_group()
 

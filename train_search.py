@@ -11,6 +11,7 @@ Reads top to bottom: config, prompt, parsers, tools, reward, one episode, group 
 evaluation, warm start (embedded default only), main() with the GRPO loop.
 """
 import asyncio
+import collections
 import dataclasses
 import functools
 import json
@@ -36,9 +37,10 @@ from lib.async_rollout import BackgroundLoop, RolloutProducer, gather_groups
 from lib.client import InferenceClient, model_eos_ids
 from lib.config import load_config, to_dict
 from lib.launch import launch_cpu_server, launch_sglang
-from lib.metrics import MetricsLogger
+from lib.metrics import MetricsLogger, continue_jsonl
 from lib.padding import concat_padded_tensors
 from lib.ranks import broadcast_from_rank0, init_trainer_ranks, server_seed
+from lib.supervise import Supervisor
 from lib.weight_sync import ServerWeightSync
 
 
@@ -73,6 +75,8 @@ class Config:
     tool_timeout_s: float = 30.0
     tool_latency_s: float = 0.0  # sleep before each retrieval call: stands in for a slower search engine in benchmarks
     tool_retries: int = 3  # attempts before the episode gets a tool-failure message
+    max_tool_failure_rate: float = 0.5  # stop the run when more tool calls than this fail over tool_failure_window steps; 1 = never
+    tool_failure_window: int = 5  # steps
     max_info_chars: int = 3000  # cap of one <information> block
     # --- episode ---
     max_turns: int = 32
@@ -565,13 +569,19 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
     ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
     resume_extra = read_checkpoint_extra(os.path.join(ckpt_dir, "latest")) if cfg.resume else None
     sampling_seed = server_seed(cfg.seed, resume_extra["step"] if resume_extra else 0)
-    servers, addrs = [], []
+    # Launched servers are supervised (lib/supervise.py): the retrieval server, which holds no state,
+    # is restarted on its address when it dies; a dead inference server stops the run with its log.
+    supervisors, addrs = [], []
     retrieval_addr = cfg.retrieval_addr.rstrip("/")
     if is_main and not retrieval_addr:
-        retrieval = launch_retrieval_server(os.path.join(data_dir, "corpus.jsonl"),
-                                            log_path=os.path.join(cfg.run_dir, "retrieval.log"))
-        servers.append(retrieval)
-        retrieval_addr = retrieval.address
+        corpus = os.path.join(data_dir, "corpus.jsonl")
+        retrieval = launch_retrieval_server(corpus, log_path=os.path.join(cfg.run_dir, "retrieval.log"))
+        retrieval_addr, port = retrieval.address, int(retrieval.address.rsplit(":", 1)[1])
+
+        def relaunch_retrieval():
+            log_path = os.path.join(cfg.run_dir, f"retrieval.restart{supervisors[0].restarts + 1}.log")
+            return launch_retrieval_server(corpus, port=port, log_path=log_path)
+        supervisors.append(Supervisor("retrieval server", retrieval, relaunch_retrieval))
     if is_main and cfg.server == "external":
         addrs = list(cfg.server_addrs)
     elif is_main and cfg.server == "sglang":
@@ -581,12 +591,12 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
                                    mem_fraction_static=cfg.mem_fraction_static, random_seed=sampling_seed,
                                    extra_args=cfg.sglang_extra_args.split(),
                                    log_path=os.path.join(cfg.run_dir, f"sglang{i}.log"))
-            servers.append(server)
+            supervisors.append(Supervisor("inference server", server))
             addrs.append(server.address)
     elif is_main:
         server = launch_cpu_server(model_path, device=cfg.server_device, num_threads=cfg.server_threads,
                                    random_seed=sampling_seed, log_path=os.path.join(cfg.run_dir, "cpu_server.log"))
-        servers.append(server)
+        supervisors.append(Supervisor("inference server", server))
         addrs = [server.address]
 
     # Every client call runs on one event loop in a background thread, so in async mode the
@@ -620,7 +630,9 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
         return broadcast_from_rank0(bool(cfg.time_budget_s) and time.time() - start > cfg.time_budget_s, cpu_group)
 
     step, version, data_position = 0, 0, 0
-    if cfg.resume and os.path.exists(os.path.join(ckpt_dir, "latest")):
+    if cfg.resume and resume_extra is None:
+        print(f"--resume True: no checkpoint in {ckpt_dir}; starting from step 0")
+    if resume_extra is not None:
         extra = actor.load_checkpoint(os.path.join(ckpt_dir, "latest"))
         step, version = extra["step"], extra["version"]
         data_position = extra.get("data_position", step * cfg.batch_size)
@@ -633,8 +645,12 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
     logger = trace_file = producer = None
     if is_main:
         client.set_version(version)
-        logger = MetricsLogger(cfg.run_dir, to_dict(cfg), tensorboard=cfg.tensorboard, wandb_project=cfg.wandb_project)
-        trace_file = open(os.path.join(cfg.run_dir, "traces.jsonl"), "a")
+        # One run per file: a fresh start moves an earlier run's rows aside, a resume drops the rows of
+        # steps after its checkpoint (they are about to be run again).
+        logger = MetricsLogger(cfg.run_dir, to_dict(cfg), tensorboard=cfg.tensorboard, wandb_project=cfg.wandb_project,
+                               resume_step=step if resume_extra is not None else None)
+        trace_file = open(continue_jsonl(os.path.join(cfg.run_dir, "traces.jsonl"),
+                                         step if resume_extra is not None else None), "a")
         if cfg.mode == "async":
             producer = RolloutProducer(
                 bg, lambda item: rollout_group(client, session, tokenizer, cfg, item, retrieval_addr,
@@ -651,17 +667,25 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
             producer.start()
         progress = tqdm(total=cfg.max_steps, initial=step, desc=f"GRPO ({cfg.mode})", disable=not is_main)
         train_start, stopping = time.time(), False
+        recent_tool_calls = collections.deque(maxlen=cfg.tool_failure_window)  # (calls, failures) per step
         while step < cfg.max_steps and not stopping:
             t0 = time.time()
             batch = None
             if is_main:
+                for s in supervisors:
+                    s.check()
                 # 1. rollout: sync mode runs this step's groups now; async mode takes groups that have
                 # been generating in the background, dropping any that are too stale.
                 # A group with a failed episode (server error, abort) is dropped and counted, never trained on.
                 if producer is None:
                     items = [item_at(data_position + i) for i in range(cfg.batch_size)]
-                    groups, failed_groups = run(rollout_groups(client, session, tokenizer, cfg, items, retrieval_addr,
-                                                               cfg.temperature, cfg.group_size))
+                    try:
+                        groups, failed_groups = run(rollout_groups(client, session, tokenizer, cfg, items,
+                                                                   retrieval_addr, cfg.temperature, cfg.group_size))
+                    except RuntimeError:
+                        for s in supervisors:
+                            s.check()  # a dead server is the clearer cause
+                        raise
                     data_position += cfg.batch_size
                 else:
                     failed_before = producer.num_failed
@@ -669,6 +693,16 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
                     failed_groups = producer.num_failed - failed_before
                     data_position = producer.data_position()
                 episodes = [e for group in groups for e in group]
+                # A tool that keeps failing would train the policy on failure messages: stop instead.
+                recent_tool_calls.append((sum(e["num_tool_calls"] for e in episodes),
+                                          sum(e["num_tool_failures"] for e in episodes)))
+                calls, failures = map(sum, zip(*recent_tool_calls))
+                full_window = len(recent_tool_calls) == cfg.tool_failure_window and calls >= 10  # not on a few calls
+                if full_window and failures > cfg.max_tool_failure_rate * calls:
+                    raise RuntimeError(
+                        f"{failures} of the last {calls} tool calls failed over {cfg.tool_failure_window} steps "
+                        f"(max_tool_failure_rate {cfg.max_tool_failure_rate}): check the retrieval server at "
+                        f"{retrieval_addr} (retrieval*.log in {cfg.run_dir}), or raise max_tool_failure_rate")
                 full = concat_padded_tensors([{k: v for k, v in e.items() if isinstance(v, torch.Tensor)}
                                               for e in episodes])
                 rewards = full["rewards"]
@@ -746,6 +780,7 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
                     "rollout/staleness_max": token_staleness.max().item() if token_staleness.numel() else 0.0,
                     "rollout/dropped_stale_groups": producer.num_dropped_stale if producer else 0,
                     "rollout/failed_groups": failed_groups,
+                    "tools/server_restarts": sum(s.restarts for s in supervisors),
                     **{f"logprob/{k}": v for k, v in mismatch.items()},  # server vs trainer, all ranks
                     "perf/step_s": step_s, "perf/rollout_s": t_rollout, "perf/logp_s": t_logp,
                     "perf/update_s": t_update, "perf/sync_s": t_sync,
@@ -795,8 +830,8 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
                 run(client.close(), timeout_s=30)
         finally:
             bg.close()
-            for s in servers:
-                s.terminate()
+            for s in supervisors:
+                s.stop()
             if world_size > 1:
                 dist.destroy_process_group()
 

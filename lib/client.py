@@ -256,11 +256,38 @@ class InferenceClient:
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None, *,
                                       flush_cache: bool = True, abort_all_requests: bool = False) -> list[dict]:
-        """Every server loads the HF checkpoint at `model_path` (on a failed load SGLang keeps the old weights)."""
+        """Every server loads the HF checkpoint at `model_path` (on a failed load SGLang keeps the old weights).
+
+        Not blindly retried (a load must not run twice by accident), but safe against a dropped
+        connection: with `weight_version` given, a call whose answer was lost asks the server which
+        version it holds (`/model_info`) and sends the update again only if it was not applied."""
+        self._bind_loop()
         body = {"model_path": model_path, "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
-        return await self._fan_out("POST", "/update_weights_from_disk", body, retry=False)
+        results = await asyncio.gather(*(self._update_checked(a, "/update_weights_from_disk", body)
+                                         for a in self.addresses), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        for address, result in zip(self.addresses, results):
+            if isinstance(result, dict) and result.get("success") is False:
+                raise InferenceServerError(f"POST {address}/update_weights_from_disk failed: {result.get('message')}",
+                                           address=address)
+        return results
+
+    async def _update_checked(self, address: str, path: str, body: dict):
+        try:
+            return await self._request("POST", address, path, body, retry=False)
+        except InferenceServerError as e:
+            if e.status is not None or body.get("weight_version") is None:
+                raise  # refused (4xx), or no version to tell whether it was applied
+            lost = e
+        # The answer was lost (dropped connection, timeout, 5xx): the update may or may not have run.
+        info = await self._request("GET", address, "/model_info", None)
+        if str(info.get("weight_version")) == body["weight_version"]:
+            return {"success": True, "message": f"applied; its answer was lost ({lost})", "num_paused_requests": 0}
+        return await self._request("POST", address, path, body, retry=False)
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offsets: list[int] | int,
                                         world_size: int, group_name: str = "weight_update_group",
@@ -321,8 +348,10 @@ class InferenceClient:
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             # limit=0: the semaphore bounds generation; control calls (pause!) must never queue
-            # behind generation requests for a pooled connection.
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            # behind generation requests for a pooled connection. keepalive_timeout under the
+            # servers' own (uvicorn, which serves SGLang, closes idle connections after 5 s): a
+            # request sent on a connection the server is closing fails with ServerDisconnectedError.
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=3.0))
         return self._session
 
     async def _fan_out(self, method: str, path: str, body, *, retry: bool = True, expect_json: bool = True) -> list:

@@ -5,9 +5,11 @@ import time
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str, config: dict, *, tensorboard: bool = True, wandb_project: str | None = None):
+    def __init__(self, run_dir: str, config: dict, *, tensorboard: bool = True, wandb_project: str | None = None,
+                 resume_step: int | None = None):
+        """`resume_step`: the step a resumed run continues from (see `continue_jsonl`); None = a fresh run."""
         os.makedirs(run_dir, exist_ok=True)
-        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.path = continue_jsonl(os.path.join(run_dir, "metrics.jsonl"), resume_step)
         self._file = open(self.path, "a")
         self._start_s = time.time()
         self._tb = None
@@ -47,6 +49,34 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def continue_jsonl(path: str, resume_step: int | None) -> str:
+    """Make the per-step JSONL file at `path` hold one run: for a fresh run (`resume_step` None) an
+    existing file is moved aside (`NAME.before-YYYYmmdd-HHMMSS.jsonl`); for a run resumed at
+    `resume_step` the rows of later steps, which the killed run logged after its checkpoint and the
+    resumed run logs again, are dropped. Returns `path`."""
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
+        return path
+    if resume_step is None:
+        aside = f"{path[:-len('.jsonl')]}.before-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+        os.replace(path, aside)
+        print(f"{path} held an earlier run; moved it to {aside}")
+        return path
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line).get("step", 0) <= resume_step:
+                kept.append(line)
+        except ValueError:  # a line cut by the kill
+            continue
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+    return path
 
 
 def _plain(v):

@@ -18,7 +18,13 @@ from lib.cache import atomic_dir, cache_root
 
 
 def warm_start_dir(name: str, settings: dict) -> str:
-    key = hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    """The cache directory of a warm start shaped by `settings`. Paths inside the cache (the base
+    model, the data, stage 1) enter the key relative to it: their names already say what they hold,
+    so a cache that was moved or built on another machine and copied here is found, not rebuilt."""
+    root = cache_root().rstrip("/") + "/"
+    portable = {k: "<cache>/" + v[len(root):] if isinstance(v, str) and v.startswith(root) else v
+                for k, v in settings.items()}
+    key = hashlib.sha1(json.dumps(portable, sort_keys=True, default=str).encode()).hexdigest()[:10]
     return os.path.join(cache_root(), f"{name}-{key}")
 
 

@@ -309,3 +309,49 @@ def test_a_stop_string_cut_in_two_by_a_pause_still_ends_the_generation():
     assert gen.finish_reason == "stop" and gen.matched == "</answer>"
     assert gen.output_ids == [10, 11, 12, 13] and gen.versions == [0, 0, 1, 1]
     assert gen.text == "is "
+
+
+@contextlib.asynccontextmanager
+async def weight_server(apply_before_drop: bool):
+    """A server whose first /update_weights_from_disk drops the connection without an answer, after
+    applying the update (apply_before_drop) or before applying it; later calls answer normally."""
+    state = {"version": "0", "posts": 0}
+
+    async def update(request):
+        body = await request.json()
+        state["posts"] += 1
+        if state["posts"] == 1:
+            if apply_before_drop:
+                state["version"] = body["weight_version"]
+            request.transport.close()  # the answer is lost
+            return web.Response()
+        state["version"] = body["weight_version"]
+        return web.json_response({"success": True, "message": "ok", "num_paused_requests": 0})
+
+    async def model_info(request):
+        return web.json_response({"weight_version": state["version"]})
+
+    app = web.Application()
+    app.router.add_post("/update_weights_from_disk", update)
+    app.router.add_get("/model_info", model_info)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}", state
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("applied", [True, False])
+def test_a_weight_update_whose_answer_is_lost_is_checked_by_version_and_sent_again_only_if_needed(applied):
+    async def main():
+        async with weight_server(apply_before_drop=applied) as (address, state):
+            client = InferenceClient([address], retry_backoff_s=0.01)
+            answers = await client.update_weights_from_disk("/ckpt/7", weight_version="7")
+            await client.close()
+            return answers, state
+    answers, state = asyncio.run(main())
+    assert answers[0]["success"] and state["version"] == "7"
+    assert state["posts"] == (1 if applied else 2), "loaded once, whichever side of the drop the load fell"
