@@ -12,11 +12,9 @@ Reads top to bottom: config, prompt, reward, one episode, group rollout, evaluat
 start (embedded default only), main() with the GRPO loop.
 """
 import asyncio
-import concurrent.futures
 import dataclasses
 import functools
 import json
-import multiprocessing
 import os
 import random
 import re
@@ -38,6 +36,7 @@ from lib.config import load_config, to_dict
 from lib.launch import launch_cpu_server, launch_sglang
 from lib.metrics import MetricsLogger, continue_jsonl
 from lib.padding import concat_padded_tensors
+from lib.reward_pool import RewardPool
 from lib.ranks import broadcast_from_rank0, init_trainer_ranks, server_seed
 from lib.supervise import Supervisor
 from lib.weight_sync import ServerWeightSync
@@ -229,67 +228,6 @@ def gold_answer(answer: str) -> Fraction | None:
 def reward_fn(completion: str, answer: str) -> float:
     pred, gold = extract_answer(completion), gold_answer(answer)
     return float(pred is not None and gold is not None and pred == gold)
-
-
-def _ready() -> bool:
-    return True
-
-
-class RewardPool:
-    """Runs reward calls in worker processes, each bounded by `timeout_s`. A call that times out or
-    whose worker dies scores 0 and is counted; the pool is then replaced, since a hung worker
-    cannot be interrupted any other way."""
-
-    def __init__(self, num_workers: int, timeout_s: float, startup_timeout_s: float = 120.0):
-        self.num_workers, self.timeout_s, self.startup_timeout_s = num_workers, timeout_s, startup_timeout_s
-        self.num_timeouts = 0
-        self.num_failures = 0
-        self._pool, self._warm = None, None
-        self._new_pool()
-
-    def _new_pool(self):
-        # spawn, not fork: the trainer has threads (rollout loop, torch) and forking those can deadlock.
-        self._pool = concurrent.futures.ProcessPoolExecutor(self.num_workers, mp_context=multiprocessing.get_context("spawn"))
-        # Start the workers now; their start-up (importing this script) must not count against a call.
-        self._warm = [self._pool.submit(_ready) for _ in range(self.num_workers)]
-
-    def _replace(self, pool):
-        if pool is not self._pool:
-            return  # a concurrent call already replaced it
-        self._new_pool()
-        for process in list(getattr(pool, "_processes", {}).values()):  # the public API cannot stop a hung worker
-            process.kill()
-        pool.shutdown(wait=False, cancel_futures=True)
-
-    async def score(self, fn, *args) -> float:
-        for _ in range(2):  # a second try only when another call's timeout killed our worker
-            pool, warm = self._pool, self._warm
-            try:
-                await asyncio.wait_for(asyncio.gather(*[asyncio.wrap_future(f) for f in warm]), self.startup_timeout_s)
-            except (concurrent.futures.process.BrokenProcessPool, asyncio.TimeoutError) as e:
-                if pool is not self._pool:
-                    continue
-                # Scoring every episode 0 would look like a policy that never learns: fail loudly.
-                raise RuntimeError("reward worker processes did not start; run `python -c 'import train_reflect'` "
-                                   "to see the import error") from e
-            try:
-                return await asyncio.wait_for(asyncio.wrap_future(pool.submit(fn, *args)), self.timeout_s)
-            except asyncio.TimeoutError:
-                self.num_timeouts += 1
-                self._replace(pool)
-                return 0.0
-            except concurrent.futures.process.BrokenProcessPool:
-                if pool is self._pool:
-                    self.num_failures += 1
-                    self._replace(pool)
-                    return 0.0
-        self.num_failures += 1
-        return 0.0
-
-    def close(self):
-        for process in list(getattr(self._pool, "_processes", {}).values()):
-            process.kill()
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def shows_work(completion: str) -> bool:
@@ -576,7 +514,7 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
     bg = BackgroundLoop()
     run = bg.run
     client = InferenceClient(addrs, max_concurrent_requests=cfg.max_concurrent_requests) if is_main else None
-    reward_pool = RewardPool(cfg.reward_workers, cfg.reward_timeout_s) if is_main else None
+    reward_pool = RewardPool(cfg.reward_workers, cfg.reward_timeout_s, preload=reward_fn) if is_main else None
     actor = Actor(model_path, lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
                   total_steps=cfg.max_steps, lr_schedule=cfg.lr_schedule, grad_clip=cfg.grad_clip,
                   temperature=cfg.temperature, max_tokens_per_mb=cfg.max_tokens_per_mb, dtype=cfg.trainer_dtype,

@@ -51,7 +51,7 @@ def main(steps: int = 2000, eval_every: int = 500, eval_size: int = 200, lr: flo
                                log_path=os.path.join(work, "server.log"))
     loop = asyncio.new_event_loop()
     client = InferenceClient([server.address])
-    reward_pool = tr.RewardPool(1, cfg.reward_timeout_s)
+    reward_pool = tr.RewardPool(1, cfg.reward_timeout_s, preload=tr.reward_fn)
     t_start = time.time()
     recorder = CurveRecorder(work, device, client, loop, out)
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import train_reflect as tr
+from lib.reward_pool import RewardPool
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,7 +88,7 @@ def kill_worker(completion, answer):
 
 @pytest.fixture(scope="module")
 def reward_pool():
-    pool = tr.RewardPool(num_workers=1, timeout_s=2.0)
+    pool = RewardPool(num_workers=1, timeout_s=2.0, preload=tr.reward_fn)
     yield pool
     pool.close()
 
