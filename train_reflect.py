@@ -408,14 +408,15 @@ def embedded_model(cfg: Config) -> str:
 
     from lib.math_data import default_math_dir, read_split
     from lib.tiny_model import default_tiny_model_dir
-    from lib.warm_start import sft_warm_start, warm_start_dir
+    from lib.warm_start import code_fingerprint, sft_warm_start, warm_start_dir
 
     data_dir = default_math_dir(seed=0, num_warmstart=cfg.warm_start_problems)
+    code = code_fingerprint(build_demonstrations, wrong_attempt, build_prompt_ids, build_reflection_ids)
     base = default_tiny_model_dir()
     settings = {"base": base, "data": data_dir, "steps": cfg.warm_start_steps, "lr": cfg.warm_start_lr,
                 "batch": cfg.warm_start_batch_size, "prompt": PROMPT_TEMPLATE, "reflection": REFLECTION,
                 "reflect_frac": cfg.warm_start_reflect_frac if cfg.max_turns > 1 else 0.0,
-                "chat": cfg.apply_chat_template, "seed": cfg.seed, "v": 2}
+                "chat": cfg.apply_chat_template, "seed": cfg.seed, "code": code}
     tokenizer = AutoTokenizer.from_pretrained(base)
     reflection_ids = build_reflection_ids(tokenizer, cfg.apply_chat_template)
     out = warm_start_dir("reflect-warm-start", settings)
@@ -430,7 +431,7 @@ def embedded_model(cfg: Config) -> str:
     # are learned first and kept: mixing answer-only demonstrations in from the start kept the
     # worked steps from being learned (docs/benchmarks.md).
     stage2 = {"stage1": out, "steps": cfg.warm_start_direct_steps, "lr": cfg.warm_start_direct_lr,
-              "frac": cfg.warm_start_direct_frac, "batch": cfg.warm_start_batch_size, "v": 1}
+              "frac": cfg.warm_start_direct_frac, "batch": cfg.warm_start_batch_size, "code": code}
     out2 = warm_start_dir("reflect-warm-start-direct", stage2)
     if not os.path.exists(os.path.join(out2, "model.safetensors")):
         demos = build_demonstrations(tokenizer, cfg, read_split(data_dir, "warmstart"), reflection_ids,

@@ -479,15 +479,16 @@ def embedded_model_and_data(cfg: Config) -> tuple[str, str]:
     from transformers import AutoTokenizer
 
     from lib.tiny_model import default_tiny_model_dir
-    from lib.warm_start import sft_warm_start, warm_start_dir
+    from lib.warm_start import code_fingerprint, sft_warm_start, warm_start_dir
     from lib.wiki_data import default_wiki_dir
 
     data_dir = cfg.data_dir or default_wiki_dir(seed=0)
+    code = code_fingerprint(build_demonstrations, warm_start_examples, corpus_lm_examples, build_prompt_ids, format_docs)
     base = default_tiny_model_dir()
     settings = {"base": base, "steps": cfg.warm_start_steps, "lr": cfg.warm_start_lr,
                 "batch": cfg.warm_start_batch_size, "worlds": cfg.warm_start_worlds,
                 "corpus_lm": cfg.warm_start_corpus_lm, "data": data_dir, "prompt": PROMPTS[cfg.prompt],
-                "topk": cfg.topk, "chat": cfg.apply_chat_template, "max_tokens": cfg.max_tokens, "v": 3}
+                "topk": cfg.topk, "chat": cfg.apply_chat_template, "max_tokens": cfg.max_tokens, "code": code}
     out = warm_start_dir("search-warm-start", settings)
     if not os.path.exists(os.path.join(out, "model.safetensors")):
         demos = warm_start_examples(AutoTokenizer.from_pretrained(base), cfg, data_dir)
@@ -500,7 +501,7 @@ def embedded_model_and_data(cfg: Config) -> tuple[str, str]:
     # worlds), as a chat model does. Copying is learned first and kept: mixing the direct answers
     # in from the start stopped it from forming (docs/benchmarks.md).
     stage2 = {"stage1": out, "steps": cfg.warm_start_direct_steps, "lr": cfg.warm_start_direct_lr,
-              "frac": cfg.warm_start_direct_frac, "batch": cfg.warm_start_batch_size, "v": 1}
+              "frac": cfg.warm_start_direct_frac, "batch": cfg.warm_start_batch_size, "code": code}
     out2 = warm_start_dir("search-warm-start-direct", stage2)
     if not os.path.exists(os.path.join(out2, "model.safetensors")):
         demos = warm_start_examples(AutoTokenizer.from_pretrained(base), cfg, data_dir, cfg.warm_start_direct_frac)

@@ -4,6 +4,8 @@
 applies `max_turns=32` (fire has already parsed the command line into Python values).
 """
 import dataclasses
+import difflib
+import os
 import typing
 
 import yaml
@@ -13,17 +15,25 @@ def load_config(cls, config_path: str | None, overrides: dict):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     values = {}
     if config_path:
+        if not os.path.exists(config_path):
+            raise FileNotFoundError(f"config file {config_path} not found; pass --config PATH, or --config None to "
+                                    f"start from the defaults of {cls.__name__} in the script")
         with open(config_path) as f:
-            values.update(yaml.safe_load(f) or {})
+            from_file = yaml.safe_load(f) or {}
+        _reject_unknown(from_file, fields, f"in {config_path}")
+        values.update(from_file)
+    _reject_unknown(overrides, fields, "on the command line")
     values.update(overrides)
-    unknown = sorted(set(values) - set(fields))
-    if unknown:
-        raise ValueError(
-            f"unknown config keys {unknown} (from {config_path or 'the command line'}); "
-            f"valid keys: {', '.join(sorted(fields))}"
-        )
     hints = typing.get_type_hints(cls)
     return cls(**{k: _coerce(k, v, hints[k]) for k, v in values.items()})
+
+
+def _reject_unknown(values: dict, fields: dict, where: str):
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        hints = [f"{k!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(k, fields, n=1)) else repr(k)
+                 for k in unknown]
+        raise ValueError(f"unknown config key {', '.join(hints)} {where}; valid keys: {', '.join(sorted(fields))}")
 
 
 def _coerce(name, value, hint):

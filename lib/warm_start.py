@@ -17,6 +17,15 @@ from tqdm import tqdm
 from lib.cache import atomic_dir, cache_root
 
 
+def code_fingerprint(*functions) -> str:
+    """A short hash of the source code of `functions`. Put it in a warm start's settings, so that
+    editing the code that builds its demonstrations (as a fork does) builds a new warm start
+    instead of silently loading the old one."""
+    import inspect
+
+    return hashlib.sha1("".join(inspect.getsource(f) for f in functions).encode()).hexdigest()[:10]
+
+
 def warm_start_dir(name: str, settings: dict) -> str:
     """The cache directory of a warm start shaped by `settings`. Paths inside the cache (the base
     model, the data, stage 1) enter the key relative to it: their names already say what they hold,

@@ -27,6 +27,22 @@ def test_unknown_key_names_the_valid_ones():
         load_config(Cfg, None, {"max_turn": 3})
 
 
+def test_a_mistyped_flag_is_blamed_on_the_command_line_with_a_suggestion_not_on_the_yaml(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("max_turns: 8\n")
+    with pytest.raises(ValueError, match=r"'max_turn' \(did you mean 'max_turns'\?\) on the command line"):
+        load_config(Cfg, str(path), {"max_turn": 3})
+    path.write_text("lrr: 1\n")
+    with pytest.raises(ValueError, match=f"'lrr' \\(did you mean 'lr'\\?\\) in {path}"):
+        load_config(Cfg, str(path), {})
+
+
+def test_a_missing_config_file_says_how_to_run_without_one(tmp_path):
+    with pytest.raises(FileNotFoundError, match="--config None"):
+        load_config(Cfg, str(tmp_path / "nope.yaml"), {})
+    assert load_config(Cfg, None, {}).max_turns == 4
+
+
 def test_wrong_type_is_rejected_with_the_field_name():
     with pytest.raises(TypeError, match="max_turns"):
         load_config(Cfg, None, {"max_turns": "many"})
