@@ -166,13 +166,16 @@ def build_reflection_ids(tokenizer, apply_chat_template: bool) -> list[int]:
 # handles, and its LaTeX parsing of untrusted text is slower and has no time bound of its own.
 _NUMBER = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?|(?<![\w.])-?\.\d+")
 _FRAC = re.compile(r"\\[dt]?frac\s*\{\s*(-?[\d.,]+)\s*\}\s*\{\s*(-?[\d.,]+)\s*\}")
+_PLAIN_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:/[+-]?(?:\d+(?:\.\d*)?|\.\d+))?")
 _MAX_NUMBER_CHARS = 64  # gold answers are short; longer "numbers" are junk and costly to convert
 _MAX_BOXED_CHARS = 1000
 
 
 def to_fraction(token: str) -> Fraction | None:
     token = token.replace(",", "").replace(" ", "")
-    if not token or len(token) > _MAX_NUMBER_CHARS:
+    # Plain decimals and simple fractions only: Fraction() also reads exponents ("1e9999999" is a
+    # ten-million-digit integer and seconds of work), which no GSM8K answer uses.
+    if not token or len(token) > _MAX_NUMBER_CHARS or not _PLAIN_NUMBER.fullmatch(token):
         return None
     try:
         if "/" in token:

@@ -159,13 +159,20 @@ def build_prompt_ids(tokenizer, question: str, apply_chat_template: bool, templa
 
 # --- parsers ---
 def _last_tag(text: str, tag: str) -> str | None:
-    """Content of the last complete <tag> ... </tag>, stripped; None if there is none or it is empty."""
-    matches = re.findall(rf"<{tag}>(.*?)</{tag}>", text, flags=re.DOTALL | re.IGNORECASE)
-    for content in reversed(matches):
-        # An opening tag inside the content means a nested or restarted tag: keep the innermost part.
-        content = re.split(rf"<{tag}>", content, flags=re.IGNORECASE)[-1].strip()
-        if content:
-            return content
+    """Content of the last complete <tag> ... </tag>, stripped; None if there is none or it is empty.
+    One pass over the tags (linear time: model output is untrusted, and a regex from every unclosed
+    opening tag to the end was quadratic). A closing tag pairs with the latest opening tag before it,
+    so a nested or restarted tag keeps its innermost part."""
+    contents, opened_at = [], None
+    for m in re.finditer(rf"<(/?){tag}>", text, flags=re.IGNORECASE):
+        if not m.group(1):
+            opened_at = m.end()
+        elif opened_at is not None:
+            contents.append(text[opened_at:m.start()])
+            opened_at = None
+    for content in reversed(contents):
+        if content.strip():
+            return content.strip()
     return None
 
 
@@ -245,9 +252,12 @@ async def run_tool(session, retrieval_addr: str, kind: str, arg: str, cfg: Confi
 
 
 # --- reward ---
+_PUNCTUATION = set(string.punctuation)
+
+
 def normalize_answer(s: str) -> str:
     s = s.lower()
-    s = "".join(ch for ch in s if ch not in set(string.punctuation))
+    s = "".join(ch for ch in s if ch not in _PUNCTUATION)
     s = re.sub(r"\b(a|an|the)\b", " ", s)
     return " ".join(s.split())
 
@@ -263,6 +273,9 @@ def f1_score(pred: str, golds: str | list[str]) -> float:
     pred_tokens = normalize_answer(pred).split()
     for gold in golds:
         gold_tokens = normalize_answer(gold).split()
+        if not gold_tokens or not pred_tokens:  # normalised away (the letter answer "A"): as exact match does
+            best = max(best, float(gold_tokens == pred_tokens))
+            continue
         common = Counter(pred_tokens) & Counter(gold_tokens)
         overlap = sum(common.values())
         if overlap == 0:

@@ -102,7 +102,8 @@ def _build_lookup(corpus: Corpus):
 
 
 def _title_from_url(url: str) -> str:
-    # wiki://Title, https://en.wikipedia.org/wiki/Title, or index.php?title=Title
+    """The title in wiki://Title, https://en.wikipedia.org/wiki/Title or index.php?title=Title.
+    ValueError for a url that does not parse (urllib rejects a bad bracketed host: `wiki://[Title]`)."""
     parsed = urllib.parse.urlparse(url.strip())
     query_title = urllib.parse.parse_qs(parsed.query).get("title")
     if query_title:
@@ -114,7 +115,8 @@ def _title_from_url(url: str) -> str:
 def access_page(corpus: Corpus, id: str | None = None, url: str | None = None,
                 title: str | None = None) -> dict | None:
     """The page (all passages with one title, in corpus order) of a passage id, a url or a title;
-    titles match ignoring case, quotes, underscores and extra spaces. None when there is none."""
+    titles match ignoring case, quotes, underscores and extra spaces. None when there is none (also
+    for a url that does not parse)."""
     if corpus._rows is None:  # _rows is assigned last, so a concurrent caller never sees half a lookup
         _build_lookup(corpus)
     if id is not None:
@@ -123,7 +125,10 @@ def access_page(corpus: Corpus, id: str | None = None, url: str | None = None,
             return None
         title = split_contents(corpus.contents[row])[0]
     elif url is not None:
-        title = _title_from_url(url)
+        try:
+            title = _title_from_url(url)
+        except ValueError:  # a url that does not parse names no page
+            return None
     rows = corpus._pages.get(_normalise_title(title or ""))
     if not rows:
         return None
@@ -306,6 +311,42 @@ class BadRequest(ValueError):
         self.status = status
 
 
+def _json_type(value) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+    return names.get(type(value), "a number")
+
+
+def _preview(value, max_chars: int = 50) -> str:
+    """A client's value for an error message: a scalar as JSON, cut to `max_chars`; an array or object
+    by its type only, since rendering one costs as much as the body (and recurses as deep as it nests)."""
+    if isinstance(value, (dict, list)):
+        return _json_type(value)
+    return json.dumps(value)[:max_chars]
+
+
+def _check_strings(values, name: str, max_items: int, max_chars: int):
+    """BadRequest unless `values` is a list of at most `max_items` strings of at most `max_chars` each."""
+    if not isinstance(values, list):
+        raise BadRequest(f'"{name}" must be a list of strings, got {_json_type(values)}')
+    if len(values) > max_items:
+        raise BadRequest(f'"{name}" holds {len(values)} entries; at most {max_items} per request '
+                         "(split the batch or raise the server's --max-batch)", 413)
+    for i, value in enumerate(values):
+        if not isinstance(value, str):
+            raise BadRequest(f'"{name}"[{i}] is {_json_type(value)}, not a string')
+        if len(value) > max_chars:
+            raise BadRequest(f'"{name}"[{i}] has {len(value)} characters; at most {max_chars} '
+                             "(shorten it or raise the server's --max-query-chars)", 413)
+
+
+def _check_url(url: str):
+    try:
+        _title_from_url(url)
+    except ValueError as e:
+        raise BadRequest(f'"url" {_preview(url)} is not a valid URL ({e}); use a url from the search results, '
+                         'like "wiki://Title"')
+
+
 def parse_retrieve(body, max_batch: int, max_query_chars: int, topk_max: int) -> tuple[list[str], int, bool]:
     """(queries, topk, return_scores) of a /retrieve body, or BadRequest naming the problem.
     Unknown fields are ignored, as Search-R1's server does."""
@@ -316,25 +357,18 @@ def parse_retrieve(body, max_batch: int, max_query_chars: int, topk_max: int) ->
         raise BadRequest('"queries" must be a list of strings; wrap a single query in a list')
     if not isinstance(queries, list) or not queries:
         raise BadRequest('"queries" must be a non-empty list of strings')
-    if len(queries) > max_batch:
-        raise BadRequest(f'"queries" holds {len(queries)} queries; at most {max_batch} per request '
-                         "(split the batch or raise the server's --max-batch)", 413)
-    for i, q in enumerate(queries):
-        if not isinstance(q, str):
-            raise BadRequest(f'"queries"[{i}] is {type(q).__name__}, not a string')
-        if len(q) > max_query_chars:
-            raise BadRequest(f'"queries"[{i}] has {len(q)} characters; at most {max_query_chars} '
-                             "(shorten it or raise the server's --max-query-chars)", 413)
+    _check_strings(queries, "queries", max_batch, max_query_chars)
     topk = body.get("topk")
     if topk is None:
         topk = DEFAULT_TOPK
     if isinstance(topk, bool) or not isinstance(topk, int):
-        raise BadRequest(f'"topk" must be an integer in [1, {topk_max}], got {json.dumps(topk)[:50]}')
+        raise BadRequest(f'"topk" must be an integer in [1, {topk_max}], got {_preview(topk)}')
     if not 1 <= topk <= topk_max:
-        raise BadRequest(f'"topk" must be in [1, {topk_max}], got {topk} (raise the server\'s --topk-max for more)')
+        raise BadRequest(f'"topk" must be in [1, {topk_max}], got {_preview(topk)} '
+                         "(raise the server's --topk-max for more)")
     return_scores = body.get("return_scores", False)
     if not isinstance(return_scores, bool):
-        raise BadRequest(f'"return_scores" must be true or false, got {json.dumps(return_scores)[:50]}')
+        raise BadRequest(f'"return_scores" must be true or false, got {_preview(return_scores)}')
     return queries, topk, return_scores
 
 
@@ -344,22 +378,40 @@ def _error(status: int, message: str):
     return web.json_response({"error": message}, status=status)
 
 
-async def _json_body(request):
+async def _json_body(request, max_body_bytes: int, body_timeout_s: float):
+    """The parsed body, or BadRequest: over `max_body_bytes` (413), not all there within
+    `body_timeout_s` (408), or not readable as its Content-Encoding says, or not JSON that Python
+    parses (400: invalid, nested ~1000 levels deep, an integer over 4300 digits)."""
     from aiohttp import web
 
     try:
-        raw = await request.read()
+        # Without a deadline, a client that sends part of a body and goes silent holds its connection
+        # (a file descriptor) for good; so does a deflate body cut short, sent after its headers
+        # (aiohttp then never ends the payload).
+        raw = await asyncio.wait_for(request.read(), body_timeout_s)
+    except asyncio.TimeoutError:
+        raise BadRequest(f"the request body was not all read within {body_timeout_s} s; send it at once, check "
+                         "its Content-Encoding, or raise the server's --body-timeout-s", 408)
     except web.HTTPRequestEntityTooLarge:
-        raise BadRequest(f"request body larger than {request.app['max_body_bytes']} bytes; "
-                         "send fewer or shorter queries", 413)
+        raise BadRequest(f"request body larger than {max_body_bytes} bytes; send fewer or shorter queries", 413)
+    except web.RequestPayloadError as e:  # e.g. `Content-Encoding: gzip` on a body that is not gzip
+        raise BadRequest(f"the request body could not be read ({' '.join(str(e).split())}); send plain JSON, "
+                         f"or JSON encoded as its Content-Encoding {request.headers.get('Content-Encoding')!r} says")
     try:
         return json.loads(raw)
+    except RecursionError:
+        raise BadRequest("the body nests arrays or objects too deeply to parse (about 1000 levels); "
+                         "the API's bodies nest 2 levels")
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BadRequest(f"the body is not valid JSON ({e})")
+    except ValueError as e:  # an integer literal longer than sys.get_int_max_str_digits()
+        raise BadRequest(f"the body holds an integer that cannot be read ({str(e).split(';')[0]}); "
+                         f"integers may have at most {sys.get_int_max_str_digits()} digits")
 
 
 def build_app(index, topk_max: int = 50, max_batch: int = 512, max_query_chars: int = 2000,
-              request_timeout_s: float = 60.0, num_workers: int = 2, max_body_bytes: int = 4 * 2**20):
+              request_timeout_s: float = 60.0, num_workers: int = 2, max_body_bytes: int = 4 * 2**20,
+              body_timeout_s: float = 10.0):
     """The aiohttp app over a loaded index. Searches run in a thread pool so the loop keeps
     answering (health checks, bad requests) while one runs."""
     from aiohttp import web
@@ -372,7 +424,10 @@ def build_app(index, topk_max: int = 50, max_batch: int = 512, max_query_chars: 
         try:
             return await handler(request)
         except BadRequest as e:
-            return _error(e.status, str(e))
+            response = _error(e.status, str(e))
+            if e.status == 408:
+                response.force_close()  # "Connection: close": the rest of that body is not waited for
+            return response
         except web.HTTPException as e:
             if e.status >= 400:
                 return _error(e.status, f"{e.reason}: {request.method} {request.path}; the endpoints are "
@@ -391,34 +446,36 @@ def build_app(index, topk_max: int = 50, max_batch: int = 512, max_query_chars: 
                              "raise the server's --request-timeout-s", 503)
 
     async def retrieve(request):
-        queries, topk, return_scores = parse_retrieve(await _json_body(request), max_batch, max_query_chars, topk_max)
+        body = await _json_body(request, max_body_bytes, body_timeout_s)
+        queries, topk, return_scores = parse_retrieve(body, max_batch, max_query_chars, topk_max)
         result = await run_in_pool(search, index, queries, topk, return_scores)
         return web.json_response({"result": result})
 
     async def access(request):
-        body = await _json_body(request)
+        body = await _json_body(request, max_body_bytes, body_timeout_s)
         if not isinstance(body, dict):
             raise BadRequest('the body must be a JSON object like {"title": "..."}, {"url": "..."}, {"id": "..."} '
                              'or {"urls": [...]}')
-        if "urls" in body:  # ASearcher's client: a batch, null for pages not found
+        if "urls" in body:
+            # ASearcher's client: a batch, null for a page not found. A url that does not parse names no
+            # page either, so it is a null too: one bad url must not cost the others their pages.
             urls = body["urls"]
-            if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
-                raise BadRequest('"urls" must be a list of strings')
-            if len(urls) > max_batch:
-                raise BadRequest(f'"urls" holds {len(urls)} urls; at most {max_batch} per request', 413)
+            _check_strings(urls, "urls", max_batch, max_query_chars)
             pages = await run_in_pool(lambda: [access_page(index.corpus, url=u) for u in urls])
             return web.json_response({"result": pages})
         keys = [k for k in ("id", "url", "title") if k in body]
         if len(keys) != 1:
             raise BadRequest('give exactly one of "id", "url" or "title" (or "urls": [...])')
-        value = body[keys[0]]
-        if not isinstance(value, str) and not (keys[0] == "id" and isinstance(value, int) and not isinstance(value, bool)):
-            raise BadRequest(f'"{keys[0]}" must be a string')
+        key, value = keys[0], body[keys[0]]
+        if not isinstance(value, str) and not (key == "id" and isinstance(value, int) and not isinstance(value, bool)):
+            raise BadRequest(f'"{key}" must be a string, got {_json_type(value)}')
         if isinstance(value, str) and len(value) > max_query_chars:
-            raise BadRequest(f'"{keys[0]}" has {len(value)} characters; at most {max_query_chars}', 413)
-        page = await run_in_pool(lambda: access_page(index.corpus, **{keys[0]: value}))
+            raise BadRequest(f'"{key}" has {len(value)} characters; at most {max_query_chars}', 413)
+        if key == "url":
+            _check_url(value)
+        page = await run_in_pool(lambda: access_page(index.corpus, **{key: value}))
         if page is None:
-            return _error(404, f"no page with {keys[0]} {json.dumps(value)}; search first and use a title "
+            return _error(404, f"no page with {key} {_preview(value)}; search first and use a title "
                                "or url from the results")
         return web.json_response({"result": page})
 
@@ -429,7 +486,6 @@ def build_app(index, topk_max: int = 50, max_batch: int = 512, max_query_chars: 
         pool.shutdown(wait=False, cancel_futures=True)
 
     app = web.Application(client_max_size=max_body_bytes, middlewares=[errors_as_json])
-    app["max_body_bytes"] = max_body_bytes
     app.on_cleanup.append(on_cleanup)
     app.router.add_post("/retrieve", retrieve)
     app.router.add_post("/access", access)
@@ -451,6 +507,8 @@ def parse_args(argv=None):
     p.add_argument("--max-batch", type=int, default=512, help="queries per request at most")
     p.add_argument("--max-query-chars", type=int, default=2000)
     p.add_argument("--request-timeout-s", type=float, default=60.0)
+    p.add_argument("--body-timeout-s", type=float, default=10.0,
+                   help="a request body not all received within this gets a 408 and its connection is closed")
     p.add_argument("--num-workers", type=int, default=2, help="search threads")
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
@@ -471,7 +529,7 @@ def main(argv=None):
     logger.info("loaded %d passages (%s) in %.1f s; serving on http://%s:%d", len(index.corpus.ids), args.retriever,
                 time.perf_counter() - start_s, args.host, args.port)
     app = build_app(index, args.topk_max, args.max_batch, args.max_query_chars, args.request_timeout_s,
-                    args.num_workers)
+                    args.num_workers, body_timeout_s=args.body_timeout_s)
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
 
 
