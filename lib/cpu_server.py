@@ -38,17 +38,30 @@ Where it differs from SGLang (docs/sglang_contract.md has SGLang's side):
 - `--random-seed` defaults to 0 (SGLang: random); `--dtype auto` is float32 on CPU.
 - Weight updates copy tensors by their Hugging Face state-dict names (SGLang's `load_weights`
   also accepts those names).
+- Stricter than SGLang on hostile input, all refused with a 400 before anything runs:
+  sampling numbers out of range (`top_k` beyond the vocabulary, `temperature` above
+  MAX_TEMPERATURE, seeds outside int64, ...), NaN/Infinity literals, `rank_offset` 0 (the server
+  would become the broadcast source), non-float dtypes, and names or shapes the model lacks.
+
+Hostile input (limits are the constants below and the flags): a request body must arrive within
+--body-timeout-s (else 408) and fit --max-body-mb (else 413); a `text` longer than the context could
+hold is refused before it is tokenized, and tokenizing and checkpoint reads run off the event loop,
+so /health keeps answering; a client that disconnects cancels its handler and frees its rows at the
+next step (pauses, weight updates and group joins run to the end regardless). A request that breaks
+a step fails alone where it can be told apart: a row with no token left to sample ends with an
+abort, and a failed prefill is retried one newcomer at a time (Runner.step).
 """
 import argparse
 import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
-import glob
 import json
 import logging
 import math
 import os
+import reprlib
+import stat
 import time
 import uuid
 
@@ -58,13 +71,53 @@ from aiohttp import web
 logger = logging.getLogger("cpu_server")
 
 MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)
+BODY_TIMEOUT_S = web.AppKey("body_timeout_s", float)
 SCHEDULER_TASK = web.AppKey("scheduler", asyncio.Task)
 MAX_ITEMS_PER_CALL = 4096  # prompts x n of one /generate call; bounds what one request can queue
 GREEDY_TEMPERATURE = 1e-6  # SGLang's _SAMPLING_EPS: below it a request is decoded greedily
+MAX_TEMPERATURE = 100.0  # far above any useful value; bounded so logits / temperature stays finite
+MAX_NEW_TOKENS = 2**31 - 1  # int32, as SGLang's tensors; the context length bounds it further
+SGLANG_TOP_K_ALL = 1 << 30  # SGLang's default top_k, meaning the whole vocabulary, as -1 does
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+MAX_WORLD_SIZE = 2**16
+WEIGHT_DTYPES = ("float32", "bfloat16", "float16", "float64")  # what a weight update may send
 
 
 class BadRequest(ValueError):
-    """A request the client must fix; answered with 400 and the message."""
+    """A request the client must fix; answered with `status` (400 unless said) and the message."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+def _short(value) -> str:
+    """repr of a client's value for an error message, cut to a readable length."""
+    return reprlib.repr(value)
+
+
+def _number(field: str, value, kind: type, low, high, low_open: bool = False):
+    """`value` as `kind` (int, or float which also takes ints) if it lies in [low, high] (or
+    (low, high] when low_open); otherwise a 400 that names the field and the allowed range.
+    Booleans are not numbers here, and NaN and infinities are never in range."""
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+        raise BadRequest(f"{field} must be {'a number' if kind is float else 'an integer'}, got {_short(value)}")
+    in_range = (low < value if low_open else low <= value) and value <= high
+    if not in_range or (isinstance(value, float) and not math.isfinite(value)):
+        raise BadRequest(f"{field} must be in {'(' if low_open else '['}{low}, {high}], got {_short(value)}")
+    return kind(value)
+
+
+def _field(body: dict, name: str, kind: type, default=None, required: bool = False):
+    """body[name] if it is a `kind` (a bool is not an int), the default when absent or null."""
+    value = body.get(name)
+    if value is None:
+        if required:
+            raise BadRequest(f"missing field {name!r}")
+        return default
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise BadRequest(f"{name} must be {kind.__name__}, got {_short(value)}")
+    return value
 
 
 # --- sampling parameters ---
@@ -104,9 +157,16 @@ def _check_type(name, value, types):
     return value
 
 
-def parse_sampling_params(raw) -> SamplingParams:
-    """Validate a `sampling_params` dict as SGLang's SamplingParams would: unknown names and
-    out-of-range values are a 400, not silently ignored."""
+def _top_k(value, vocab_size: int) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value in (-1, SGLANG_TOP_K_ALL):
+        return -1
+    return _number("sampling_params.top_k (or -1 for the whole vocabulary)", value, int, 1, vocab_size)
+
+
+def parse_sampling_params(raw, vocab_size: int) -> SamplingParams:
+    """Validate a `sampling_params` dict as SGLang's SamplingParams would, and stricter on numbers:
+    unknown names, wrong types and out-of-range values (each named with its allowed range) are a
+    400, never silently ignored or left to fail inside a model step."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -116,20 +176,28 @@ def parse_sampling_params(raw) -> SamplingParams:
     for name, value in raw.items():
         if name in _ONLY_DEFAULT:
             if value is not None and value != _ONLY_DEFAULT[name]:
-                raise BadRequest(f"sampling_params.{name}={value!r} is not supported by lib.cpu_server; "
+                raise BadRequest(f"sampling_params.{name}={_short(value)} is not supported by lib.cpu_server; "
                                  f"leave it at {_ONLY_DEFAULT[name]!r} or use SGLang")
             continue
         if name not in known:
-            raise BadRequest(f"unknown sampling parameter {name!r}; known: {sorted(known | set(_ONLY_DEFAULT))}")
+            raise BadRequest(f"unknown sampling parameter {_short(name)}; known: {sorted(known | set(_ONLY_DEFAULT))}")
         if value is None:
             continue
-        if name in ("max_new_tokens", "top_k", "min_new_tokens", "sampling_seed", "n"):
-            _check_type(name, value, int)
-        elif name in ("temperature", "top_p", "min_p"):
-            _check_type(name, value, (int, float))
-            value = float(value)
-            if not math.isfinite(value):
-                raise BadRequest(f"sampling_params.{name} must be finite")
+        field = f"sampling_params.{name}"
+        if name in ("max_new_tokens", "min_new_tokens"):
+            value = _number(field, value, int, 0, MAX_NEW_TOKENS)
+        elif name == "n":  # prompts x n is bounded by MAX_ITEMS_PER_CALL, once the prompts are known
+            value = _number(field, value, int, 1, INT64_MAX)
+        elif name == "sampling_seed":
+            value = _number(field, value, int, INT64_MIN, INT64_MAX)
+        elif name == "top_k":
+            value = _top_k(value, vocab_size)
+        elif name == "temperature":
+            value = _number(field, value, float, 0.0, MAX_TEMPERATURE)
+        elif name == "top_p":
+            value = _number(field, value, float, 0.0, 1.0, low_open=True)
+        elif name == "min_p":
+            value = _number(field, value, float, 0.0, 1.0)
         elif name in ("ignore_eos", "no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens"):
             _check_type(name, value, bool)
         elif name == "stop":
@@ -142,20 +210,9 @@ def parse_sampling_params(raw) -> SamplingParams:
             if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
                 raise BadRequest("sampling_params.stop_token_ids must be a list of integers")
         setattr(params, name, value)
-    if params.n < 1:
-        raise BadRequest("sampling_params.n must be >= 1")
-    if params.max_new_tokens < 0:
-        raise BadRequest("sampling_params.max_new_tokens must be >= 0")
-    if params.temperature < 0:
-        raise BadRequest("sampling_params.temperature must be >= 0")
-    if not 0 < params.top_p <= 1:
-        raise BadRequest("sampling_params.top_p must be in (0, 1]")
-    if params.top_k < 1 and params.top_k != -1:
-        raise BadRequest("sampling_params.top_k must be >= 1, or -1 for no limit")
-    if not 0 <= params.min_p <= 1:
-        raise BadRequest("sampling_params.min_p must be in [0, 1]")
-    if params.min_new_tokens < 0 or params.min_new_tokens > params.max_new_tokens:
-        raise BadRequest("sampling_params.min_new_tokens must be in [0, max_new_tokens]")
+    if params.min_new_tokens > params.max_new_tokens:
+        raise BadRequest(f"sampling_params.min_new_tokens must be in [0, max_new_tokens={params.max_new_tokens}], "
+                         f"got {params.min_new_tokens}")
     if params.temperature < GREEDY_TEMPERATURE:
         params.temperature, params.top_k = 1.0, 1  # SGLang's greedy rewrite
     return params
@@ -234,6 +291,12 @@ class Runner:
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else min(eos or {0})
         self.generator = torch.Generator(self.device).manual_seed(args.random_seed)
+        self.param_shapes = {name: list(t.shape) for name, t in self.model.state_dict().items()}
+        self.max_checkpoint_bytes = 8 * sum(math.prod(s) for s in self.param_shapes.values()) + 2**24
+        # A token covers at most as many characters as its vocabulary entry has (byte-level BPE
+        # entries have one character per byte); x2 leaves room for normalizers that merge characters.
+        # A longer text cannot fit the context, so it is refused without tokenizing it.
+        self.max_prompt_chars = 2 * self.context_length * max(map(len, self.tokenizer.get_vocab()))
         # The running batch: row i of `attention_mask [B, L]` and of every cache tensor is rows[i].
         self.rows: list[Request] = []
         self.attention_mask: torch.Tensor | None = None
@@ -245,7 +308,9 @@ class Runner:
     # -- one scheduler step --
     def step(self, admitted: list[Request], do_decode: bool) -> list[Request]:
         """Drop aborted rows, prefill `admitted` and merge them in, run one decode step if asked.
-        Returns the requests that finished."""
+        Returns the requests that finished. A failure fails only the rows it can be pinned on: a
+        prefill that fails is retried one newcomer at a time (the running batch is untouched until
+        it succeeds); a decode forward is shared by every running row, so its failure ends them all."""
         with torch.inference_mode():
             finished = self._drop_aborted()
             for req in admitted:
@@ -257,11 +322,35 @@ class Runner:
                     finished.append(req)
             admitted = [r for r in admitted if r.finish_reason is None]
             if admitted:
-                finished += self._prefill(admitted)
+                finished += self._prefill_apart_on_failure(admitted)
             if do_decode and self.rows:
-                finished += self._decode()
+                try:
+                    finished += self._decode()
+                except Exception as e:
+                    logger.exception("decode step failed; ending the %d running requests", len(self.rows))
+                    finished += self.fail_all(f"model step failed: {e!r}")
         self.stats["num_finished_requests"] += len(finished)
         return finished
+
+    def fail_all(self, message: str) -> list[Request]:
+        """End every running row with an abort naming `message`, and empty the batch."""
+        failed = self.rows
+        for r in failed:
+            r.finish_reason = _abort_reason(message)
+        self.rows, self.attention_mask, self.cache, self.next_token_ids = [], None, None, None
+        return failed
+
+    def _prefill_apart_on_failure(self, reqs: list[Request]) -> list[Request]:
+        try:
+            return self._prefill(reqs)
+        except Exception as e:
+            if len(reqs) > 1:  # one of them may be the cause: each alone, so only that one fails
+                for r in reqs:
+                    r.output_ids, r.output_logprobs, r.input_logprobs, r.finish_reason = [], [], [], None
+                return [done for r in reqs for done in self._prefill_apart_on_failure([r])]
+            logger.exception("prefill of request %s failed", reqs[0].rid)
+            reqs[0].finish_reason = _abort_reason(f"model step failed: {e!r}")
+            return reqs
 
     def _drop_aborted(self) -> list[Request]:
         now = time.monotonic()
@@ -297,8 +386,8 @@ class Runner:
             for i, r in enumerate(reqs):
                 if r.return_logprob and r.logprob_start_len >= 0:
                     self._fill_input_logprobs(r, logits[i, length - len(r.input_ids):])
-        tokens, token_logprobs = self._sample(logits[:, -1], reqs)
-        finished = self._append(reqs, tokens, token_logprobs)
+        tokens, token_logprobs, broken = self._sample(logits[:, -1], reqs)
+        finished = self._append(reqs, tokens, token_logprobs, broken)
         keep = [r.finish_reason is None for r in reqs]
         if not any(keep):
             return finished
@@ -315,8 +404,8 @@ class Runner:
             new_mask = torch.cat([_left_pad(self.attention_mask, total, 1), _left_pad(new_mask, total, 1)])
             new_next = torch.cat([self.next_token_ids, new_next])
             new_rows = self.rows + new_rows
-        self.rows, self.attention_mask, self.next_token_ids = new_rows, new_mask, new_next
-        self.cache = _make_cache(kv)
+        new_cache = _make_cache(kv)  # built before anything is replaced: a failure leaves the batch as it was
+        self.rows, self.attention_mask, self.next_token_ids, self.cache = new_rows, new_mask, new_next, new_cache
         return finished
 
     def _fill_input_logprobs(self, req: Request, logits_of_prompt: torch.Tensor):
@@ -332,8 +421,8 @@ class Runner:
         self.attention_mask = torch.cat([self.attention_mask, ones], dim=1)
         position_ids = self.attention_mask.sum(-1, keepdim=True) - 1
         logits, self.cache = self._forward(self.next_token_ids[:, None], self.attention_mask, position_ids, self.cache, 1)
-        tokens, token_logprobs = self._sample(logits[:, -1], self.rows)
-        finished = self._append(self.rows, tokens, token_logprobs)
+        tokens, token_logprobs, broken = self._sample(logits[:, -1], self.rows)
+        finished = self._append(self.rows, tokens, token_logprobs, broken)
         self.next_token_ids = tokens
         self._keep([r.finish_reason is None for r in self.rows])
         return finished
@@ -353,8 +442,9 @@ class Runner:
         self.attention_mask = self.attention_mask[:, first_used:]
         self.cache = _make_cache([(k[idx, :, first_used:], v[idx, :, first_used:]) for k, v in _kv_tensors(self.cache)])
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """logits [B, V] float32 → (sampled token ids [B], their log-probs [B], see module doc)."""
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]):
+        """logits [B, V] float32 → (sampled token ids [B], their log-probs [B] (see module doc),
+        broken [B]: rows with no distribution to sample from, to be ended rather than sampled)."""
         logits = logits.clone()
         for i, r in enumerate(reqs):
             if len(r.output_ids) < r.params.min_new_tokens:
@@ -363,10 +453,17 @@ class Runner:
                 logits[i, [t for t in ban if 0 <= t < logits.shape[1]]] = float("-inf")
         temperature = torch.tensor([r.params.temperature for r in reqs], device=logits.device)[:, None]
         logprobs = torch.log_softmax(logits / temperature, dim=-1)
+        # A row whose every token is banned (stop_token_ids covering the vocabulary under
+        # min_new_tokens) or whose logits hold NaN has no distribution: made uniform here so the
+        # batch's draw cannot fail, and ended by _append, so it never takes other rows down with it.
+        broken = logprobs.isnan().any(-1)
+        if broken.any():
+            logits = logits.masked_fill(broken[:, None], 0.0)
+            logprobs = logprobs.masked_fill(broken[:, None], -math.log(logits.shape[1]))
         greedy = [r.params.top_k == 1 for r in reqs]
         tokens = logits.argmax(-1)
         if all(greedy):
-            return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
+            return tokens, logprobs.gather(-1, tokens[:, None])[:, 0], broken
         probs = logprobs.exp()
         top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else logits.shape[1] for r in reqs], device=logits.device)
         top_p = torch.tensor([r.params.top_p for r in reqs], device=logits.device)
@@ -386,11 +483,18 @@ class Runner:
         for i, r in enumerate(reqs):
             if not greedy[i] and r.generator is not None:
                 tokens[i] = torch.multinomial(probs[i], 1, generator=r.generator)[0]
-        return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
+        return tokens, logprobs.gather(-1, tokens[:, None])[:, 0], broken
 
-    def _append(self, reqs: list[Request], tokens: torch.Tensor, token_logprobs: torch.Tensor) -> list[Request]:
+    def _append(self, reqs: list[Request], tokens: torch.Tensor, token_logprobs: torch.Tensor,
+                broken: torch.Tensor) -> list[Request]:
         finished = []
-        for r, token, logprob in zip(reqs, tokens.tolist(), token_logprobs.tolist()):
+        for r, token, logprob, no_distribution in zip(reqs, tokens.tolist(), token_logprobs.tolist(), broken.tolist()):
+            if no_distribution:
+                r.finish_reason = _abort_reason("no token can be sampled: every token's probability is 0 or NaN "
+                                                "(stop_token_ids and EOS cover the vocabulary while min_new_tokens "
+                                                "bans them, or the logits hold NaN)")
+                finished.append(r)
+                continue
             r.output_ids.append(token)
             r.output_logprobs.append(logprob)
             self.stats["num_generated_tokens"] += 1
@@ -436,47 +540,45 @@ class Runner:
         return text
 
     # -- weights --
-    def load_weights_from_disk(self, model_path: str):
-        """Copy every tensor of the safetensors checkpoint at `model_path` into the model, after
-        checking all names and shapes first so that a bad checkpoint leaves the weights untouched."""
-        from safetensors import safe_open
+    def read_checkpoint(self, model_path: str) -> list:
+        """[(name, tensor)] of the safetensors checkpoint in the directory `model_path` (taken
+        literally: no glob patterns), checked against the served model's names and shapes. Reads
+        files and touches no weight, so it runs on any thread; a bad checkpoint raises here, before
+        anything is copied, and the weights stay exactly as they were."""
+        from safetensors.torch import load
 
-        files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
-        if not files:
-            raise BadRequest(f"no *.safetensors files in {model_path!r}; save the model with "
-                             f"save_pretrained(path, safe_serialization=True)")
-        params = self.model.state_dict(keep_vars=True)
-        seen = set()
+        files = _checkpoint_files(model_path)
+        size = sum(os.stat(path).st_size for path in files)
+        if size > self.max_checkpoint_bytes:
+            raise BadRequest(f"the *.safetensors files in {model_path!r} hold {size} bytes, more than the served "
+                             f"model can take in float64 ({self.max_checkpoint_bytes}); wrong directory?")
+        named = []
         for path in files:
-            with safe_open(path, framework="pt") as f:
-                for name in f.keys():
-                    if name not in params:
-                        raise BadRequest(f"{path} has tensor {name!r} which the served model lacks; "
-                                         f"is it the same architecture as {self.args.model_path!r}?")
-                    shape = list(f.get_slice(name).get_shape())
-                    if shape != list(params[name].shape):
-                        raise BadRequest(f"{name!r} has shape {shape} in {path}, the served model has "
-                                         f"{list(params[name].shape)}")
-                    seen.add(name)
-        missing = [n for n in params if n not in seen and not self._is_tied(n)]
+            for name, tensor in load(_read_regular_file(path)).items():
+                if name not in self.param_shapes:
+                    raise BadRequest(f"{path} has tensor {_short(name)} which the served model lacks; "
+                                     f"is it the same architecture as {self.args.model_path!r}?")
+                if list(tensor.shape) != self.param_shapes[name]:
+                    raise BadRequest(f"{name!r} has shape {list(tensor.shape)} in {path}, the served model has "
+                                     f"{self.param_shapes[name]}")
+                named.append((name, tensor))
+        seen = {name for name, _ in named}
+        missing = [n for n in self.param_shapes if n not in seen and not self._is_tied(n)]
         if missing:
             raise BadRequest(f"checkpoint {model_path!r} lacks {len(missing)} tensors, e.g. {missing[:3]}")
-        with torch.no_grad():
-            for path in files:
-                with safe_open(path, framework="pt") as f:
-                    for name in f.keys():
-                        params[name].copy_(f.get_tensor(name))
+        return named
 
     def _is_tied(self, name: str) -> bool:
         return name == "lm_head.weight" and getattr(self.model.config, "tie_word_embeddings", False)
 
-    def check_named_tensors(self, names: list, shapes: list):
-        params = self.model.state_dict(keep_vars=True)
+    def check_named_shapes(self, names: list, shapes: list):
+        """A 400 unless each name is a tensor of the served model with exactly that shape."""
         for name, shape in zip(names, shapes):
-            if name not in params:
-                raise BadRequest(f"the served model has no parameter {name!r}")
-            if list(shape) != list(params[name].shape):
-                raise BadRequest(f"{name!r} was sent with shape {list(shape)}, the served model has {list(params[name].shape)}")
+            if name not in self.param_shapes:
+                raise BadRequest(f"the served model has no parameter {_short(name)}")
+            if shape != self.param_shapes[name]:
+                raise BadRequest(f"{name!r} was sent with shape {_short(shape)}, the served model has "
+                                 f"{self.param_shapes[name]}")
 
     def copy_named_tensors(self, named: list):
         params = self.model.state_dict(keep_vars=True)
@@ -493,6 +595,29 @@ def _abort_reason(message: str, waiting: bool = False) -> dict:
     return {"type": "abort", "message": message, "status_code": None, "err_type": None}
 
 
+def _checkpoint_files(model_path: str) -> list[str]:
+    if not os.path.isdir(model_path):
+        raise BadRequest(f"model_path {_short(model_path)} is not a directory; give the directory that "
+                         f"save_pretrained(path, safe_serialization=True) wrote (*.safetensors)")
+    names = sorted(n for n in os.listdir(model_path) if n.endswith(".safetensors"))
+    if not names:
+        raise BadRequest(f"no *.safetensors files in {model_path!r}; save the model with "
+                         f"save_pretrained(path, safe_serialization=True)")
+    return [os.path.join(model_path, n) for n in names]
+
+
+def _read_regular_file(path: str) -> bytes:
+    """The bytes of `path`, refusing anything but a regular file: opening a FIFO waits for a
+    writer and a device may never end. Opened non-blocking, so that the check cannot hang, and read
+    by Python, which lets go of the GIL while it waits (safetensors' own reader holds it: one
+    blocked open froze the whole server, /health and SIGTERM included)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise BadRequest(f"{path} is not a regular file (a FIFO, device or socket); refusing to read it")
+        return f.read()
+
+
 def _resolve_dtype(dtype: str, device: str) -> torch.dtype:
     if dtype == "auto":
         # float32 on CPU: bf16 matmuls there are slow and their log-probs drift from the trainer's.
@@ -502,11 +627,10 @@ def _resolve_dtype(dtype: str, device: str) -> torch.dtype:
 
 
 def _parse_dtype(name) -> torch.dtype:
-    if isinstance(name, str):
-        dtype = getattr(torch, name.removeprefix("torch."), None)
-        if isinstance(dtype, torch.dtype):
-            return dtype
-    raise BadRequest(f"unknown dtype {name!r}; use torch names such as 'bfloat16' or 'float32'")
+    name = name.removeprefix("torch.") if isinstance(name, str) else name
+    if name not in WEIGHT_DTYPES:
+        raise BadRequest(f"dtype {_short(name)} is not a weight dtype; use one of {list(WEIGHT_DTYPES)}")
+    return getattr(torch, name)
 
 
 # --- the server: event loop side ---
@@ -516,6 +640,7 @@ class Server:
         self.args = args
         self.runner = Runner(args)
         self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model")
+        self.tokenizer_worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         self.weight_version = args.weight_version
         self.model_path = args.model_path
         self.waiting: list[Request] = []
@@ -551,12 +676,11 @@ class Server:
             self.idle.clear()
             try:
                 finished = await self.run_on_worker(self.runner.step, admitted, not self.paused)
-            except Exception as e:  # a forward that fails must not hang its requests forever
+            except Exception as e:  # last resort (Runner.step fails only the rows at fault): never hang
                 logger.exception("model step failed")
-                finished = admitted + self.runner.rows
-                self.runner.rows, self.runner.cache, self.runner.attention_mask = [], None, None
-                for r in finished:
-                    r.finish_reason = _abort_reason(f"model step failed: {e!r}")
+                finished = admitted + self.runner.fail_all(f"model step failed: {e!r}")
+                for r in admitted:
+                    r.finish_reason = r.finish_reason or _abort_reason(f"model step failed: {e!r}")
             finally:
                 self.idle.set()
             for r in finished:
@@ -583,7 +707,19 @@ class Server:
                 self.wakeup.set()
 
     # -- /generate --
-    def build_requests(self, body: dict) -> tuple[list[Request], bool]:
+    async def tokenize(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text, computed on the tokenizer thread so that the event loop keeps
+        answering; a text too long to fit the context whatever its tokens is refused untokenized."""
+        limit = self.runner.max_prompt_chars
+        for text in texts:
+            if len(text) > limit:
+                raise BadRequest(f"a text of {len(text)} characters cannot fit the model's context length "
+                                 f"({self.runner.context_length} tokens); texts over {limit} characters are "
+                                 f"refused without tokenizing")
+        return await asyncio.get_running_loop().run_in_executor(
+            self.tokenizer_worker, lambda: [self.runner.tokenizer(t)["input_ids"] for t in texts])
+
+    async def build_requests(self, body: dict) -> tuple[list[Request], bool]:
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object")
         if "text" in body and "input_ids" not in body and body["text"] is not None:
@@ -592,7 +728,7 @@ class Server:
             texts = text if is_batch else [text]
             if not texts or not all(isinstance(t, str) for t in texts):
                 raise BadRequest("text must be a string or a non-empty list of strings")
-            batch = [self.runner.tokenizer(t)["input_ids"] for t in texts]
+            batch = await self.tokenize(texts)
         elif body.get("input_ids") is not None:
             ids = body["input_ids"]
             is_batch = isinstance(ids, list) and len(ids) > 0 and isinstance(ids[0], list)
@@ -616,7 +752,7 @@ class Server:
                 raise BadRequest(f"sampling_params is a list of {len(raw_params)}, input has {n} items")
         else:
             raw_params = [raw_params] * n
-        params = [parse_sampling_params(p) for p in raw_params]
+        params = [parse_sampling_params(p, self.runner.vocab_size) for p in raw_params]
         n_samples = params[0].n
         if any(p.n != n_samples for p in params):
             raise BadRequest("sampling_params.n must be the same for every item of a batch")
@@ -650,9 +786,10 @@ class Server:
             value = body.get(name, default)
             value = default if value is None else value
             if isinstance(value, list) and is_batch and name == "return_logprob":
-                value = value[0] if len(set(value)) == 1 else None
+                # one flag per item, as SGLang allows; this server takes them only when all agree
+                value = value[0] if value and all(v == value[0] for v in value) else None
             if not isinstance(value, types) or (types is int and isinstance(value, bool)):
-                raise BadRequest(f"{name} must be {types.__name__}")
+                raise BadRequest(f"{name} must be {types.__name__}, got {_short(value)}")
             flags[name] = value
         if flags["stream"]:
             raise BadRequest("stream=true is not supported by lib.cpu_server; send stream=false")
@@ -752,19 +889,29 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message, "code": status}}, status=status)
 
 
+def _refuse_constant(name: str):
+    raise BadRequest(f"{name} is not a JSON number; send finite numbers")
+
+
 async def _json_body(request: web.Request, allow_empty: bool = True):
+    timeout_s = request.app[BODY_TIMEOUT_S]
     try:
-        raw = await request.read()
+        raw = await asyncio.wait_for(request.read(), timeout=timeout_s)
     except web.HTTPRequestEntityTooLarge:
         raise BadRequest(f"request body larger than {request.app[MAX_BODY_BYTES]} bytes; "
-                         f"raise the server's --max-body-mb")
+                         f"raise the server's --max-body-mb", status=413)
+    except asyncio.TimeoutError:  # a client that sends part of a body and goes silent holds a socket
+        raise BadRequest(f"the request body did not arrive within {timeout_s} s (the server's --body-timeout-s)",
+                         status=408)
+    except web.RequestPayloadError as e:  # e.g. Content-Encoding: gzip on a body that is not gzip
+        raise BadRequest(f"the request body could not be read: {e}")
     if not raw.strip():
         if allow_empty:
             return {}
         raise BadRequest("empty body; send a JSON object")
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        body = json.loads(raw, parse_constant=_refuse_constant)
+    except ValueError as e:  # not JSON, not UTF-8, or an integer of more than 4300 digits
         raise BadRequest(f"body is not valid JSON: {e}")
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
@@ -776,7 +923,12 @@ async def _errors_as_json(request, handler):
     try:
         return await handler(request)
     except BadRequest as e:
-        return _error(413 if "larger than" in str(e) else 400, str(e))
+        response = _error(e.status, str(e))
+        if e.status == 408:
+            response.force_close()
+        return response
+    except RecursionError:  # JSON nested deeper than the parser (or a later check) can follow
+        return _error(400, "the JSON body is nested too deeply")
     except web.HTTPException as e:
         if e.status >= 400:
             return _error(e.status, e.reason)
@@ -786,14 +938,24 @@ async def _errors_as_json(request, handler):
         return _error(500, f"internal error: {e!r}")
 
 
+def _finish_even_if_client_leaves(handler):
+    """A client that disconnects cancels its handler (handler_cancellation), which frees the rows
+    of a /generate; a pause, weight update or group join must instead finish, or fail, as a whole
+    (a cancelled pause would also cancel the other clients' futures it waits on)."""
+    async def shielded(request):
+        return await asyncio.shield(handler(request))
+    return shielded
+
+
 def build_app(server: Server) -> web.Application:
     app = web.Application(client_max_size=int(server.args.max_body_mb * 2**20), middlewares=[_errors_as_json])
     app[MAX_BODY_BYTES] = int(server.args.max_body_mb * 2**20)
+    app[BODY_TIMEOUT_S] = server.args.body_timeout_s
     runner = server.runner
 
     async def generate(request):
         body = await _json_body(request, allow_empty=False)
-        requests, is_batch = server.build_requests(body)
+        requests, is_batch = await server.build_requests(body)
         done = await server.submit(requests)
         out = [server.response(r) for r in done]
         return web.json_response(out if is_batch else out[0])
@@ -802,8 +964,8 @@ def build_app(server: Server) -> web.Application:
         return web.Response(status=200)
 
     async def health_generate(request):
-        req, _ = server.build_requests({"input_ids": [runner.pad_token_id],
-                                        "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+        req, _ = await server.build_requests({"input_ids": [runner.pad_token_id],
+                                              "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
         try:
             await asyncio.wait_for(asyncio.shield(server.submit(req)), timeout=server.args.health_timeout_s)
         except asyncio.TimeoutError:
@@ -875,17 +1037,18 @@ def build_app(server: Server) -> web.Application:
 
     async def update_weights_from_disk(request):
         body = await _json_body(request, allow_empty=False)
-        path = body.get("model_path")
-        if not isinstance(path, str) or not path:
-            raise BadRequest("model_path (a directory with *.safetensors) is required")
-        version = body.get("weight_version")
-        if version is not None and not isinstance(version, str):
-            raise BadRequest("weight_version must be a string")
+        path = _field(body, "model_path", str, required=True)
+        version = _field(body, "weight_version", str)
+        abort_all = _field(body, "abort_all_requests", bool, False)
+        t0 = time.monotonic()
         try:
-            t0 = time.monotonic()
-            async with server.exclusive_update(body.get("abort_all_requests", False)):
-                await server.run_on_worker(runner.load_weights_from_disk, path)
-        except (BadRequest, OSError) as e:
+            # Read and checked on an executor thread while requests carry on; only the copy waits
+            # for in-flight requests, and it starts once the whole checkpoint has passed the checks.
+            named = await asyncio.get_running_loop().run_in_executor(None, runner.read_checkpoint, path)
+            async with server.exclusive_update(abort_all):
+                await server.run_on_worker(runner.copy_named_tensors, named)
+        except Exception as e:  # as SGLang: any failed load is a 400 with success false, old weights kept
+            logger.warning("update_weights_from_disk(%r) failed: %r", path, e)
             return web.json_response({"success": False, "message": f"Failed to update weights: {e}",
                                       "num_paused_requests": 0}, status=400)
         server.model_path = path
@@ -902,10 +1065,19 @@ def build_app(server: Server) -> web.Application:
         except KeyError as e:
             raise BadRequest(f"missing field {e.args[0]!r}; need master_address, master_port, rank_offset, "
                              f"world_size (and optionally group_name, backend)")
-        group_name = body.get("group_name", "weight_update_group")
-        backend = body.get("backend", "nccl")
-        if not isinstance(group_name, str) or not group_name:
+        if not isinstance(addr, str) or not addr:
+            raise BadRequest(f"master_address must be a non-empty string, got {_short(addr)}")
+        port = _number("master_port", port, int, 1, 65535)
+        world_size = _number("world_size", world_size, int, 2, MAX_WORLD_SIZE)
+        # Rank 0 is the trainer, the source of every broadcast: a server there would "receive" its
+        # own uninitialised buffers. This server is one rank, so it must also be below world_size.
+        rank_offset = _number("rank_offset (rank 0 is the trainer)", rank_offset, int, 1, world_size - 1)
+        group_name = _field(body, "group_name", str, "weight_update_group")
+        backend = _field(body, "backend", str, "nccl")
+        if not group_name:
             raise BadRequest("group_name must be a non-empty string")
+        if backend not in ("nccl", "gloo"):
+            raise BadRequest(f"backend must be 'nccl' or 'gloo', got {_short(backend)}")
         if group_name in server.groups:
             return web.json_response({"success": False, "message": f"group {group_name!r} already exists; "
                                       f"destroy it first"}, status=400)
@@ -914,8 +1086,8 @@ def build_app(server: Server) -> web.Application:
         from lib.process_group import init_custom_process_group
 
         def join():
-            return init_custom_process_group(backend, f"tcp://{addr}:{port}", int(world_size),
-                                             int(rank_offset), group_name, timeout_s=server.args.weight_sync_timeout_s)
+            return init_custom_process_group(backend, f"tcp://{addr}:{port}", world_size, rank_offset, group_name,
+                                             timeout_s=server.args.weight_sync_timeout_s)
         try:  # blocks until the trainer joins: off the event loop and off the model thread
             server.groups[group_name] = await asyncio.get_running_loop().run_in_executor(None, join)
         except Exception as e:
@@ -926,24 +1098,36 @@ def build_app(server: Server) -> web.Application:
     async def update_weights_from_distributed(request):
         body = await _json_body(request, allow_empty=False)
         names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
-        group_name = body.get("group_name", "weight_update_group")
+        group_name = _field(body, "group_name", str, "weight_update_group")
+        load_format = _field(body, "load_format", str)
+        version = _field(body, "weight_version", str)
+        abort_all = _field(body, "abort_all_requests", bool, False)
         if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
                 and len(names) == len(dtypes) == len(shapes)):
             raise BadRequest("names, dtypes and shapes must be lists of equal length")
-        if body.get("load_format") not in (None, "flattened_bucket"):
-            raise BadRequest(f"load_format {body['load_format']!r} is not supported; use null or 'flattened_bucket'")
+        if load_format not in (None, "flattened_bucket"):
+            raise BadRequest(f"load_format {_short(load_format)} is not supported; use null or 'flattened_bucket'")
+        if not all(isinstance(n, str) for n in names):
+            raise BadRequest("names must be strings (Hugging Face state-dict names)")
+        if not all(isinstance(s, list) and all(isinstance(d, int) and not isinstance(d, bool) for d in s) for s in shapes):
+            raise BadRequest("shapes must be lists of integers")
+        torch_dtypes = [_parse_dtype(d) for d in dtypes]
         if group_name not in server.groups:
             return web.json_response({"success": False, "message": f"Group {group_name} not in "
                                       f"{list(server.groups)}. Please call `init_weights_update_group` first."},
                                      status=400)
-        torch_dtypes = [_parse_dtype(d) for d in dtypes]
+        try:  # everything is checked before the first byte is received
+            runner.check_named_shapes(names, shapes)
+        except BadRequest as e:
+            return web.json_response({"success": False, "message": f"Failed to update parameter online: {e}."},
+                                     status=400)
         pg = server.groups[group_name]
 
         def receive():
             import torch.distributed as dist
 
             device = runner.device
-            if body.get("load_format") == "flattened_bucket":
+            if load_format == "flattened_bucket":
                 # SGLang's FlattenedTensorBucket: each tensor's bytes (tensor.flatten().view(uint8)),
                 # concatenated in order, sent as one uint8 broadcast; mixed dtypes allowed.
                 nbytes = [math.prod(s) * torch.empty(0, dtype=d).element_size() for s, d in zip(shapes, torch_dtypes)]
@@ -957,22 +1141,21 @@ def build_app(server: Server) -> web.Application:
                 h.wait()
             return list(zip(names, tensors))
         try:
-            async with server.exclusive_update(body.get("abort_all_requests", False)):
+            async with server.exclusive_update(abort_all):
                 # Received off the model thread (paused in-place rows and the event loop carry on),
                 # then copied in one go between steps: no forward ever sees half-updated weights.
                 named = await asyncio.get_running_loop().run_in_executor(None, receive)
-                runner.check_named_tensors(names, shapes)
                 await server.run_on_worker(runner.copy_named_tensors, named)
         except Exception as e:
             return web.json_response({"success": False, "message": f"Failed to update parameter online: {e}."},
                                      status=400)
-        if body.get("weight_version") is not None:
-            server.weight_version = str(body["weight_version"])
+        if version is not None:
+            server.weight_version = version
         return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
 
     async def destroy_weights_update_group(request):
         body = await _json_body(request, allow_empty=False)
-        group_name = body.get("group_name", "weight_update_group")
+        group_name = _field(body, "group_name", str, "weight_update_group")
         pg = server.groups.pop(group_name, None)
         if pg is None:
             return web.json_response({"success": False, "message": "The group to be destroyed does not exist."},
@@ -984,10 +1167,10 @@ def build_app(server: Server) -> web.Application:
 
     async def update_weight_version(request):
         body = await _json_body(request, allow_empty=False)
-        version = body.get("new_version")
-        if not isinstance(version, str) or not version:
+        version = _field(body, "new_version", str)
+        if not version:
             raise BadRequest("new_version (a non-empty string) is required")
-        if body.get("abort_all_requests", True):
+        if _field(body, "abort_all_requests", bool, True):
             server.abort()
         server.weight_version = version
         return web.json_response({"success": True, "message": f"Weight version updated to {version}",
@@ -999,6 +1182,7 @@ def build_app(server: Server) -> web.Application:
     async def on_cleanup(app):
         app[SCHEDULER_TASK].cancel()
         server.worker.shutdown(wait=False, cancel_futures=True)
+        server.tokenizer_worker.shutdown(wait=False, cancel_futures=True)
 
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
@@ -1013,13 +1197,13 @@ def build_app(server: Server) -> web.Application:
     r.add_get("/server_info", get_server_info)
     r.add_post("/update_weight_version", update_weight_version)
     r.add_route("*", "/flush_cache", flush_cache)
-    r.add_post("/pause_generation", pause_generation)
+    r.add_post("/pause_generation", _finish_even_if_client_leaves(pause_generation))
     r.add_post("/continue_generation", continue_generation)
     r.add_post("/abort_request", abort_request)
-    r.add_post("/update_weights_from_disk", update_weights_from_disk)
-    r.add_post("/init_weights_update_group", init_weights_update_group)
-    r.add_post("/update_weights_from_distributed", update_weights_from_distributed)
-    r.add_post("/destroy_weights_update_group", destroy_weights_update_group)
+    r.add_post("/update_weights_from_disk", _finish_even_if_client_leaves(update_weights_from_disk))
+    r.add_post("/init_weights_update_group", _finish_even_if_client_leaves(init_weights_update_group))
+    r.add_post("/update_weights_from_distributed", _finish_even_if_client_leaves(update_weights_from_distributed))
+    r.add_post("/destroy_weights_update_group", _finish_even_if_client_leaves(destroy_weights_update_group))
     return app
 
 
@@ -1045,6 +1229,8 @@ def parse_args(argv=None):
     p.add_argument("--request-timeout-s", type=float, default=3600.0,
                    help="a request still running after this long is aborted (finish_reason abort)")
     p.add_argument("--max-body-mb", type=float, default=64.0, help="larger request bodies get a 413")
+    p.add_argument("--body-timeout-s", type=float, default=60.0,
+                   help="a request body not fully received this long after its headers gets a 408")
     p.add_argument("--health-timeout-s", type=float, default=20.0)
     p.add_argument("--weight-sync-timeout-s", type=float, default=600.0,
                    help="how long /init_weights_update_group and collectives wait for the trainer")
@@ -1062,7 +1248,9 @@ def main(argv=None):
     server = Server(args)
     logger.info("serving %s on http://%s:%d (device %s, dtype %s, context %d)", args.model_path, args.host,
                 args.port, args.device, server.runner.dtype, server.runner.context_length)
-    web.run_app(build_app(server), host=args.host, port=args.port, print=None, access_log=None)
+    # handler_cancellation: a client that disconnects cancels its handler, so its rows are freed
+    web.run_app(build_app(server), host=args.host, port=args.port, print=None, access_log=None,
+                handler_cancellation=True)
 
 
 if __name__ == "__main__":
