@@ -651,6 +651,8 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
         step, version = extra["step"], extra["version"]
         data_position = extra.get("data_position", step * cfg.batch_size)
         random.setstate(extra["python_rng"])
+        if "numpy_rng" in extra:  # checkpoints written before it was saved lack it
+            np.random.set_state(extra["numpy_rng"])
         torch.set_rng_state(extra["torch_rng"])
         # The server still holds the initial weights: give it the resumed policy.
         weight_sync.sync(version)
@@ -820,7 +822,8 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
             if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.max_steps or stopping):
                 actor.save_checkpoint(os.path.join(ckpt_dir, "latest"), extra={
                     "step": step, "version": version, "data_position": data_position,
-                    "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()})
+                    "python_rng": random.getstate(), "numpy_rng": np.random.get_state(),
+                    "torch_rng": torch.get_rng_state()})
         progress.close()
         if producer is not None:
             producer.stop()
