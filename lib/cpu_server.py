@@ -56,7 +56,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -67,6 +66,8 @@ import uuid
 
 import torch
 from aiohttp import web
+
+from lib.http_body import BadRequest, read_json_body
 
 logger = logging.getLogger("cpu_server")
 
@@ -81,14 +82,6 @@ SGLANG_TOP_K_ALL = 1 << 30  # SGLang's default top_k, meaning the whole vocabula
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 MAX_WORLD_SIZE = 2**16
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16", "float64")  # what a weight update may send
-
-
-class BadRequest(ValueError):
-    """A request the client must fix; answered with `status` (400 unless said) and the message."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
 
 
 def _short(value) -> str:
@@ -894,25 +887,9 @@ def _refuse_constant(name: str):
 
 
 async def _json_body(request: web.Request, allow_empty: bool = True):
-    timeout_s = request.app[BODY_TIMEOUT_S]
-    try:
-        raw = await asyncio.wait_for(request.read(), timeout=timeout_s)
-    except web.HTTPRequestEntityTooLarge:
-        raise BadRequest(f"request body larger than {request.app[MAX_BODY_BYTES]} bytes; "
-                         f"raise the server's --max-body-mb", status=413)
-    except asyncio.TimeoutError:  # a client that sends part of a body and goes silent holds a socket
-        raise BadRequest(f"the request body did not arrive within {timeout_s} s (the server's --body-timeout-s)",
-                         status=408)
-    except web.RequestPayloadError as e:  # e.g. Content-Encoding: gzip on a body that is not gzip
-        raise BadRequest(f"the request body could not be read: {e}")
-    if not raw.strip():
-        if allow_empty:
-            return {}
-        raise BadRequest("empty body; send a JSON object")
-    try:
-        body = json.loads(raw, parse_constant=_refuse_constant)
-    except ValueError as e:  # not JSON, not UTF-8, or an integer of more than 4300 digits
-        raise BadRequest(f"body is not valid JSON: {e}")
+    body = await read_json_body(request, max_body_bytes=request.app[MAX_BODY_BYTES],
+                                timeout_s=request.app[BODY_TIMEOUT_S], too_large_hint="raise the server's --max-body-mb",
+                                allow_empty=allow_empty, parse_constant=_refuse_constant)
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
     return body

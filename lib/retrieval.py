@@ -30,6 +30,8 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 
+from lib.http_body import BadRequest, read_json_body
+
 # bm25s imports jax when it is installed, and jax on a GPU machine takes 75% of every GPU's memory at
 # start-up (seen on an H100: the inference server then failed with out-of-memory). BM25 needs no GPU.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -305,12 +307,6 @@ def search(index, queries: list[str], topk: int, return_scores: bool = False) ->
 
 
 # --- HTTP server ---
-class BadRequest(ValueError):
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
-
-
 def _json_type(value) -> str:
     names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
     return names.get(type(value), "a number")
@@ -378,37 +374,6 @@ def _error(status: int, message: str):
     return web.json_response({"error": message}, status=status)
 
 
-async def _json_body(request, max_body_bytes: int, body_timeout_s: float):
-    """The parsed body, or BadRequest: over `max_body_bytes` (413), not all there within
-    `body_timeout_s` (408), or not readable as its Content-Encoding says, or not JSON that Python
-    parses (400: invalid, nested ~1000 levels deep, an integer over 4300 digits)."""
-    from aiohttp import web
-
-    try:
-        # Without a deadline, a client that sends part of a body and goes silent holds its connection
-        # (a file descriptor) for good; so does a deflate body cut short, sent after its headers
-        # (aiohttp then never ends the payload).
-        raw = await asyncio.wait_for(request.read(), body_timeout_s)
-    except asyncio.TimeoutError:
-        raise BadRequest(f"the request body was not all read within {body_timeout_s} s; send it at once, check "
-                         "its Content-Encoding, or raise the server's --body-timeout-s", 408)
-    except web.HTTPRequestEntityTooLarge:
-        raise BadRequest(f"request body larger than {max_body_bytes} bytes; send fewer or shorter queries", 413)
-    except web.RequestPayloadError as e:  # e.g. `Content-Encoding: gzip` on a body that is not gzip
-        raise BadRequest(f"the request body could not be read ({' '.join(str(e).split())}); send plain JSON, "
-                         f"or JSON encoded as its Content-Encoding {request.headers.get('Content-Encoding')!r} says")
-    try:
-        return json.loads(raw)
-    except RecursionError:
-        raise BadRequest("the body nests arrays or objects too deeply to parse (about 1000 levels); "
-                         "the API's bodies nest 2 levels")
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"the body is not valid JSON ({e})")
-    except ValueError as e:  # an integer literal longer than sys.get_int_max_str_digits()
-        raise BadRequest(f"the body holds an integer that cannot be read ({str(e).split(';')[0]}); "
-                         f"integers may have at most {sys.get_int_max_str_digits()} digits")
-
-
 def build_app(index, topk_max: int = 50, max_batch: int = 512, max_query_chars: int = 2000,
               request_timeout_s: float = 60.0, num_workers: int = 2, max_body_bytes: int = 4 * 2**20,
               body_timeout_s: float = 10.0):
@@ -446,13 +411,15 @@ def build_app(index, topk_max: int = 50, max_batch: int = 512, max_query_chars: 
                              "raise the server's --request-timeout-s", 503)
 
     async def retrieve(request):
-        body = await _json_body(request, max_body_bytes, body_timeout_s)
+        body = await read_json_body(request, max_body_bytes=max_body_bytes, timeout_s=body_timeout_s,
+                                    too_large_hint="send fewer or shorter queries")
         queries, topk, return_scores = parse_retrieve(body, max_batch, max_query_chars, topk_max)
         result = await run_in_pool(search, index, queries, topk, return_scores)
         return web.json_response({"result": result})
 
     async def access(request):
-        body = await _json_body(request, max_body_bytes, body_timeout_s)
+        body = await read_json_body(request, max_body_bytes=max_body_bytes, timeout_s=body_timeout_s,
+                                    too_large_hint="send fewer or shorter queries")
         if not isinstance(body, dict):
             raise BadRequest('the body must be a JSON object like {"title": "..."}, {"url": "..."}, {"id": "..."} '
                              'or {"urls": [...]}')

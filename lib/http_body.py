@@ -1,0 +1,49 @@
+"""A request's JSON body for our servers (the CPU inference server, the retrieval server), with every
+way a body can be bad answered by a 4xx that names the cause, never a 5xx or a held socket."""
+import asyncio
+import json
+import sys
+
+from aiohttp import web
+
+
+class BadRequest(ValueError):
+    """A request the client must fix; answered with `status` (400 unless said) and the message."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+async def read_json_body(request: web.Request, *, max_body_bytes: int, timeout_s: float, too_large_hint: str,
+                         allow_empty: bool = False, parse_constant=None):
+    """The parsed JSON body, or BadRequest: over `max_body_bytes` (413, with `too_large_hint`), not
+    all there within `timeout_s` (408), not readable as its Content-Encoding says, or not JSON that
+    Python parses (400: invalid, nested ~1000 levels deep, an integer over 4300 digits). A blank body
+    is `{}` with `allow_empty`, else a 400. `parse_constant` sees NaN/Infinity literals."""
+    try:
+        # Without a deadline, a client that sends part of a body and goes silent holds its connection
+        # (a file descriptor) for good; so does a deflate body cut short, sent after its headers
+        # (aiohttp then never ends the payload).
+        raw = await asyncio.wait_for(request.read(), timeout_s)
+    except asyncio.TimeoutError:
+        raise BadRequest(f"the request body was not all read within {timeout_s} s; send it at once, check "
+                         "its Content-Encoding, or raise the server's --body-timeout-s", 408)
+    except web.HTTPRequestEntityTooLarge:
+        raise BadRequest(f"request body larger than {max_body_bytes} bytes; {too_large_hint}", 413)
+    except web.RequestPayloadError as e:  # e.g. `Content-Encoding: gzip` on a body that is not gzip
+        raise BadRequest(f"the request body could not be read ({' '.join(str(e).split())}); send plain JSON, "
+                         f"or JSON encoded as its Content-Encoding {request.headers.get('Content-Encoding')!r} says")
+    if not raw.strip():
+        if not allow_empty:
+            raise BadRequest("empty body; send a JSON object")
+        return {}
+    try:
+        return json.loads(raw, parse_constant=parse_constant)
+    except RecursionError:
+        raise BadRequest("the body nests arrays or objects too deeply to parse (about 1000 levels)")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the body is not valid JSON ({e})")
+    except ValueError as e:  # an integer literal longer than sys.get_int_max_str_digits()
+        raise BadRequest(f"the body holds an integer that cannot be read ({str(e).split(';')[0]}); "
+                         f"integers may have at most {sys.get_int_max_str_digits()} digits")
