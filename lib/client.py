@@ -20,6 +20,7 @@ piece was sent, so the trainer knows which tokens came from which weights. Any o
 """
 import asyncio
 import dataclasses
+import functools
 import json
 import math
 
@@ -261,24 +262,14 @@ class InferenceClient:
         Not blindly retried (a load must not run twice by accident), but safe against a dropped
         connection: with `weight_version` given, a call whose answer was lost asks the server which
         version it holds (`/model_info`) and sends the update again only if it was not applied."""
-        self._bind_loop()
         body = {"model_path": model_path, "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
-        results = await asyncio.gather(*(self._update_checked(a, "/update_weights_from_disk", body)
-                                         for a in self.addresses), return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        for address, result in zip(self.addresses, results):
-            if isinstance(result, dict) and result.get("success") is False:
-                raise InferenceServerError(f"POST {address}/update_weights_from_disk failed: {result.get('message')}",
-                                           address=address)
-        return results
+        return await self._fan_out("POST", "/update_weights_from_disk", body, send=self._update_checked)
 
-    async def _update_checked(self, address: str, path: str, body: dict):
+    async def _update_checked(self, method: str, address: str, path: str, body: dict):
         try:
-            return await self._request("POST", address, path, body, retry=False)
+            return await self._request(method, address, path, body, retry=False)
         except InferenceServerError as e:
             if e.status is not None or body.get("weight_version") is None:
                 raise  # refused (4xx), or no version to tell whether it was applied
@@ -287,7 +278,7 @@ class InferenceClient:
         info = await self._request("GET", address, "/model_info", None)
         if str(info.get("weight_version")) == body["weight_version"]:
             return {"success": True, "message": f"applied; its answer was lost ({lost})", "num_paused_requests": 0}
-        return await self._request("POST", address, path, body, retry=False)
+        return await self._request(method, address, path, body, retry=False)
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offsets: list[int] | int,
                                         world_size: int, group_name: str = "weight_update_group",
@@ -354,12 +345,16 @@ class InferenceClient:
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=3.0))
         return self._session
 
-    async def _fan_out(self, method: str, path: str, body, *, retry: bool = True, expect_json: bool = True) -> list:
+    async def _fan_out(self, method: str, path: str, body, *, retry: bool = True, expect_json: bool = True,
+                       send=None) -> list:
+        """The call on every server; `send(method, address, path, body)` replaces a plain `_request`."""
         self._bind_loop()
         bodies = body if isinstance(body, list) else [body] * len(self.addresses)
+        if send is None:
+            send = functools.partial(self._request, retry=retry, expect_json=expect_json)
         # Every server gets the call even if one fails, so none is left e.g. paused alone.
-        results = await asyncio.gather(*(self._request(method, a, path, b, retry=retry, expect_json=expect_json)
-                                         for a, b in zip(self.addresses, bodies)), return_exceptions=True)
+        results = await asyncio.gather(*(send(method, a, path, b) for a, b in zip(self.addresses, bodies)),
+                                       return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 raise result
