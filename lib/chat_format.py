@@ -1,0 +1,182 @@
+"""OpenAI chat messages <-> the model's tokens and text, through the tokenizer's own chat template.
+
+    render_ids(tokenizer, messages, tools)          # prompt tokens of a conversation, generation prompt added
+    continuation_ids(tokenizer, history, messages, tools)   # only the tokens that follow `history`'s last assistant turn
+    parse_tool_calls(text)                          # Qwen2.5 / Hermes `<tool_call>{json}</tool_call>` -> OpenAI tool_calls
+
+Messages arrive in OpenAI's shape (content as a string, a list of text parts or null; assistant
+`tool_calls` with `arguments` as a JSON string) and are rendered in the shape HF chat templates
+expect (`arguments` as a dict). Anything that cannot be rendered raises `ChatFormatError`, whose
+message names the field; the proxy answers it with a 400.
+
+Why `continuation_ids` cuts text instead of re-tokenizing the conversation: an earlier assistant
+turn must stay the tokens the model sampled (re-encoding its text can give other ids, and chat
+templates often re-render a turn, e.g. tool calls as reformatted JSON). Only what follows that turn
+is new: the template's rendering of `messages` must begin with its rendering of `history` up to the
+end-of-turn token that closes the last assistant turn; the rest of the text is tokenized on its
+own. Special tokens split BPE, so that text gets the ids it has inside the whole rendering.
+"""
+import json
+import re
+import uuid
+
+
+class ChatFormatError(ValueError):
+    """A request the chat template cannot render; the message names the field."""
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _text_of(content, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for i, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise ChatFormatError(f"{where}.content[{i}]: only text parts are supported, got type {kind!r}")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ChatFormatError(f"{where}.content must be a string, a list of text parts or null, got {type(content).__name__}")
+
+
+def _arguments(raw, where: str):
+    """A tool call's arguments as a template renders them: the decoded JSON object when it is one."""
+    if isinstance(raw, dict):
+        return raw
+    if not isinstance(raw, str):
+        raise ChatFormatError(f"{where}.function.arguments must be a JSON string, got {type(raw).__name__}")
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return raw  # the model wrote something that is not JSON; render it as it is
+    return value if isinstance(value, dict) else raw
+
+
+def to_template_messages(messages) -> list[dict]:
+    """OpenAI request messages -> the dicts HF chat templates render. Raises ChatFormatError."""
+    if not isinstance(messages, list) or not messages:
+        raise ChatFormatError("messages must be a non-empty list")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ChatFormatError(f"{where} must be an object")
+        role = m.get("role")
+        if role not in ROLES:
+            raise ChatFormatError(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}")
+        msg = {"role": "system" if role == "developer" else role, "content": _text_of(m.get("content"), where)}
+        if role == "assistant" and m.get("tool_calls"):
+            if not isinstance(m["tool_calls"], list):
+                raise ChatFormatError(f"{where}.tool_calls must be a list")
+            calls = []
+            for j, call in enumerate(m["tool_calls"]):
+                fn = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise ChatFormatError(f"{where}.tool_calls[{j}] needs function.name")
+                calls.append({"id": call.get("id"), "type": "function",
+                              "function": {"name": fn["name"],
+                                           "arguments": _arguments(fn.get("arguments", "{}"), f"{where}.tool_calls[{j}]")}})
+            msg["tool_calls"] = calls
+        if role == "tool":
+            msg["tool_call_id"] = m.get("tool_call_id")
+        if isinstance(m.get("name"), str):
+            msg["name"] = m["name"]
+        out.append(msg)
+    return out
+
+
+def message_key(msg: dict) -> str:
+    """What two template messages must share to be the same turn: everything the template may
+    render (tool call ids excepted: they are the proxy's labels, and SDKs keep them anyway)."""
+    calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in msg.get("tool_calls", [])]
+    return json.dumps({"role": msg["role"], "content": msg["content"], "tool_calls": calls,
+                       "name": msg.get("name")}, sort_keys=True, ensure_ascii=False)
+
+
+def render_text(tokenizer, messages: list[dict], tools=None, *, add_generation_prompt: bool,
+                chat_template: str | None = None) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt, chat_template=chat_template)
+    except Exception as e:  # jinja's TemplateError (e.g. "roles must alternate") and friends: the request's fault
+        raise ChatFormatError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from None
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def render_ids(tokenizer, messages: list[dict], tools=None, chat_template: str | None = None) -> list[int]:
+    """The prompt of a conversation: the template's text with the generation prompt, tokenized."""
+    return encode(tokenizer, render_text(tokenizer, messages, tools, add_generation_prompt=True,
+                                         chat_template=chat_template))
+
+
+def end_of_turn_token(tokenizer, chat_template: str | None = None) -> tuple[str, int]:
+    """(text, id) of the special token the template closes an assistant turn with (ChatML's
+    <|im_end|>, Llama 3's <|eot_id|>): the first special token after an assistant turn's content."""
+    probe = "PROBE-7f3a"
+    text = render_text(tokenizer, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": probe}],
+                       add_generation_prompt=False, chat_template=chat_template)
+    after = text[text.rfind(probe) + len(probe):] if probe in text else ""
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    for token in encode(tokenizer, after):
+        if token in special:
+            return tokenizer.convert_ids_to_tokens(token), token
+    raise ValueError("the chat template closes an assistant turn with no special token; the proxy needs one "
+                     "(ChatML's <|im_end|>) to tell where a sampled turn ends")
+
+
+def continuation_ids(tokenizer, history: list[dict], messages: list[dict], tools=None, *, end_of_turn: str,
+                     chat_template: str | None = None) -> list[int] | None:
+    """The tokens of `messages` (with the generation prompt) that follow the end-of-turn token of
+    `history`'s last message, an assistant turn; `history` must be a prefix of `messages`. None when
+    the template renders `history` differently inside `messages` (then the caller starts over)."""
+    before = render_text(tokenizer, history, tools, add_generation_prompt=False, chat_template=chat_template)
+    after = render_text(tokenizer, messages, tools, add_generation_prompt=True, chat_template=chat_template)
+    cut = before.rfind(end_of_turn)
+    if cut < 0:
+        return None
+    cut += len(end_of_turn)
+    if not after.startswith(before[:cut]):
+        return None
+    return encode(tokenizer, after[cut:])
+
+
+# --- the model's tool calls ---
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+def parse_tool_calls(text: str):
+    """(content, tool_calls) from a model turn in Qwen2.5's format, `<tool_call>{"name": ..,
+    "arguments": {..}}</tool_call>` (one block per call). `tool_calls` is None, and `content` the
+    whole text, when there is no block or any block does not parse: the agent's code decides what a
+    malformed call means. `content` is None when nothing but tool calls was written (as OpenAI does)."""
+    blocks = list(_TOOL_CALL.finditer(text))
+    if not blocks or "<tool_call>" in _TOOL_CALL.sub("", text):
+        return text, None
+    calls = []
+    for block in blocks:
+        try:
+            call = json.loads(block.group(1).strip())
+        except ValueError:
+            return text, None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+            return text, None
+        args = call.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                return text, None
+        if not isinstance(args, dict):
+            return text, None
+        calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                      "function": {"name": call["name"], "arguments": json.dumps(args, ensure_ascii=False)}})
+    content = _TOOL_CALL.sub("", text).strip()
+    return content or None, calls

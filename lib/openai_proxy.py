@@ -1,0 +1,385 @@
+"""An OpenAI-compatible chat server in front of `lib.client.InferenceClient` that records, token by
+token, what the policy sampled: agents written with the `openai` SDK, LangChain or LangGraph are
+trained unchanged.
+
+    proxy = OpenAIProxy(client, tokenizer, stop_token_ids=eos_ids)
+    await proxy.start()                                   # http://127.0.0.1:PORT/v1, on the running loop
+    key = proxy.new_session()                             # one episode = one session = one API key
+    agent = AsyncOpenAI(base_url=proxy.url, api_key=key)  # the agent's own code, unchanged
+    ...
+    episode = proxy.end_session(key)                      # {"segments": [trajectory, ...], "reward": ..., stats}
+
+Endpoints: `POST /v1/chat/completions` (plain and `stream: true` server-sent events), `GET
+/v1/models`, and `POST /agentrl/reward {"reward": x}` for agents that score themselves (the
+session's key as the API key). Every bad request gets a 4xx in OpenAI's error shape, naming the
+field; nothing about a session changes on a rejected request.
+
+Recording (docs/openai_proxy.md): a request whose messages extend an earlier request of the session
+(its messages, then the assistant reply the proxy gave, then new messages) continues that
+request's tokens: the sampled tokens stay as they were, only the new messages are tokenized
+(lib/chat_format.py) and appended with loss_mask 0. A request that does not extend one (the agent
+rewrote its history, changed its tools, or asked twice from the same point) starts a new segment,
+rendered by the chat template, where only the new reply is trained on. So every sampled token is in
+exactly one segment with loss_mask 1 and the log-prob the server reported for it. Each segment is a
+training sequence with the episode's reward.
+"""
+import asyncio
+import json
+import time
+import uuid
+
+import torch
+from aiohttp import web
+
+from lib.chat_format import (ChatFormatError, continuation_ids, end_of_turn_token, message_key, parse_tool_calls,
+                             render_ids, to_template_messages)
+from lib.client import InferenceServerError
+from lib.http_body import BadRequest, read_json_body
+
+# Fields of a chat completion request: read, ignored (harmless for sampling), or refused with a
+# 400 unless they hold their neutral value.
+_READ = {"model", "messages", "temperature", "top_p", "max_tokens", "max_completion_tokens", "stop", "seed", "n",
+         "stream", "stream_options", "tools", "tool_choice", "logprobs", "top_logprobs"}
+_IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+            "safety_identifier"}
+_NEUTRAL = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},),
+            "response_format": ({"type": "text"},), "functions": (), "function_call": (), "reasoning_effort": (),
+            "modalities": (["text"],), "audio": (), "prediction": (), "web_search_options": ()}
+
+
+class SessionFailed(RuntimeError):
+    """A generation of the session failed (an abort that was not a pause, a server error): its
+    episode is not what the policy would have written, so it must not be trained on."""
+
+
+class _Segment:
+    def __init__(self, ids, mask, logprobs, versions):
+        self.ids, self.mask, self.logprobs, self.versions = ids, mask, logprobs, versions
+        # After each reply: (message keys through the reply, tools key, token count, closed by a stop token)
+        self.states: list[tuple[tuple, str, int, bool]] = []
+        self.busy = False  # a request is generating on it: a concurrent one forks instead
+
+
+class _Session:
+    def __init__(self, key: str):
+        self.key = key
+        self.segments: list[_Segment] = []
+        self.reward = None
+        self.error = None
+        self.stats = {"requests": 0, "completion_tokens": 0, "tool_calls": 0, "tool_call_parse_failures": 0,
+                      "length_cut": 0, "new_segments": 0}
+
+
+def _error(status: int, message: str, *, param: str | None = None, code: str | None = None) -> web.Response:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                             status=status)
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+
+class OpenAIProxy:
+    def __init__(self, client, tokenizer, *, stop_token_ids: list[int] | None = None, model_name: str = "policy",
+                 max_context_tokens: int | None = None, default_max_tokens: int = 1024, chat_template: str | None = None,
+                 host: str = "127.0.0.1", port: int = 0, max_body_bytes: int = 32 << 20, body_timeout_s: float = 30.0):
+        """`stop_token_ids`: ids that end a turn (the model's EOS set, lib.client.model_eos_ids).
+        `max_context_tokens`: a session's prompt + reply budget; a request past it gets OpenAI's
+        400 `context_length_exceeded` and `max_tokens` is cut to what is left. `chat_template`
+        overrides the tokenizer's."""
+        self.client, self.tokenizer = client, tokenizer
+        self.model_name = model_name
+        self.max_context_tokens = max_context_tokens
+        self.default_max_tokens = default_max_tokens
+        self.chat_template = chat_template
+        self.end_of_turn, self.end_of_turn_id = end_of_turn_token(tokenizer, chat_template)
+        self.stop_token_ids = sorted(set(stop_token_ids or []) | {self.end_of_turn_id})
+        self.host, self.port = host, port
+        self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
+        self.sessions: dict[str, _Session] = {}
+        self.url = ""
+        self._runner = None
+
+    # --- lifecycle, on the event loop the client runs on ---
+    async def start(self) -> str:
+        app = web.Application(client_max_size=self.max_body_bytes)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/agentrl/reward", self._reward)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        self.url = f"http://{self.host}:{self.port}/v1"
+        return self.url
+
+    async def close(self):
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # --- sessions ---
+    def new_session(self) -> str:
+        """A new episode's key: hand it to the agent as its API key."""
+        key = "agentrl-" + uuid.uuid4().hex
+        self.sessions[key] = _Session(key)
+        return key
+
+    def end_session(self, key: str) -> dict:
+        """The episode: `segments` (trajectory dicts of [1, T] tensors: input_ids, loss_mask,
+        logprobs, versions, attention_mask; segments without a sampled token are left out), the
+        `reward` posted to /agentrl/reward (None if none was) and the session's counts. Raises
+        SessionFailed if a generation of the session failed."""
+        session = self.sessions.pop(key)
+        self.client.end_trajectory(key)
+        if session.error is not None:
+            raise SessionFailed(f"a generation of session {key} failed: {session.error}")
+        t = lambda xs, dtype: torch.tensor([xs], dtype=dtype)  # noqa: E731
+        segments = [{"input_ids": t(s.ids, torch.long), "loss_mask": t(s.mask, torch.long),
+                     "logprobs": t(s.logprobs, torch.float32), "versions": t(s.versions, torch.long),
+                     "attention_mask": torch.ones(1, len(s.ids), dtype=torch.long)}
+                    for s in session.segments if any(s.mask)]
+        return {"segments": segments, "reward": session.reward, **session.stats}
+
+    # --- handlers ---
+    def _session_of(self, request) -> _Session:
+        auth = request.headers.get("Authorization", "")
+        key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        session = self.sessions.get(key)
+        if session is None:
+            raise _Refused(401, "unknown or missing API key: use the key of a live session (proxy.new_session())",
+                           code="invalid_api_key")
+        return session
+
+    async def _models(self, request):
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "agentrl"}]})
+
+    async def _reward(self, request):
+        try:
+            session = self._session_of(request)
+            body = await read_json_body(request, max_body_bytes=self.max_body_bytes, timeout_s=self.body_timeout_s,
+                                        too_large_hint="send {\"reward\": x}")
+            reward = body.get("reward") if isinstance(body, dict) else None
+            if isinstance(reward, bool) or not isinstance(reward, (int, float)) or reward != reward:
+                raise _Refused(400, "send {\"reward\": <a finite number>}", param="reward")
+        except BadRequest as e:
+            return _error(e.status, str(e))
+        except _Refused as e:
+            return _error(e.status, str(e), param=e.param, code=e.code)
+        session.reward = float(reward)
+        return web.json_response({"status": "ok"})
+
+    async def _chat(self, request):
+        try:
+            session = self._session_of(request)
+            body = await read_json_body(request, max_body_bytes=self.max_body_bytes, timeout_s=self.body_timeout_s,
+                                        too_large_hint="shorten the conversation")
+            params = self._read_params(body)
+            plan = self._plan(session, params)
+        except BadRequest as e:
+            return _error(e.status, str(e))
+        except _Refused as e:
+            return _error(e.status, str(e), param=e.param, code=e.code)
+        except ChatFormatError as e:
+            return _error(400, str(e), param="messages")
+        session.stats["requests"] += 1
+        segment = plan["segment"]
+        if segment is not None and plan["in_place"]:
+            segment.busy = True
+        try:
+            gen = await self.client.generate(
+                plan["prompt"], max_new_tokens=plan["max_new_tokens"], temperature=params["temperature"],
+                top_p=params["top_p"], stop=params["stop"], stop_token_ids=self.stop_token_ids,
+                trajectory_id=session.key, extra_sampling_params=params["extra"])
+        except InferenceServerError as e:
+            session.error = str(e)
+            return _error(503, f"the inference server failed: {e}")
+        finally:
+            if segment is not None and plan["in_place"]:
+                segment.busy = False
+        message, finish = self._record(session, plan, params, gen)
+        completion_id = "chatcmpl-" + uuid.uuid4().hex
+        usage = {"prompt_tokens": len(plan["prompt"]), "completion_tokens": len(gen.output_ids),
+                 "total_tokens": len(plan["prompt"]) + len(gen.output_ids)}
+        logprobs = None
+        if params["logprobs"]:
+            logprobs = {"content": [{"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []}
+                                    for text, lp in zip(self.tokenizer.convert_ids_to_tokens(gen.output_ids),
+                                                        gen.logprobs)]}
+        if params["stream"]:
+            return await self._stream(request, completion_id, message, finish, logprobs,
+                                      usage if params["include_usage"] else None)
+        return web.json_response({
+            "id": completion_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}],
+            "usage": usage})
+
+    async def _stream(self, request, completion_id, message, finish, logprobs, usage):
+        """The whole reply as server-sent events, in the chunks the SDKs assemble: role, content,
+        tool calls, finish reason, usage (when asked), [DONE]."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        base = {"id": completion_id, "object": "chat.completion.chunk", "created": int(time.time()),
+                "model": self.model_name}
+
+        async def send(choices, **extra):
+            await response.write(f"data: {json.dumps({**base, 'choices': choices, **extra})}\n\n".encode())
+        await send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+        if message["content"]:
+            await send([{"index": 0, "delta": {"content": message["content"]}, "finish_reason": None,
+                         "logprobs": logprobs}])
+        if message.get("tool_calls"):
+            await send([{"index": 0, "finish_reason": None,
+                         "delta": {"tool_calls": [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]}}])
+        await send([{"index": 0, "delta": {}, "finish_reason": finish}])
+        if usage is not None:
+            await send([], usage=usage)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    # --- the request's fields ---
+    def _read_params(self, body) -> dict:
+        if not isinstance(body, dict):
+            raise _Refused(400, "the body must be a JSON object")
+        for name, value in body.items():
+            if name in _READ or name in _IGNORED:
+                continue
+            if name in _NEUTRAL:
+                if value is None or value in _NEUTRAL[name]:
+                    continue
+                raise _Refused(400, f"{name} is not supported by agentrl's proxy (only {name}=null"
+                                    f"{''.join(f' or {json.dumps(v)}' for v in _NEUTRAL[name])})", param=name)
+            raise _Refused(400, f"unrecognized request argument supplied: {name}", param=name)
+
+        def number(name, default, low, high):
+            value = body.get(name)
+            if value is None:
+                return default
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+                raise _Refused(400, f"{name} must be a number in [{low}, {high}], got {value!r}", param=name)
+            return float(value)
+
+        def integer(name, low):
+            value = body.get(name)
+            if value is None:
+                return None
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise _Refused(400, f"{name} must be an integer >= {low}, got {value!r}", param=name)
+            return value
+
+        if integer("n", 1) not in (None, 1):
+            raise _Refused(400, "n > 1 is not supported: ask once per sample (each is its own turn)", param="n")
+        if body.get("top_logprobs"):
+            raise _Refused(400, "top_logprobs is not supported (logprobs: true gives each sampled token's)",
+                           param="top_logprobs")
+        stop = body.get("stop")
+        if isinstance(stop, str):
+            stop = [stop]
+        if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
+            raise _Refused(400, "stop must be a string or a list of strings", param="stop")
+        tools = body.get("tools")
+        if tools is not None:
+            if not isinstance(tools, list) or not all(
+                    isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+                    and isinstance(t["function"].get("name"), str) for t in tools):
+                raise _Refused(400, "tools must be a list of {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                               param="tools")
+        if tools and "tools" not in str(self.chat_template or self.tokenizer.chat_template or ""):
+            raise _Refused(400, "the model's chat template does not render tools; give the proxy a chat_template "
+                                "that does (Qwen2.5's layout: lib.tiny_model.TOOLS_CHAT_TEMPLATE)", param="tools")
+        tool_choice = body.get("tool_choice")
+        if tool_choice not in (None, "auto", "none"):
+            raise _Refused(400, "tool_choice must be \"auto\" or \"none\": the proxy cannot force a tool call",
+                           param="tool_choice")
+        stream_options = body.get("stream_options") or {}
+        if not isinstance(stream_options, dict):
+            raise _Refused(400, "stream_options must be an object", param="stream_options")
+        seed = integer("seed", -(2 ** 63))
+        max_tokens = integer("max_completion_tokens", 1) or integer("max_tokens", 1) or self.default_max_tokens
+        return {
+            "messages": to_template_messages(body.get("messages")),
+            "temperature": number("temperature", 1.0, 0.0, 2.0), "top_p": number("top_p", 1.0, 1e-9, 1.0),
+            "max_tokens": max_tokens, "stop": stop or None, "extra": {"sampling_seed": seed} if seed is not None else None,
+            "tools": tools or None, "parse_tools": bool(tools) and tool_choice != "none",
+            "stream": bool(body.get("stream")), "include_usage": bool(stream_options.get("include_usage")),
+            "logprobs": bool(body.get("logprobs")),
+        }
+
+    # --- recording ---
+    def _plan(self, session: _Session, params: dict) -> dict:
+        """The prompt of this request: the longest earlier state of the session that it extends, or a
+        fresh rendering (docstring at the top)."""
+        messages, tools = params["messages"], params["tools"]
+        keys = tuple(message_key(m) for m in messages)
+        tools_key = json.dumps(tools, sort_keys=True)
+        best = None
+        for segment in session.segments:
+            for index, (state_keys, state_tools, length, closed) in enumerate(segment.states):
+                if (state_tools == tools_key and len(state_keys) < len(keys) and keys[:len(state_keys)] == state_keys
+                        and (best is None or len(state_keys) >= len(best[2][0]))):
+                    best = (segment, index, segment.states[index])
+        plan = {"segment": None, "in_place": False, "prefix": None, "keys": keys, "tools_key": tools_key}
+        if best is not None:
+            segment, index, (state_keys, _, length, closed) = best
+            delta = continuation_ids(self.tokenizer, messages[:len(state_keys)], messages, tools,
+                                     end_of_turn=self.end_of_turn, chat_template=self.chat_template)
+            if delta is not None:
+                closing = [] if closed else [self.end_of_turn_id]  # a turn cut by length or a stop string
+                plan.update(segment=segment, in_place=index == len(segment.states) - 1 and not segment.busy,
+                            prefix=length, delta=closing + delta, prompt=segment.ids[:length] + closing + delta)
+        if plan["segment"] is None:
+            plan["prompt"] = render_ids(self.tokenizer, messages, tools, self.chat_template)
+        max_new_tokens = params["max_tokens"]
+        if self.max_context_tokens is not None:
+            room = self.max_context_tokens - len(plan["prompt"])
+            if room <= 0:
+                raise _Refused(400, f"this conversation is {len(plan['prompt'])} tokens; the session's context budget "
+                                    f"is {self.max_context_tokens}", param="messages", code="context_length_exceeded")
+            max_new_tokens = min(max_new_tokens, room)
+        plan["max_new_tokens"] = max_new_tokens
+        return plan
+
+    def _record(self, session: _Session, plan: dict, params: dict, gen) -> tuple[dict, str]:
+        out = list(gen.output_ids)
+        segment = plan["segment"]
+        if segment is not None and plan["in_place"] and len(segment.ids) == plan["prefix"]:
+            n = len(plan["delta"])
+            segment.ids += plan["delta"]
+            segment.mask += [0] * n
+            segment.logprobs += [0.0] * n
+            segment.versions += [-1] * n
+        else:
+            # A new segment: the prompt as context only. Tokens sampled earlier keep their single
+            # trained copy in the segment they were recorded in.
+            prompt = plan["prompt"]
+            segment = _Segment(list(prompt), [0] * len(prompt), [0.0] * len(prompt), [-1] * len(prompt))
+            session.segments.append(segment)
+            session.stats["new_segments"] += 1
+        segment.ids += out
+        segment.mask += [1] * len(out)
+        segment.logprobs += list(gen.logprobs)
+        segment.versions += list(gen.versions)
+
+        text = self.tokenizer.decode(out, skip_special_tokens=True)
+        if gen.finish_reason == "stop" and isinstance(gen.matched, str) and gen.matched in text:
+            text = text[:text.find(gen.matched)]  # OpenAI leaves the stop sequence out of the content
+        content, calls = parse_tool_calls(text) if params["parse_tools"] else (text, None)
+        if params["parse_tools"] and calls is None and "<tool_call>" in text:
+            session.stats["tool_call_parse_failures"] += 1
+        closed = bool(out) and out[-1] in self.stop_token_ids
+        finish = "tool_calls" if calls else ("length" if gen.finish_reason == "length" and not closed else "stop")
+        session.stats["completion_tokens"] += len(out)
+        session.stats["tool_calls"] += len(calls or [])
+        session.stats["length_cut"] += finish == "length"
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        reply_key = message_key(to_template_messages([message])[0])
+        segment.states.append((plan["keys"] + (reply_key,), plan["tools_key"], len(segment.ids), closed))
+        return message, finish
