@@ -1,0 +1,441 @@
+"""lib/openai_proxy.py: an agent written with the openai SDK, run against the proxy in front of a
+scripted SGLang stand-in, is recorded token for token: one segment per unbroken conversation, the
+sampled ids with the server's log-probs, tool calls both ways, concurrent sessions apart, and every
+bad request answered with a 4xx that changes nothing."""
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from lib.chat_format import parse_tool_calls  # noqa: E402
+from lib.client import InferenceClient  # noqa: E402
+from lib.openai_proxy import OpenAIProxy, SessionFailed  # noqa: E402
+from lib.scripted_server import Reply, ScriptedServer  # noqa: E402
+from lib.tiny_model import TOOLS_CHAT_TEMPLATE  # noqa: E402
+
+SEARCH_TOOL = {"type": "function", "function": {
+    "name": "search", "description": "Search the encyclopedia.",
+    "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from lib.tiny_model import default_tiny_model_dir
+
+    return AutoTokenizer.from_pretrained(default_tiny_model_dir())
+
+
+def run_agent(tokenizer, script, agent, **proxy_kwargs):
+    """Run `await agent(proxy)` against a proxy in front of a scripted server: (its result, server)."""
+    proxy_kwargs.setdefault("chat_template", TOOLS_CHAT_TEMPLATE)
+
+    async def go(address):
+        client = InferenceClient([address], max_retries=0)
+        proxy = OpenAIProxy(client, tokenizer, **proxy_kwargs)
+        await proxy.start()
+        try:
+            return await agent(proxy)
+        finally:
+            await proxy.close()
+            await client.close()
+    with ScriptedServer(tokenizer, script) as server:
+        return asyncio.run(go(server.address)), server
+
+
+def sdk(proxy, key):
+    return openai.AsyncOpenAI(base_url=proxy.url, api_key=key, max_retries=0)
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def sampled(segments):
+    """Every trained token of an episode, segment after segment: (ids, log-probs)."""
+    ids, lps = [], []
+    for s in segments:
+        mask = s["loss_mask"][0].bool()
+        ids += s["input_ids"][0][mask].tolist()
+        lps += s["logprobs"][0][mask].tolist()
+    return ids, lps
+
+
+def assert_trained_once(segments, server):
+    """The episode's trained tokens are exactly the server's sampled ones, in order, with its log-probs."""
+    ids, lps = sampled(segments)
+    want_ids, want_lps = served(server)
+    assert ids == want_ids and lps == pytest.approx(want_lps, abs=1e-6)
+
+
+def served(server):
+    ids = [t for a in server.answers for t in a["output_ids"]]
+    lps = [row[0] for a in server.answers for row in a["meta_info"]["output_token_logprobs"]]
+    return ids, lps
+
+
+# --- token-exact recording ---
+def test_a_conversation_is_one_segment_holding_every_sampled_token_with_its_logprob(tokenizer):
+    async def agent(proxy):
+        key = proxy.new_session()
+        messages = [user("Who founded the Ostrel Guild?")]
+        async with sdk(proxy, key) as llm:
+            for follow_up in ("Are you sure?", "Say it again."):
+                reply = await llm.chat.completions.create(model="policy", messages=messages)
+                messages += [{"role": "assistant", "content": reply.choices[0].message.content}, user(follow_up)]
+            await llm.chat.completions.create(model="policy", messages=messages)
+        return proxy.end_session(key), messages
+
+    script = [Reply("Pem Varo.", eos=True), Reply("Yes, Pem Varo.", eos=True), Reply("Pem Varo.", eos=True)]
+    (episode, messages), server = run_agent(tokenizer, script, agent)
+    [segment] = episode["segments"]
+    ids = segment["input_ids"][0].tolist()
+    assert_trained_once(episode["segments"], server)
+    assert (segment["logprobs"][0][segment["loss_mask"][0] == 0] == 0).all()
+    for body in server.requests:  # each request continued the record, token for token
+        assert ids[:len(body["input_ids"])] == body["input_ids"]
+    # here the sampled ids are the text's own encoding, so the record is the template's rendering
+    conversation = messages + [{"role": "assistant", "content": "Pem Varo."}]
+    assert tokenizer.decode(ids) == tokenizer.apply_chat_template(conversation, tokenize=False).rstrip("\n")
+    assert episode["requests"] == 3 and episode["new_segments"] == 1
+    assert segment["versions"][0][segment["loss_mask"][0].bool()].eq(0).all()
+
+
+def test_earlier_turns_keep_the_ids_the_model_sampled_not_a_re_encoding_of_their_text(tokenizer):
+    text = "Pem Varo"
+    unusual = [tokenizer.convert_tokens_to_ids(c) for c in tokenizer.convert_ids_to_tokens(
+        tokenizer(text, add_special_tokens=False)["input_ids"]) for c in c]  # one id per character
+    assert unusual != tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    async def agent(proxy):
+        key = proxy.new_session()
+        async with sdk(proxy, key) as llm:
+            first = await llm.chat.completions.create(model="policy", messages=[user("Who?")])
+            assert first.choices[0].message.content == text
+            await llm.chat.completions.create(model="policy", messages=[
+                user("Who?"), {"role": "assistant", "content": text}, user("Sure?")])
+        return proxy.end_session(key)
+
+    episode, server = run_agent(tokenizer, [Reply(ids=unusual, eos=True), Reply("Yes.", eos=True)], agent)
+    prompt = server.requests[0]["input_ids"]
+    second = server.requests[1]["input_ids"]
+    assert second[len(prompt):len(prompt) + len(unusual) + 1] == unusual + [tokenizer.eos_token_id]
+    assert len(episode["segments"]) == 1
+
+
+def test_a_reply_cut_by_max_tokens_is_closed_by_an_untrained_end_of_turn(tokenizer):
+    async def agent(proxy):
+        key = proxy.new_session()
+        async with sdk(proxy, key) as llm:
+            cut = await llm.chat.completions.create(model="policy", messages=[user("Count.")], max_tokens=3)
+            await llm.chat.completions.create(model="policy", messages=[
+                user("Count."), {"role": "assistant", "content": cut.choices[0].message.content}, user("Go on.")])
+        return proxy.end_session(key), cut
+
+    (episode, cut), server = run_agent(tokenizer, [Reply("one two three four five"), Reply("six", eos=True)], agent)
+    assert cut.choices[0].finish_reason == "length"
+    assert server.requests[0]["sampling_params"]["max_new_tokens"] == 3
+    ids, mask = episode["segments"][0]["input_ids"][0].tolist(), episode["segments"][0]["loss_mask"][0].tolist()
+    end = len(server.requests[0]["input_ids"]) + 3
+    assert ids[end] == tokenizer.eos_token_id and mask[end] == 0
+    assert ids.count(tokenizer.eos_token_id) == 4  # user, cut reply (added), user, final reply (sampled)
+
+
+def test_a_stop_string_is_left_out_of_the_content_but_its_tokens_stay_trained(tokenizer):
+    async def agent(proxy):
+        key = proxy.new_session()
+        async with sdk(proxy, key) as llm:
+            reply = await llm.chat.completions.create(model="policy", messages=[user("Search.")], stop=["</search>"])
+        return proxy.end_session(key), reply
+
+    (episode, reply), server = run_agent(tokenizer, [Reply("<search> Ostrel </search> then more")], agent)
+    assert reply.choices[0].message.content == "<search> Ostrel " and reply.choices[0].finish_reason == "stop"
+    ids, _ = sampled(episode["segments"])
+    assert tokenizer.decode(ids).endswith("</search>")
+    assert server.requests[0]["sampling_params"]["stop"] == ["</search>"]
+
+
+def test_a_rewritten_history_starts_a_new_segment_and_each_sampled_token_is_trained_once(tokenizer):
+    async def agent(proxy):
+        key = proxy.new_session()
+        async with sdk(proxy, key) as llm:
+            a = await llm.chat.completions.create(model="policy", messages=[user("Q1")])
+            history = [user("Q1"), {"role": "assistant", "content": a.choices[0].message.content}, user("Q2")]
+            b = await llm.chat.completions.create(model="policy", messages=history)
+            summary = [user("Earlier you said " + b.choices[0].message.content + ". Q3")]
+            await llm.chat.completions.create(model="policy", messages=summary)
+        return proxy.end_session(key)
+
+    script = [Reply("Alpha.", eos=True), Reply("Beta.", eos=True), Reply("Gamma.", eos=True)]
+    episode, server = run_agent(tokenizer, script, agent)
+    assert len(episode["segments"]) == 2 and episode["new_segments"] == 2
+    assert_trained_once(episode["segments"], server)
+    second = episode["segments"][1]
+    assert second["input_ids"][0].tolist()[:len(server.requests[2]["input_ids"])] == server.requests[2]["input_ids"]
+
+
+def test_asking_twice_from_the_same_point_forks_a_segment_that_trains_only_its_new_reply(tokenizer):
+    async def agent(proxy):
+        key = proxy.new_session()
+        async with sdk(proxy, key) as llm:
+            a = await llm.chat.completions.create(model="policy", messages=[user("Q")])
+            history = [user("Q"), {"role": "assistant", "content": a.choices[0].message.content}, user("Again")]
+            await llm.chat.completions.create(model="policy", messages=history)
+            await llm.chat.completions.create(model="policy", messages=history)  # a second sample, same context
+        return proxy.end_session(key)
+
+    script = [Reply("A.", eos=True), Reply("B.", eos=True), Reply("C.", eos=True)]
+    episode, server = run_agent(tokenizer, script, agent)
+    first, fork = episode["segments"]
+    assert server.requests[1]["input_ids"] == server.requests[2]["input_ids"]  # the fork saw the same tokens
+    assert fork["input_ids"][0].tolist()[:len(server.requests[2]["input_ids"])] == server.requests[2]["input_ids"]
+    assert_trained_once(episode["segments"], server)  # A, B in the first; C alone in the fork
+
+
+def test_concurrent_requests_on_one_conversation_fork_instead_of_interleaving(tokenizer):
+    async def agent(proxy):
+        key = proxy.new_session()
+        async with sdk(proxy, key) as llm:
+            a = await llm.chat.completions.create(model="policy", messages=[user("Q")])
+            history = [user("Q"), {"role": "assistant", "content": a.choices[0].message.content}, user("Next")]
+            await asyncio.gather(*[llm.chat.completions.create(model="policy", messages=history) for _ in range(2)])
+        return proxy.end_session(key)
+
+    script = [Reply("A.", eos=True), Reply("B.", eos=True, delay_s=0.2), Reply("C.", eos=True, delay_s=0.2)]
+    episode, server = run_agent(tokenizer, script, agent)
+    assert len(episode["segments"]) == 2
+    assert sorted(sampled(episode["segments"])[0]) == sorted(served(server)[0])
+
+
+def test_concurrent_sessions_are_recorded_apart(tokenizer):
+    def echo(body):  # the model answers with the number in the last user turn
+        prompt = tokenizer.decode(body["input_ids"])
+        return Reply(f"n={prompt.rsplit('count ', 1)[1].split('<', 1)[0]}.", eos=True, delay_s=0.05)
+
+    async def one(proxy, n):
+        key = proxy.new_session()
+        async with sdk(proxy, key) as llm:
+            messages = [user(f"count {n}")]
+            reply = await llm.chat.completions.create(model="policy", messages=messages)
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content}, user(f"count {n + 100}")]
+            await llm.chat.completions.create(model="policy", messages=messages)
+        return n, proxy.end_session(key)
+
+    async def agent(proxy):
+        return await asyncio.gather(*[one(proxy, n) for n in range(8)])
+
+    episodes, server = run_agent(tokenizer, [echo], agent)
+    assert len(server.requests) == 16
+    for n, episode in episodes:
+        [segment] = episode["segments"]
+        ids, _ = sampled([segment])
+        assert tokenizer.decode(ids, skip_special_tokens=True) == f"n={n}.n={n + 100}."
+
+
+# --- tool calls ---
+@pytest.mark.parametrize("text, expected", [
+    ('<tool_call>{"name": "search", "arguments": {"query": "Pem"}}</tool_call>', (None, [("search", {"query": "Pem"})])),
+    ('Let me look.\n<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool_call>{"name": "b", "arguments": '
+     '"{\\"x\\": 1}"}</tool_call>', ("Let me look.", [("a", {}), ("b", {"x": 1})])),
+])
+def test_qwen_tool_call_blocks_parse_into_openai_tool_calls(text, expected):
+    content, calls = parse_tool_calls(text)
+    assert content == expected[0]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == expected[1]
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>{"name": "search", "arguments": {"query": </tool_call>',  # not JSON
+    '<tool_call>{"arguments": {"query": "x"}}</tool_call>',  # no name
+    '<tool_call>{"name": "search", "arguments": ["x"]}</tool_call>',  # arguments not an object
+    '<tool_call>{"name": "search", "arguments": {"query": "x"}}',  # never closed (cut by length)
+    '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>oops</tool_call>',  # one of two broken
+])
+def test_a_malformed_tool_call_comes_back_as_plain_content(tokenizer, text):
+    assert parse_tool_calls(text) == (text, None)
+
+    async def agent(proxy):
+        key = proxy.new_session()
+        async with sdk(proxy, key) as llm:
+            reply = await llm.chat.completions.create(model="policy", messages=[user("Q")], tools=[SEARCH_TOOL])
+        return reply, proxy.end_session(key)
+
+    (reply, episode), _ = run_agent(tokenizer, [Reply(text, eos=True)], agent)
+    assert reply.choices[0].message.content == text and not reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "stop" and episode["tool_call_parse_failures"] == 1
+
+
+def tool_conversation(stream):
+    async def agent(proxy):
+        key = proxy.new_session()
+        async with sdk(proxy, key) as llm:
+            messages = [user("Who founded the Ostrel Guild?")]
+            if stream:
+                chunks = [c async for c in await llm.chat.completions.create(
+                    model="policy", messages=messages, tools=[SEARCH_TOOL], stream=True,
+                    stream_options={"include_usage": True})]
+                call = next(c.choices[0].delta.tool_calls[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls)
+                finish = next(c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason)
+                usage = chunks[-1].usage
+                assistant = {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": call.id, "type": "function",
+                     "function": {"name": call.function.name, "arguments": call.function.arguments}}]}
+            else:
+                reply = await llm.chat.completions.create(model="policy", messages=messages, tools=[SEARCH_TOOL])
+                call, finish, usage = reply.choices[0].message.tool_calls[0], reply.choices[0].finish_reason, reply.usage
+                assert reply.choices[0].message.content is None
+                assistant = reply.choices[0].message.model_dump(exclude_none=True)
+            messages += [assistant, {"role": "tool", "tool_call_id": call.id, "content": "Pem Varo founded it."}]
+            final = await llm.chat.completions.create(model="policy", messages=messages, tools=[SEARCH_TOOL])
+        return (call.function.name, json.loads(call.function.arguments), finish, usage.completion_tokens,
+                final.choices[0].message.content, proxy.end_session(key))
+    return agent
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_calls_go_out_as_openai_tool_calls_and_tool_results_come_back_rendered(tokenizer, stream):
+    call_text = '<tool_call>{"name": "search", "arguments": {"query": "Ostrel Guild"}}</tool_call>'
+    script = [Reply(call_text, eos=True), Reply("Pem Varo", eos=True)]
+    (name, args, finish, completion_tokens, final, episode), server = run_agent(
+        tokenizer, script, tool_conversation(stream))
+    assert (name, args, finish, final) == ("search", {"query": "Ostrel Guild"}, "tool_calls", "Pem Varo")
+    assert completion_tokens == len(server.answers[0]["output_ids"])
+    [segment] = episode["segments"]
+    assert_trained_once([segment], server)
+    first = server.requests[0]["input_ids"]
+    new = tokenizer.decode(server.requests[1]["input_ids"][len(first) + len(server.answers[0]["output_ids"]):])
+    assert new == "\n<|im_start|>user\n<tool_response>\nPem Varo founded it.\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert '"name": "search"' in tokenizer.decode(first)  # the tool was rendered into the system turn
+    assert episode["tool_calls"] == 1
+
+
+def test_tools_with_a_chat_template_that_cannot_render_them_are_refused(tokenizer):
+    async def agent(proxy):
+        key = proxy.new_session()
+        async with sdk(proxy, key) as llm:
+            with pytest.raises(openai.BadRequestError, match="does not render tools"):
+                await llm.chat.completions.create(model="policy", messages=[user("Q")], tools=[SEARCH_TOOL])
+        return proxy.end_session(key)
+    episode, server = run_agent(tokenizer, [Reply("x", eos=True)], agent, chat_template=None)
+    assert server.requests == [] and episode["requests"] == 0
+
+
+# --- sampling fields, budget, failures, reward ---
+def test_sampling_fields_reach_the_server_as_sglang_sampling_params(tokenizer):
+    async def agent(proxy):
+        key = proxy.new_session()
+        async with sdk(proxy, key) as llm:
+            await llm.chat.completions.create(model="policy", messages=[user("Q")], temperature=0.7, top_p=0.9,
+                                              max_completion_tokens=17, stop="END", seed=42)
+        return proxy.end_session(key)
+
+    _, server = run_agent(tokenizer, [Reply("ok", eos=True)], agent, stop_token_ids=[7])
+    params = server.requests[0]["sampling_params"]
+    assert params["temperature"] == 0.7 and params["top_p"] == 0.9 and params["max_new_tokens"] == 17
+    assert params["stop"] == ["END"] and params["sampling_seed"] == 42
+    assert set(params["stop_token_ids"]) == {7, tokenizer.eos_token_id}
+
+
+def test_the_context_budget_cuts_max_tokens_and_then_refuses_with_context_length_exceeded(tokenizer):
+    async def agent(proxy):
+        key = proxy.new_session()
+        async with sdk(proxy, key) as llm:
+            reply = await llm.chat.completions.create(model="policy", messages=[user("Q")], max_tokens=100)
+            messages = [user("Q"), {"role": "assistant", "content": reply.choices[0].message.content}, user("More")]
+            with pytest.raises(openai.BadRequestError) as refused:
+                await llm.chat.completions.create(model="policy", messages=messages)
+        return reply, refused.value, proxy.end_session(key)
+
+    prompt_len = len(tokenizer(tokenizer.apply_chat_template([user("Q")], tokenize=False, add_generation_prompt=True),
+                               add_special_tokens=False)["input_ids"])
+    (reply, refused, episode), server = run_agent(tokenizer, [Reply("a b c d e f g h i j k l")], agent,
+                                                  max_context_tokens=prompt_len + 5)
+    assert server.requests[0]["sampling_params"]["max_new_tokens"] == 5 and reply.choices[0].finish_reason == "length"
+    assert refused.code == "context_length_exceeded" and len(server.requests) == 1
+    assert episode["requests"] == 1 and len(episode["segments"]) == 1
+
+
+def test_an_aborted_generation_fails_its_session(tokenizer):
+    async def agent(proxy):
+        key = proxy.new_session()
+        async with sdk(proxy, key) as llm:
+            with pytest.raises(openai.InternalServerError):
+                await llm.chat.completions.create(model="policy", messages=[user("Q")])
+        with pytest.raises(SessionFailed, match="aborted"):
+            proxy.end_session(key)
+        return key not in proxy.sessions
+    gone, _ = run_agent(tokenizer, [Reply("x y z", abort_after=1)], agent)
+    assert gone
+
+
+def test_a_posted_reward_and_the_model_list(tokenizer):
+    async def agent(proxy):
+        key = proxy.new_session()
+        async with sdk(proxy, key) as llm:
+            models = await llm.models.list()
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as http:
+            ok = await http.post(proxy.url.replace("/v1", "/agentrl/reward"), json={"reward": 0.75})
+            bad = await http.post(proxy.url.replace("/v1", "/agentrl/reward"), json={"reward": "high"})
+        return [m.id for m in models.data], ok.status, bad.status, proxy.end_session(key)
+    (ids, ok, bad, episode), _ = run_agent(tokenizer, [Reply("x", eos=True)], agent, model_name="my-policy")
+    assert ids == ["my-policy"] and (ok, bad) == (200, 400) and episode["reward"] == 0.75
+
+
+BAD_BODIES = [
+    ({"n": 2}, "n"),
+    ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"top_logprobs": 3, "logprobs": True}, "top_logprobs"),
+    ({"temperature": -1}, "temperature"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_completion_tokens": 2.5}, "max_completion_tokens"),
+    ({"stop": 5}, "stop"),
+    ({"seed": "x"}, "seed"),
+    ({"tool_choice": "required", "tools": [SEARCH_TOOL]}, "tool_choice"),
+    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"frobnicate": True}, "frobnicate"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages"),
+    ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": {}}]}]}, "messages"),
+]
+
+
+def test_bad_requests_get_a_4xx_naming_the_field_and_change_nothing(tokenizer):
+    async def agent(proxy):
+        key = proxy.new_session()
+        url = proxy.url + "/chat/completions"
+        answers = []
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as http:
+            for fields, param in BAD_BODIES:
+                body = {"model": "policy", "messages": [user("Q")], **fields}
+                async with http.post(url, json=body) as r:
+                    answers.append((param, r.status, (await r.json())["error"]))
+            for raw in (b"{not json", b"[1, 2]", b""):
+                async with http.post(url, data=raw, headers={"Content-Type": "application/json"}) as r:
+                    answers.append(("body", r.status, (await r.json())["error"]))
+        async with aiohttp.ClientSession() as http:
+            for auth in ({}, {"Authorization": "Bearer agentrl-not-a-session"}):
+                async with http.post(url, json={"model": "policy", "messages": [user("Q")]}, headers=auth) as r:
+                    answers.append(("key", r.status, (await r.json())["error"]))
+        return answers, proxy.end_session(key)
+
+    (answers, episode), server = run_agent(tokenizer, [Reply("x", eos=True)], agent)
+    for param, status, error in answers:
+        if param == "key":
+            assert status == 401 and error["code"] == "invalid_api_key"
+        elif param == "body":
+            assert status == 400 and error["message"]
+        else:
+            assert status == 400 and error["param"] == param and error["type"] == "invalid_request_error", param
+            assert param in error["message"] or param == "messages", error
+    assert server.requests == [] and episode["requests"] == 0 and episode["segments"] == []
