@@ -6,10 +6,12 @@ to `max_turns`; the reward is 1 for a correct answer, times `turn_discount` per 
 
     python train_reflect.py                                   # embedded default, CPU, no hub
     python train_reflect.py --mode async --max_staleness 2    # rollouts overlap the update
+    python train_reflect.py --agent openai                    # the same agent written with the openai SDK
     python train_reflect.py --config configs/reflect_qwen2.5_1.5b.yaml   # Qwen2.5 + SGLang on GPUs
 
-Reads top to bottom: config, prompt, reward, one episode, group rollout, evaluation, data, warm
-start (embedded default only), main() with the GRPO loop.
+Reads top to bottom: config, prompt, reward, one episode (as a token loop, and as an openai-SDK
+agent behind lib/openai_proxy.py), group rollout, evaluation, data, warm start (embedded default
+only), main() with the GRPO loop.
 """
 import asyncio
 import dataclasses
@@ -35,6 +37,7 @@ from lib.client import InferenceClient, model_eos_ids
 from lib.config import load_config, to_dict
 from lib.launch import launch_cpu_server, launch_sglang
 from lib.metrics import MetricsLogger, continue_jsonl
+from lib.openai_proxy import OpenAIProxy
 from lib.padding import concat_padded_tensors
 from lib.reward_pool import RewardPool
 from lib.ranks import broadcast_from_rank0, init_trainer_ranks, server_seed
@@ -50,6 +53,7 @@ class Config:
     max_steps: int = 200  # GRPO steps
     time_budget_s: float = 0.0  # stop training after this many seconds (then test); 0 = no limit
     mode: str = "sync"  # "sync": rollout, then update; "async": rollouts keep running during the update
+    agent: str = "tokens"  # "tokens": arun_episode's token loop; "openai": the same agent on the openai SDK, through lib/openai_proxy.py
     resume: bool = False  # continue from the latest checkpoint in run_dir
     checkpoint_every: int = 10  # steps; 0 = never
     # --- model and inference server ---
@@ -304,10 +308,60 @@ async def arun_episode(client: InferenceClient, tokenizer, reflection_ids: list[
     }
 
 
+# --- one episode, as an agent written with the openai SDK (--agent openai) ---
+async def arun_episode_openai(proxy: OpenAIProxy, tokenizer, reflection_ids, reward_pool: RewardPool, cfg: Config,
+                              item: dict, temperature: float) -> dict:
+    """arun_episode's loop as an agent author writes it: chat messages in, text out, no token in
+    sight. The proxy renders the messages with the chat template, keeps the tokens the server
+    sampled, and hands the trajectory back at the end of the session: for the same sampled
+    tokens it is arun_episode's, id for id (tests/test_reflect.py checks)."""
+    from openai import AsyncOpenAI, BadRequestError  # only this path needs the SDK
+
+    key = proxy.new_session()  # one episode = one session; its key is the agent's API key
+    messages = [{"role": "user", "content": PROMPT_TEMPLATE.format(question=item["question"])}]
+    score, turns, finish, texts = 0.0, 0, "max_turns", []
+    try:
+        async with AsyncOpenAI(base_url=proxy.url, api_key=key, max_retries=0) as llm:
+            for turn in range(cfg.max_turns):
+                try:
+                    reply = await llm.chat.completions.create(model="policy", messages=messages, temperature=temperature,
+                                                              max_tokens=cfg.max_new_tokens_per_turn)
+                except BadRequestError as e:
+                    if e.code != "context_length_exceeded":  # the proxy's context budget is cfg.max_tokens
+                        raise
+                    finish = "max_tokens"
+                    break
+                turns += 1
+                text = reply.choices[0].message.content or ""
+                texts.append(text)
+                score = await reward_pool.score(reward_fn, text, item["answer"])
+                if score > 0:
+                    finish = "correct"
+                    break
+                messages += [{"role": "assistant", "content": text}, {"role": "user", "content": REFLECTION}]
+    finally:
+        episode = proxy.end_session(key)
+    if len(episode["segments"]) != 1:  # the conversation only grows, so the proxy records one sequence
+        raise ValueError(f"expected one recorded segment, got {len(episode['segments'])}")
+    reward = score * cfg.turn_discount ** (turns - 1) if turns else 0.0
+    return {
+        **episode["segments"][0],
+        "rewards": torch.tensor([reward], dtype=torch.float32),
+        "num_turns": turns,
+        "correct_turn": turns if score > 0 else 0,
+        "shows_work": bool(texts) and shows_work(texts[0]),
+        "finish_reason": finish,
+        "question": item["question"],
+        "gold": item["answer"],
+        "turn_texts": texts,
+    }
+
+
 # --- group rollout ---
 async def rollout_group(client, tokenizer, reflection_ids, reward_pool, cfg, item, temperature, group_size) -> list[dict]:
+    episode = arun_episode_openai if cfg.agent == "openai" else arun_episode  # `client` is then the proxy
     return list(await asyncio.gather(*[
-        arun_episode(client, tokenizer, reflection_ids, reward_pool, cfg, item, temperature) for _ in range(group_size)]))
+        episode(client, tokenizer, reflection_ids, reward_pool, cfg, item, temperature) for _ in range(group_size)]))
 
 
 async def rollout_groups(client, tokenizer, reflection_ids, reward_pool, cfg, items, temperature, group_size):
@@ -456,6 +510,8 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
         raise ValueError(f"weight_sync must be 'disk' or 'nccl', got {cfg.weight_sync!r}")
     if cfg.weight_sync == "nccl" and cfg.dp_size > 1:
         raise ValueError("weight_sync nccl sends to the server's TP ranks: use dp_size 1")
+    if cfg.agent not in ("tokens", "openai"):
+        raise ValueError(f"agent must be 'tokens' or 'openai', got {cfg.agent!r}")
     if cfg.behav_imp_weight_mode not in ("truncate", "mask"):
         raise ValueError(f"behav_imp_weight_mode must be 'truncate' or 'mask', got {cfg.behav_imp_weight_mode!r}")
     # Under torchrun every rank holds a shard of the model (FSDP2, lib/actor.py); rank 0 alone runs the
@@ -547,8 +603,14 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
         if is_main:
             print(f"resumed from step {step} (policy version {version}, data position {data_position}); "
                   f"server sampling seed {sampling_seed}")
-    logger = trace_file = producer = None
-    episode_args = (client, tokenizer, reflection_ids, reward_pool, cfg)
+    logger = trace_file = producer = proxy = None
+    if is_main and cfg.agent == "openai":
+        # The agent's chat requests go to this OpenAI-compatible server, which generates through
+        # `client` and records every sampled token; its context budget is the episode's.
+        proxy = OpenAIProxy(client, tokenizer, stop_token_ids=cfg.stop_token_ids, max_context_tokens=cfg.max_tokens,
+                            default_max_tokens=cfg.max_new_tokens_per_turn)
+        run(proxy.start())
+    episode_args = (proxy or client, tokenizer, reflection_ids, reward_pool, cfg)
     if is_main:
         client.set_version(version)
         # One run per file: a fresh start moves an earlier run's rows aside, a resume drops the rows of
@@ -717,6 +779,8 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
             reward_pool.close()
         try:
             weight_sync.close()
+            if proxy is not None:
+                run(proxy.close(), timeout_s=30)
             if is_main:
                 run(client.close(), timeout_s=30)
         finally:

@@ -299,6 +299,74 @@ def test_an_aborted_turn_drops_the_group_and_is_counted(tokenizer):
     assert failed == 1 and len(groups) == 1 and [e["rewards"].item() for e in groups[0]] == [1.0, 1.0]
 
 
+# --- the same agent on the openai SDK, through lib/openai_proxy.py ---
+def both_paths(tokenizer, script_fn, **cfg_overrides):
+    """The token loop and the openai-SDK agent, each against a fresh scripted server playing the
+    same model output: (token episode, its server), (SDK episode, its server)."""
+    from lib.client import InferenceClient
+    from lib.openai_proxy import OpenAIProxy
+    from lib.scripted_server import ScriptedServer
+
+    cfg = tr.Config(**{"max_turns": 3, "max_tokens": 1024, **cfg_overrides})
+    reflection_ids = tr.build_reflection_ids(tokenizer, cfg.apply_chat_template)
+
+    async def go(address, agent):
+        client = InferenceClient([address], max_retries=0)
+        proxy = None
+        if agent == "openai":
+            proxy = OpenAIProxy(client, tokenizer, stop_token_ids=cfg.stop_token_ids, max_context_tokens=cfg.max_tokens,
+                                default_max_tokens=cfg.max_new_tokens_per_turn)
+            await proxy.start()
+        try:
+            groups, failed = await tr.rollout_groups(proxy or client, tokenizer, reflection_ids, InlinePool(),
+                                                     tr.Config(**{**vars(cfg), "agent": agent}), [ITEM], 1.0, 1)
+            assert failed == 0
+            return groups[0][0]
+        finally:
+            if proxy:
+                await proxy.close()
+            await client.close()
+    out = []
+    for agent in ("tokens", "openai"):
+        with ScriptedServer(tokenizer, script_fn()) as server:
+            out.append((asyncio.run(go(server.address, agent)), server))
+    return out
+
+
+def _scenarios(tokenizer):
+    from lib.scripted_server import Reply
+
+    answer = tokenizer("#### 7", add_special_tokens=False)["input_ids"]
+    other = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    prompt_len = len(tr.build_prompt_ids(tokenizer, ITEM["question"], True))
+    return {
+        "reflect twice": (lambda: [Reply("3 + 4 = 8.\n#### 8", eos=True), Reply("#### 6", eos=True),
+                                   Reply("3 + 4 = 7.\n#### 7", eos=True)], {}),
+        "turn cut by length": (lambda: [Reply("3 + 4 = 7 and so on and so on"), Reply("#### 7", eos=True)],
+                               {"max_new_tokens_per_turn": 5}),
+        "context budget": (lambda: [Reply("#### 5", eos=True)], {"max_tokens": prompt_len + 10}),
+        "eos as the last allowed token": (lambda: [Reply(ids=answer, eos=True)],
+                                          {"max_new_tokens_per_turn": len(answer) + 1}),
+        "another eos id": (lambda: [Reply(ids=answer[:-1] + [other]), Reply("#### 7", eos=True)],
+                           {"stop_token_ids": [tokenizer.eos_token_id, other]}),
+    }
+
+
+@pytest.mark.parametrize("scenario", ["reflect twice", "turn cut by length", "context budget",
+                                      "eos as the last allowed token", "another eos id"])
+def test_the_openai_sdk_agent_gives_the_token_loops_trajectory_id_for_id(tokenizer, scenario):
+    script_fn, overrides = _scenarios(tokenizer)[scenario]
+    (tokens, token_server), (sdk, sdk_server) = both_paths(tokenizer, script_fn, **overrides)
+    for key in ("input_ids", "loss_mask", "versions", "attention_mask", "rewards"):
+        assert torch.equal(tokens[key], sdk[key]), key
+    assert torch.allclose(tokens["logprobs"], sdk["logprobs"])
+    for key in ("num_turns", "correct_turn", "finish_reason", "turn_texts", "shows_work"):
+        assert tokens[key] == sdk[key], key
+    assert [r["input_ids"] for r in token_server.requests] == [r["input_ids"] for r in sdk_server.requests]
+    assert ([r["sampling_params"]["max_new_tokens"] for r in token_server.requests]
+            == [r["sampling_params"]["max_new_tokens"] for r in sdk_server.requests])
+
+
 def test_warm_start_demonstrations_never_train_on_the_wrong_first_answer(tokenizer):
     cfg = tr.Config(max_turns=2, warm_start_reflect_frac=1.0)
     reflection_ids = tr.build_reflection_ids(tokenizer, True)
@@ -379,6 +447,21 @@ def test_two_grpo_steps_run_end_to_end_and_resume(mode, weight_sync, tmp_path):
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     assert [r["step"] for r in rows if "rollout/reward" in r] == [1, 2, 3]
     assert rows[-2]["logprob/server_trainer_abs_diff_mean"] < 0.05  # the resumed weights reached the server
+
+
+@pytest.mark.slow
+def test_two_grpo_steps_run_end_to_end_with_the_openai_sdk_agent(tmp_path):
+    run_dir = str(tmp_path / "openai")
+    result = tr.main(config="configs/reflect_tiny.yaml", run_dir=run_dir, agent="openai", mode="async",
+                     **{**E2E, "checkpoint_every": 0})
+    assert result["failed"] == 0
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    steps = [r for r in rows if "rollout/reward" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["rollout/failed_groups"] == 0 and r["rollout/gen_tokens"] > 0
+        assert r["logprob/server_trainer_abs_diff_mean"] < 0.05  # the proxy's tokens are the ones the server scored
+        assert r["rollout/staleness_max"] <= 1
 
 
 @pytest.mark.slow
