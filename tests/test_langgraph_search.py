@@ -1,0 +1,112 @@
+"""examples/langgraph_search.py: a LangGraph agent (ChatOpenAI + ToolNode) trained through the proxy.
+Its tool calls reach the real retrieval server and come back rendered; the proxy's record of the
+run is token-exact; two GRPO steps run end to end on the embedded default."""
+import asyncio
+import json
+import os
+
+import pytest
+
+pytest.importorskip("langgraph")
+pytest.importorskip("langchain_openai")
+
+import examples.langgraph_search as lg  # noqa: E402
+from lib.client import InferenceClient  # noqa: E402
+from lib.openai_proxy import OpenAIProxy  # noqa: E402
+from lib.scripted_server import Reply, ScriptedServer  # noqa: E402
+
+ITEM = {"question": "Where was the founder of Eskar Circle born?", "answer": ["Hatarmor", "Hatarmor City"]}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from lib.tiny_model import TOOLS_CHAT_TEMPLATE, default_tiny_model_dir
+
+    tok = AutoTokenizer.from_pretrained(default_tiny_model_dir())
+    tok.chat_template = TOOLS_CHAT_TEMPLATE
+    return tok
+
+
+@pytest.fixture(scope="module")
+def retrieval(tmp_path_factory):
+    from lib.retrieval import launch_retrieval_server
+
+    corpus = tmp_path_factory.mktemp("corpus") / "corpus.jsonl"
+    rows = [("Eskar Circle", "Eskar Circle was founded by Ciqua Eskranden in 1915."),
+            ("Ciqua Eskranden", "Ciqua Eskranden was born in Hatarmor in 1918."),
+            ("Vantargor", "Vantargor is the capital of Belfar.")]
+    corpus.write_text("".join(json.dumps({"id": str(i), "contents": f'"{t}"\n{x}'}) + "\n" for i, (t, x) in enumerate(rows)))
+    server = launch_retrieval_server(str(corpus), timeout_s=60)
+    yield server.address
+    server.terminate()
+
+
+def call(query):
+    return Reply(f'<tool_call>{{"name": "search", "arguments": {{"query": "{query}"}}}}</tool_call>', eos=True)
+
+
+def run_episodes(tokenizer, script, retrieval_addr, n=1, **cfg_overrides):
+    import aiohttp
+
+    cfg = lg.Config(**{"tool_retries": 1, **cfg_overrides})
+
+    async def go(address):
+        client = InferenceClient([address], max_retries=0)
+        proxy = OpenAIProxy(client, tokenizer, max_context_tokens=cfg.max_tokens)
+        await proxy.start()
+        try:
+            async with aiohttp.ClientSession() as http:
+                return await asyncio.gather(*[lg.arun_episode(proxy, http, retrieval_addr, cfg, ITEM, 1.0)
+                                              for _ in range(n)])
+        finally:
+            await proxy.close()
+            await client.close()
+    with ScriptedServer(tokenizer, script) as server:
+        return asyncio.run(go(server.address)), server
+
+
+def test_the_agents_tool_calls_reach_the_retrieval_server_and_the_run_is_recorded_token_exact(tokenizer, retrieval):
+    script = [call("who founded Eskar Circle"), call("where was Ciqua Eskranden born"), Reply("Hatarmor", eos=True)]
+    [episode], server = run_episodes(tokenizer, script, retrieval)
+    assert episode["reward"] == 1.0 and episode["finish_reason"] == "answer" and episode["num_searches"] == 2
+    assert [m["role"] for m in episode["messages"]] == ["human", "ai", "tool", "ai", "tool", "ai"]
+    assert "born in Hatarmor" in episode["messages"][4]["content"]
+    [segment] = episode["segments"]
+    ids, mask = segment["input_ids"][0].tolist(), segment["loss_mask"][0].bool()
+    assert segment["input_ids"][0][mask].tolist() == [t for a in server.answers for t in a["output_ids"]]
+    for body in server.requests:
+        assert ids[:len(body["input_ids"])] == body["input_ids"]
+    text = tokenizer.decode(ids)
+    assert "<tool_response>\nDoc 1 (Title: Eskar Circle) Eskar Circle was founded by Ciqua Eskranden" in text
+    assert '"name": "search"' in text.split("<|im_start|>user")[0]  # ChatOpenAI's tool schema, rendered
+
+
+def test_a_failing_search_is_a_tool_message_the_agent_reads_and_is_counted(tokenizer):
+    [episode], _ = run_episodes(tokenizer, [call("anything"), Reply("no idea", eos=True)], "http://127.0.0.1:9")
+    assert episode["num_tool_failures"] == 1 and episode["messages"][2]["content"].startswith("The search tool failed")
+    assert episode["reward"] == 0.0 and episode["finish_reason"] == "answer"
+
+
+def test_an_agent_that_keeps_calling_tools_ends_at_max_turns_and_keeps_its_tokens(tokenizer, retrieval):
+    [episode], server = run_episodes(tokenizer, [call("Eskar Circle")], retrieval, max_turns=2)
+    assert episode["finish_reason"] == "max_turns" and episode["reward"] == 0.0
+    assert len(server.requests) == 2 and len(episode["segments"]) == 1
+
+
+@pytest.mark.slow
+def test_two_grpo_steps_of_the_langgraph_agent_run_end_to_end(tmp_path):
+    run_dir = str(tmp_path / "run")
+    result = lg.main(config="configs/langgraph_search_tiny.yaml", run_dir=run_dir, max_steps=2, batch_size=2,
+                     group_size=2, max_turns=3, warm_start_steps=4, warm_start_batch_size=2, eval_every=0,
+                     test_size=2, checkpoint_every=0, tensorboard=False, trainer_threads=1)
+    assert result["failed"] == 0
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    steps = [r for r in rows if "rollout/reward" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["rollout/failed_groups"] == 0 and r["rollout/gen_tokens"] > 0
+        assert r["logprob/server_trainer_abs_diff_mean"] < 0.05
+    traces = [json.loads(line) for line in open(os.path.join(run_dir, "traces.jsonl"))]
+    assert traces and traces[0]["messages"][0]["role"] == "human"
