@@ -1,0 +1,96 @@
+"""Overhead of the OpenAI-proxy path (an openai-SDK agent behind lib/openai_proxy.py) against the
+token path, on train_reflect.py's episodes.
+
+    python bench/bench_proxy.py                                   # embedded default, lib's CPU server
+    python bench/bench_proxy.py --model-path M --server sglang    # a real model on SGLang (GPU)
+
+Both paths run the same questions greedily (temperature 0), so they generate the same tokens
+(tests/test_reflect.py proves the two paths build the same trajectory for the same sampled
+tokens) and the difference in wall time is the proxy's cost: HTTP from the SDK to the proxy,
+chat-template rendering, and the SDK itself. The paths alternate, `--rounds` times each, with the
+server's prefix cache flushed before every round; the table gives the median.
+"""
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import train_reflect as tr  # noqa: E402
+from lib.client import InferenceClient, model_eos_ids  # noqa: E402
+from lib.launch import launch_cpu_server, launch_sglang  # noqa: E402
+from lib.openai_proxy import OpenAIProxy  # noqa: E402
+from lib.reward_pool import RewardPool  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", default="", help="HF model dir; '' = the embedded reflect warm start")
+    p.add_argument("--server", default="cpu", choices=["cpu", "sglang"])
+    p.add_argument("--questions", type=int, default=16)
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--max-turns", type=int, default=2)
+    p.add_argument("--server-threads", type=int, default=1)
+    args = p.parse_args()
+
+    from transformers import AutoTokenizer
+
+    cfg = tr.load_config(tr.Config, "configs/reflect_tiny.yaml", {"max_turns": args.max_turns})
+    model_path = args.model_path or tr.embedded_model(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    cfg = tr.dataclasses.replace(cfg, stop_token_ids=model_eos_ids(model_path, tokenizer))
+    reflection_ids = tr.build_reflection_ids(tokenizer, cfg.apply_chat_template)
+    items = tr.load_splits(cfg)["dev"][: args.questions]
+    if args.server == "sglang":
+        server = launch_sglang(model_path, base_gpu_id=0, extra_args=cfg.sglang_extra_args.split())
+    else:
+        server = launch_cpu_server(model_path, num_threads=args.server_threads)
+    reward_pool = RewardPool(1, 5.0, preload=tr.reward_fn)
+
+    async def bench():
+        client = InferenceClient([server.address])
+        proxy = OpenAIProxy(client, tokenizer, stop_token_ids=cfg.stop_token_ids, max_context_tokens=cfg.max_tokens,
+                            default_max_tokens=cfg.max_new_tokens_per_turn)
+        await proxy.start()
+        times = {"tokens": [], "openai": []}
+        tokens = {}
+        for agent in ("tokens", "openai") * (args.rounds + 1):  # the first round of each warms up
+            run_cfg = tr.dataclasses.replace(cfg, agent=agent)
+            await client.flush_cache()
+            t0 = time.perf_counter()
+            groups, failed = await tr.rollout_groups(proxy if agent == "openai" else client, tokenizer, reflection_ids,
+                                                     reward_pool, run_cfg, items, 0.0, args.group_size)
+            elapsed = time.perf_counter() - t0
+            assert failed == 0
+            tokens[agent] = sum(int(e["loss_mask"].sum()) for g in groups for e in g)
+            times[agent].append(elapsed)
+        await proxy.close()
+        await client.close()
+        return {k: v[1:] for k, v in times.items()}, tokens
+
+    try:
+        times, tokens = asyncio.run(bench())
+    finally:
+        reward_pool.close()
+        server.terminate()
+    base = statistics.median(times["tokens"])
+    episodes = args.questions * args.group_size
+    print(f"\n{episodes} episodes ({args.questions} questions x {args.group_size}), max_turns {args.max_turns}, greedy; "
+          f"median of {args.rounds} rounds, {args.server} server")
+    print("| path | rollout s (median) | min | max | generated tokens | tokens/s | overhead vs tokens |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for agent in ("tokens", "openai"):
+        med = statistics.median(times[agent])
+        print(f"| {agent} | {med:.3f} | {min(times[agent]):.3f} | {max(times[agent]):.3f} | {tokens[agent]} | "
+              f"{tokens[agent] / med:.0f} | {100 * (med / base - 1):+.1f}% |")
+    if tokens["tokens"] != tokens["openai"]:
+        print("note: the two paths generated different token counts; greedy decoding should make them equal")
+
+
+if __name__ == "__main__":
+    main()
