@@ -439,3 +439,54 @@ def test_bad_requests_get_a_4xx_naming_the_field_and_change_nothing(tokenizer):
             assert status == 400 and error["param"] == param and error["type"] == "invalid_request_error", param
             assert param in error["message"] or param == "messages", error
     assert server.requests == [] and episode["requests"] == 0 and episode["segments"] == []
+
+
+# --- any body: a 2xx or a 4xx, and a refused one changes nothing ---
+def test_any_request_body_gets_a_2xx_or_a_4xx_and_a_refused_one_changes_nothing(tokenizer):
+    import requests
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from lib.async_rollout import BackgroundLoop
+
+    text = st.text(st.characters(exclude_categories=()), max_size=12)
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-10**30, 10**30), st.floats(), text)
+    values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(text, inner, max_size=4),
+                          max_leaves=12)
+    message = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "tool", "system", "robot", 5]),
+                                     "content": st.one_of(text, values)},
+                                    optional={"tool_calls": values, "name": values, "tool_call_id": values})
+    fields = st.sampled_from(["temperature", "top_p", "max_tokens", "max_completion_tokens", "stop", "seed", "n",
+                              "stream", "stream_options", "tools", "tool_choice", "logprobs", "top_logprobs",
+                              "logit_bias", "presence_penalty", "response_format", "user", "frobnicate"])
+    bodies = st.fixed_dictionaries({"messages": st.one_of(st.lists(message, max_size=3), values)},
+                                   optional={"model": values}).flatmap(
+        lambda base: st.dictionaries(fields, values, max_size=4).map(lambda extra: {**base, **extra}))
+
+    with ScriptedServer(tokenizer, [Reply("ok", eos=True)]) as server:
+        bg = BackgroundLoop()
+        client = InferenceClient([server.address], max_retries=0)
+        proxy = OpenAIProxy(client, tokenizer, chat_template=TOOLS_CHAT_TEMPLATE, default_max_tokens=4)
+        bg.run(proxy.start())
+        key = proxy.new_session()
+        seen = set()
+        try:
+            @settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+            @given(body=bodies)
+            def check(body):
+                session = proxy.sessions[key]
+                before = (len(server.requests), session.stats["requests"], len(session.segments))
+                r = requests.post(proxy.url + "/chat/completions", data=json.dumps(body, allow_nan=True),
+                                  headers={"Authorization": f"Bearer {key}"}, timeout=10)
+                assert r.status_code in (200, 400), (r.status_code, r.text[:300])
+                seen.add(r.status_code)
+                if r.status_code == 400:
+                    assert r.json()["error"]["message"]
+                    assert (len(server.requests), session.stats["requests"], len(session.segments)) == before
+            check()
+            assert seen == {200, 400}  # the strategy reaches both answers
+        finally:
+            proxy.end_session(key)
+            bg.run(proxy.close())
+            bg.run(client.close())
+            bg.close()
