@@ -36,11 +36,14 @@ def main():
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--max-turns", type=int, default=2)
     p.add_argument("--server-threads", type=int, default=1)
+    p.add_argument("--warm-start-steps", type=int, default=300,
+                   help="SFT steps of the embedded model (reflect_tiny.yaml: 1500); 300 answer like it, in fewer minutes")
     args = p.parse_args()
 
     from transformers import AutoTokenizer
 
-    cfg = tr.load_config(tr.Config, "configs/reflect_tiny.yaml", {"max_turns": args.max_turns})
+    cfg = tr.load_config(tr.Config, "configs/reflect_tiny.yaml",
+                         {"max_turns": args.max_turns, "warm_start_steps": args.warm_start_steps})
     model_path = args.model_path or tr.embedded_model(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     cfg = tr.dataclasses.replace(cfg, stop_token_ids=model_eos_ids(model_path, tokenizer))

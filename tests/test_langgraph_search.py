@@ -100,7 +100,7 @@ def test_two_grpo_steps_of_the_langgraph_agent_run_end_to_end(tmp_path):
     run_dir = str(tmp_path / "run")
     result = lg.main(config="configs/langgraph_search_tiny.yaml", run_dir=run_dir, max_steps=2, batch_size=2,
                      group_size=2, max_turns=3, warm_start_steps=4, warm_start_batch_size=2, eval_every=0,
-                     test_size=2, checkpoint_every=0, tensorboard=False, trainer_threads=1)
+                     test_size=2, checkpoint_every=0, tensorboard=False, trainer_threads=1, warm_start_worlds=0)
     assert result["failed"] == 0
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     steps = [r for r in rows if "rollout/reward" in r]
