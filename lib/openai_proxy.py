@@ -33,7 +33,7 @@ from aiohttp import web
 
 from lib.chat_format import (ChatFormatError, continuation_ids, end_of_turn_token, message_key, parse_tool_calls,
                              render_ids, to_template_messages)
-from lib.client import InferenceServerError
+from lib.client import GenerationAborted, InferenceServerError
 from lib.http_body import BadRequest, read_json_body
 
 # Fields of a chat completion request: read, ignored (harmless for sampling), or refused with a
@@ -196,7 +196,12 @@ class OpenAIProxy:
                 plan["prompt"], max_new_tokens=plan["max_new_tokens"], temperature=params["temperature"],
                 top_p=params["top_p"], stop=params["stop"], stop_token_ids=self.stop_token_ids,
                 trajectory_id=session.key, extra_sampling_params=params["extra"])
+        except GenerationAborted as e:
+            session.error = str(e)
+            return _error(503, f"the inference server failed: {e}")
         except InferenceServerError as e:
+            if e.status is not None and 400 <= e.status < 500:  # refused before sampling (e.g. over its context length)
+                return _error(400, f"the inference server refused the request: {e}")
             session.error = str(e)
             return _error(503, f"the inference server failed: {e}")
         finally:
@@ -265,12 +270,12 @@ class OpenAIProxy:
                 raise _Refused(400, f"{name} must be a number in [{low}, {high}], got {value!r}", param=name)
             return float(value)
 
-        def integer(name, low):
+        def integer(name, low, high=2 ** 31 - 1):
             value = body.get(name)
             if value is None:
                 return None
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise _Refused(400, f"{name} must be an integer >= {low}, got {value!r}", param=name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise _Refused(400, f"{name} must be an integer in [{low}, {high}], got {value!r}", param=name)
             return value
 
         if integer("n", 1) not in (None, 1):
@@ -281,8 +286,8 @@ class OpenAIProxy:
         stop = body.get("stop")
         if isinstance(stop, str):
             stop = [stop]
-        if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
-            raise _Refused(400, "stop must be a string or a list of strings", param="stop")
+        if stop is not None and (not isinstance(stop, list) or len(stop) > 16 or not all(isinstance(s, str) for s in stop)):
+            raise _Refused(400, "stop must be a string or a list of at most 16 strings", param="stop")
         tools = body.get("tools")
         if tools is not None:
             if not isinstance(tools, list) or not all(
@@ -300,7 +305,7 @@ class OpenAIProxy:
         stream_options = body.get("stream_options") or {}
         if not isinstance(stream_options, dict):
             raise _Refused(400, "stream_options must be an object", param="stream_options")
-        seed = integer("seed", -(2 ** 63))
+        seed = integer("seed", 0, 2 ** 63 - 1)
         max_tokens = integer("max_completion_tokens", 1) or integer("max_tokens", 1) or self.default_max_tokens
         return {
             "messages": to_template_messages(body.get("messages")),

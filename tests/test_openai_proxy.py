@@ -373,6 +373,18 @@ def test_an_aborted_generation_fails_its_session(tokenizer):
     assert gone
 
 
+def test_a_request_the_server_refuses_is_a_400_and_the_session_goes_on(tokenizer):
+    async def agent(proxy):
+        key = proxy.new_session()
+        async with sdk(proxy, key) as llm:
+            with pytest.raises(openai.BadRequestError, match="refused"):
+                await llm.chat.completions.create(model="policy", messages=[user("Q")])
+            reply = await llm.chat.completions.create(model="policy", messages=[user("Q")])
+        return reply.choices[0].message.content, proxy.end_session(key)
+    (content, episode), _ = run_agent(tokenizer, [Reply(status=400), Reply("fine", eos=True)], agent)
+    assert content == "fine" and len(episode["segments"]) == 1
+
+
 def test_a_posted_reward_and_the_model_list(tokenizer):
     async def agent(proxy):
         key = proxy.new_session()
@@ -397,6 +409,9 @@ BAD_BODIES = [
     ({"max_completion_tokens": 2.5}, "max_completion_tokens"),
     ({"stop": 5}, "stop"),
     ({"seed": "x"}, "seed"),
+    ({"seed": 2 ** 64}, "seed"),
+    ({"max_tokens": 10 ** 12}, "max_tokens"),
+    ({"stop": ["a"] * 17}, "stop"),
     ({"tool_choice": "required", "tools": [SEARCH_TOOL]}, "tool_choice"),
     ({"tools": [{"type": "function"}]}, "tools"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
