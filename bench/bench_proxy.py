@@ -17,6 +17,7 @@ import statistics
 import sys
 import time
 
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the proxy tokenizes on the event loop; no thread pool beside the server
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
@@ -38,12 +39,16 @@ def main():
     p.add_argument("--server-threads", type=int, default=1)
     p.add_argument("--warm-start-steps", type=int, default=300,
                    help="SFT steps of the embedded model (reflect_tiny.yaml: 1500); 300 answer like it, in fewer minutes")
+    p.add_argument("--warm-start-direct-steps", type=int, default=None,
+                   help="stage-2 SFT steps (answers without worked steps: ~10 tokens); 0 = worked solutions (longer replies)")
     args = p.parse_args()
 
     from transformers import AutoTokenizer
 
     cfg = tr.load_config(tr.Config, "configs/reflect_tiny.yaml",
-                         {"max_turns": args.max_turns, "warm_start_steps": args.warm_start_steps})
+                         {"max_turns": args.max_turns, "warm_start_steps": args.warm_start_steps,
+                          **({} if args.warm_start_direct_steps is None
+                             else {"warm_start_direct_steps": args.warm_start_direct_steps})})
     model_path = args.model_path or tr.embedded_model(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     cfg = tr.dataclasses.replace(cfg, stop_token_ids=model_eos_ids(model_path, tokenizer))
@@ -61,23 +66,25 @@ def main():
                             default_max_tokens=cfg.max_new_tokens_per_turn)
         await proxy.start()
         times = {"tokens": [], "openai": []}
+        cpu = {"tokens": [], "openai": []}  # this process's CPU seconds: the agent, the SDK, the proxy, the client
         tokens = {}
         for agent in ("tokens", "openai") * (args.rounds + 1):  # the first round of each warms up
             run_cfg = tr.dataclasses.replace(cfg, agent=agent)
             await client.flush_cache()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             groups, failed = await tr.rollout_groups(proxy if agent == "openai" else client, tokenizer, reflection_ids,
                                                      reward_pool, run_cfg, items, 0.0, args.group_size)
             elapsed = time.perf_counter() - t0
             assert failed == 0
             tokens[agent] = sum(int(e["loss_mask"].sum()) for g in groups for e in g)
             times[agent].append(elapsed)
+            cpu[agent].append(time.process_time() - c0)
         await proxy.close()
         await client.close()
-        return {k: v[1:] for k, v in times.items()}, tokens
+        return {k: v[1:] for k, v in times.items()}, {k: v[1:] for k, v in cpu.items()}, tokens
 
     try:
-        times, tokens = asyncio.run(bench())
+        times, cpu, tokens = asyncio.run(bench())
     finally:
         reward_pool.close()
         server.terminate()
@@ -85,12 +92,12 @@ def main():
     episodes = args.questions * args.group_size
     print(f"\n{episodes} episodes ({args.questions} questions x {args.group_size}), max_turns {args.max_turns}, greedy; "
           f"median of {args.rounds} rounds, {args.server} server")
-    print("| path | rollout s (median) | min | max | generated tokens | tokens/s | overhead vs tokens |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| path | rollout s (median) | min | max | generated tokens | tokens/s | overhead vs tokens | trainer-process CPU s (median) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for agent in ("tokens", "openai"):
         med = statistics.median(times[agent])
         print(f"| {agent} | {med:.3f} | {min(times[agent]):.3f} | {max(times[agent]):.3f} | {tokens[agent]} | "
-              f"{tokens[agent] / med:.0f} | {100 * (med / base - 1):+.1f}% |")
+              f"{tokens[agent] / med:.0f} | {100 * (med / base - 1):+.1f}% | {statistics.median(cpu[agent]):.3f} |")
     if tokens["tokens"] != tokens["openai"]:
         print("note: the two paths generated different token counts; greedy decoding should make them equal")
 
