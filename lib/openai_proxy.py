@@ -25,6 +25,7 @@ training sequence with the episode's reward.
 """
 import asyncio
 import json
+import os
 import time
 import uuid
 
@@ -90,6 +91,9 @@ class OpenAIProxy:
         `max_context_tokens`: a session's prompt + reply budget; a request past it gets OpenAI's
         400 `context_length_exceeded` and `max_tokens` is cut to what is left. `chat_template`
         overrides the tokenizer's."""
+        # The proxy tokenizes on the event loop, between requests; the Rust tokenizer's thread pool would
+        # only compete with the trainer and a CPU server for cores (docs/benchmarks.md).
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self.client, self.tokenizer = client, tokenizer
         self.model_name = model_name
         self.max_context_tokens = max_context_tokens
