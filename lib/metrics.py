@@ -77,6 +77,7 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.finish()
         if self._mlflow is not None:
+            self._mlflow.flush_trace_async_logging()  # traces are exported in the background
             self._mlflow.end_run()
 
 

@@ -53,20 +53,27 @@ def figures(runs: list[dict]) -> list[dict]:
                          if k not in named and not k.startswith(("test/", "time/"))})
     panels += [(k, [k]) for k in extra_keys]
     out = []
+    max_step = max((s for run in runs for steps, _ in run["series"].values() for s in steps), default=0)
     for title, keys in panels:
-        data = []
+        data, named_keys = [], set()
         for i, run in enumerate(runs):
-            for j, key in enumerate(k for k in keys if k in run["series"]):
+            present = [k for k in keys if k in run["series"]]
+            for key in present:
                 steps, values = run["series"][key]
+                # the legend names each metric once (its dash style); the page header names the run colours
                 data.append({"type": "scatter", "mode": "lines+markers" if len(steps) < 30 else "lines",
                              "x": steps, "y": [v if math.isfinite(v) else None for v in values],
-                             "name": f"{run['name']}: {key}" if len(runs) > 1 else key,
-                             "line": {"color": RUN_COLOURS[i % len(RUN_COLOURS)], "dash": DASHES[j % len(DASHES)]},
+                             "name": key, "legendgroup": key, "showlegend": key not in named_keys,
+                             "hovertemplate": f"{run['name']}<br>{key}<br>step %{{x}}: %{{y}}<extra></extra>",
+                             "line": {"color": RUN_COLOURS[i % len(RUN_COLOURS)],
+                                      "dash": DASHES[keys.index(key) % len(DASHES)]},
                              "marker": {"size": 4}})
+                named_keys.add(key)
         if data:
             out.append({"id": f"plot{len(out)}", "title": title, "extra": title in extra_keys, "data": data,
                         "layout": {"title": {"text": title, "font": {"size": 13}}, "height": 230,
                                    "margin": {"l": 45, "r": 10, "t": 28, "b": 20}, "showlegend": True,
+                                   "xaxis": {"dtick": 1} if max_step <= 10 else {},
                                    "legend": {"font": {"size": 9}, "orientation": "h", "y": -0.15}}})
     return out
 
@@ -131,7 +138,7 @@ def load_run(run_dir: str, indexes: dict) -> dict:
     rows = read_jsonl_rows(os.path.join(run_dir, "metrics.jsonl"))
     series = metric_series(rows)
     last_step = max((r["step"] for r in rows if "rollout/reward" in r), default=None)
-    tests = {k: v for r in rows for k, v in r.items() if k.startswith("test/")}
+    tests = {k[len("test/"):]: v for r in rows for k, v in r.items() if k.startswith("test/")}
     return {"dir": run_dir, "name": os.path.basename(os.path.abspath(run_dir)), "series": series, "index": index,
             "last_step": last_step, "tests": tests}
 
@@ -176,7 +183,7 @@ def render_page(run_dirs: list[str], query: dict, indexes: dict, plotly_inline: 
               for i, r in enumerate(runs)],
         figures=figures(runs), run_i=run_i, steps=steps, step=step_arg if step_arg == "all" else step,
         finishes=finishes, filters=filters, colour_by=colour_by, groups=list(groups.values()),
-        num_matching=len(matching), num_shown=len(shown), generated=time.strftime("%Y-%m-%d %H:%M:%S"),
+        test_keys=sorted({k for r in runs for k in r["tests"]}), num_matching=len(matching), num_shown=len(shown), generated=time.strftime("%Y-%m-%d %H:%M:%S"),
         plotly_js=plotly_js() if plotly_inline else None)
 
 
