@@ -101,7 +101,7 @@ class Config:
     eval_size: int = 200  # dev questions per evaluation
     test_size: int = 500  # test questions at the end
     trace_every: int = 1  # write trajectories (traces.jsonl, token by token) every N steps; 0 = never
-    trace_groups: int = 2  # groups traced per traced step (group_size episodes each)
+    trace_groups: int = 1  # groups traced per traced step (group_size episodes each)
     trace_backend: str = "jsonl"  # "jsonl", or "mlflow": metrics and traces also go to MLflow (run_dir/mlflow.db)
     tensorboard: bool = True
     wandb_project: str | None = None

@@ -2,7 +2,7 @@
 
 One record per episode (docs/traces.md): its turns (model text, tool output, reflection prompts),
 finish reason, reward, advantage, group, and per token after the prompt its id, text, server
-log-prob, trainer log-prob, policy version and loss mask. Records are built after the trainer's
+log-prob, trainer log-prob (both 0 where the loss mask is 0), policy version and loss mask. Records are built after the trainer's
 log-prob pass, the first point of a step at which all of that exists.
 """
 import json
@@ -28,8 +28,10 @@ def trainer_logprobs_by_episode(keep: torch.Tensor, proximal_logprobs: torch.Ten
     return out
 
 
-def _round(xs) -> list:
-    return [round(float(x), LOGPROB_DECIMALS) for x in xs]
+def _logprobs(xs, mask: list) -> list:
+    # Masked tokens (prompt pieces, tool output) are not trained on: 0 there, as the trajectory's
+    # `logprobs` has it, keeps tool-heavy records about a third smaller.
+    return [round(float(x), LOGPROB_DECIMALS) if m else 0 for x, m in zip(xs, mask)]
 
 
 def episode_record(episode: dict, tokenizer, *, step: int, group: int, index: int, advantage: float,
@@ -60,8 +62,8 @@ def episode_record(episode: dict, tokenizer, *, step: int, group: int, index: in
         "turns": turns,
         "tokens": {
             "id": ids[gen], "text": token_texts, "mask": mask[gen],
-            "lp": _round(episode["logprobs"][0, gen].tolist()),
-            "tlp": _round(trainer_logprobs[gen].tolist()) if trainer_logprobs is not None else None,
+            "lp": _logprobs(episode["logprobs"][0, gen].tolist(), mask[gen]),
+            "tlp": _logprobs(trainer_logprobs[gen].tolist(), mask[gen]) if trainer_logprobs is not None else None,
             "ver": episode["versions"][0, gen].tolist(),
         },
     }

@@ -70,6 +70,8 @@ def test_a_record_holds_every_token_after_the_prompt_split_into_turns_by_the_los
     assert r["turns"][-1]["end"] == len(tokens["id"]) and r["prompt"] == "Question: who?\n"
     gen = [i for i, m in enumerate(tokens["mask"]) if m]
     assert all(tokens["lp"][i] == -0.5 and tokens["tlp"][i] == -0.51 and tokens["ver"][i] == 3 for i in gen)
+    assert all(tokens["lp"][i] == tokens["tlp"][i] == 0 and tokens["ver"][i] == -1 for i in range(len(tokens["id"]))
+               if i not in gen)  # tool output: not trained on
     assert (r["step"], r["group"], r["index"], r["advantage"], r["reward"]) == (7, 1, 2, 0.5, 1.0)
     assert r["stats"] == {"num_turns": 2}
 
@@ -138,8 +140,8 @@ def test_traces_written_before_per_token_records_still_render(tmp_path):
 
 
 # --- real runs of every script, rendered in a browser ---
-TINY = ["--max_steps", "2", "--batch_size", "2", "--eval_every", "0", "--checkpoint_every", "0", "--tensorboard", "False",
-        "--lr", "1e-4"]
+TINY = ["--max_steps", "2", "--batch_size", "2", "--trace_groups", "2", "--eval_every", "0", "--checkpoint_every", "0",
+        "--tensorboard", "False", "--lr", "1e-4"]
 SEARCH = ["--group_size", "4", "--max_turns", "2", "--max_new_tokens_per_turn", "16", "--max_tokens", "384",
           "--test_size", "2", "--warm_start_steps", "2", "--warm_start_batch_size", "2", "--warm_start_direct_steps", "2"]
 REFLECT = ["--group_size", "2", "--max_turns", "2", "--max_new_tokens_per_turn", "24", "--eval_size", "4", "--test_size", "4",
