@@ -3,6 +3,7 @@ installed and asked for."""
 import json
 import os
 import time
+from pathlib import Path
 
 
 class MetricsLogger:
@@ -88,9 +89,13 @@ def start_mlflow_run(run_dir: str, config: dict):
     except ImportError:
         print("mlflow is not installed (pip install mlflow); logging to JSONL (and TensorBoard) only")
         return None
-    if not os.environ.get("MLFLOW_TRACKING_URI"):
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        mlflow.set_experiment("agentrl")
+    else:  # everything in the run dir (artifacts would otherwise land in ./mlruns of the working directory)
         mlflow.set_tracking_uri(f"sqlite:///{os.path.abspath(os.path.join(run_dir, 'mlflow.db'))}")
-    mlflow.set_experiment("agentrl")
+        experiment = mlflow.get_experiment_by_name("agentrl")
+        mlflow.set_experiment(experiment_id=experiment.experiment_id if experiment else mlflow.create_experiment(
+            "agentrl", artifact_location=Path(os.path.abspath(run_dir), "mlflow-artifacts").as_uri()))
     mlflow.start_run(run_name=os.path.basename(os.path.abspath(run_dir)))
     mlflow.log_params({k: str(v)[:500] for k, v in config.items()})
     return mlflow

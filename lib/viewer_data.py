@@ -87,6 +87,8 @@ class TraceIndex:
     def load(self, entries: list[dict]) -> list[dict]:
         """The full records of `entries` (from `self.entries`)."""
         records = []
+        if not entries:
+            return records
         with open(self.path, "rb") as f:
             for e in entries:
                 f.seek(e["offset"])

@@ -128,6 +128,43 @@ def test_model_output_is_escaped_everywhere_it_is_shown(tmp_path, tokenizer):
     assert page.count("<script") == 3  # plotly.min.js, the figures' JSON, the plotting code: nothing else
 
 
+def test_a_refresh_of_the_served_page_shows_a_live_runs_new_step_and_plotly_comes_from_the_server(tmp_path, tokenizer):
+    run = tmp_path / "live"
+    run.mkdir()
+    ep = make_episode(tokenizer, [("Question: q\n", 0), ("<answer> Pem Varo </answer>", 1)])
+    server = make_server([str(run)], port=0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    get = lambda path: urllib.request.urlopen(f"http://127.0.0.1:{server.server_address[1]}{path}", timeout=30).read()  # noqa: E731
+    try:
+        assert b"traces.jsonl is empty or missing" in get("/")  # a run that has not traced a step yet
+        for step in (1, 2):  # the trainer appends a step between two refreshes
+            with open(run / "traces.jsonl", "a") as f:
+                write_traces(f, [episode_record(ep, tokenizer, step=step, group=0, index=0, advantage=0.0,
+                                                trainer_logprobs=None)])
+            with open(run / "metrics.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, "rollout/reward": 0.5}) + "\n")
+            page = get("/").decode()
+            assert f'class="group" data-step="{step}"' in page and f"last step {step}" in page
+        assert b"plotly" in get("/plotly.min.js")[:2000].lower()
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_out_writes_one_self_contained_page(tmp_path, tokenizer):
+    from lib.viewer import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    ep = make_episode(tokenizer, [("Question: q\n", 0), ("<answer> Pem Varo </answer>", 1)])
+    with open(run / "traces.jsonl", "w") as f:
+        write_traces(f, [episode_record(ep, tokenizer, step=1, group=0, index=0, advantage=0.0, trainer_logprobs=None)])
+    main([str(run), "--out", str(tmp_path / "page.html")])
+    page = (tmp_path / "page.html").read_text()
+    assert 'src="/plotly.min.js"' not in page and "Plotly.newPlot" in page and len(page) > 1_000_000  # plotly inlined
+    assert 'class="group" data-step="1"' in page
+
+
 def test_traces_written_before_per_token_records_still_render(tmp_path):
     run = tmp_path / "old"
     run.mkdir()
@@ -325,3 +362,4 @@ def test_mlflow_backend_logs_metrics_and_one_trace_per_episode(runs, tmp_path):
         spans = [s.name for s in trace.data.spans]
         assert re.fullmatch(r"step 1 group [01] episode [01]", spans[0]) and "model" in spans[1:]
     assert "traces/step_000001.json" in [a.path for a in client.list_artifacts(run_id, "traces")]
+    assert os.path.exists(tmp_path / "mlflow.db") and os.path.isdir(tmp_path / "mlflow-artifacts")  # all in the run dir
