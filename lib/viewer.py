@@ -228,8 +228,10 @@ def main(argv=None):
     parser.add_argument("--out", help="write one self-contained HTML file (latest step) instead of serving")
     args = parser.parse_args(argv)
     for d in args.run_dirs:
-        if not os.path.isdir(d):
+        if os.path.exists(d) and not os.path.isdir(d):
             parser.error(f"{d} is not a directory: pass run dirs, e.g. runs/search_tiny")
+        if not os.path.exists(d):  # a run about to start: shown once it writes there
+            print(f"{d} does not exist yet; it is shown once a run writes metrics.jsonl or traces.jsonl there")
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             f.write(render_page(args.run_dirs, {}, {}, plotly_inline=True))
