@@ -16,7 +16,6 @@ import ast
 import asyncio
 import dataclasses
 import functools
-import json
 import operator
 import os
 import random
@@ -41,6 +40,7 @@ from lib.padding import concat_padded_tensors
 from lib.ranks import server_seed
 from lib.reward_pool import RewardPool
 from lib.supervise import Supervisor
+from lib.traces import trace_records, trainer_logprobs_by_episode, write_traces
 from lib.weight_sync import ServerWeightSync
 
 
@@ -100,6 +100,9 @@ class Config:
     eval_every: int = 10  # steps; 0 = only at the end
     eval_size: int = 200  # dev questions per evaluation
     test_size: int = 500  # test questions at the end
+    trace_every: int = 1  # write trajectories (traces.jsonl, token by token) every N steps; 0 = never
+    trace_groups: int = 1  # groups traced per traced step (group_size episodes each)
+    trace_backend: str = "jsonl"  # "jsonl", or "mlflow": metrics and traces also go to MLflow (run_dir/mlflow.db)
     tensorboard: bool = True
     wandb_project: str | None = None
 
@@ -370,6 +373,8 @@ def main(config: str | None = "configs/calc_tiny.yaml", **overrides):
         raise RuntimeError("train_calc.py trains on one process; for torchrun (FSDP) fork train_reflect.py's rank handling")
     if cfg.server not in ("cpu", "sglang", "external"):
         raise ValueError(f"server must be 'cpu', 'sglang' or 'external', got {cfg.server!r}")
+    if cfg.trace_backend not in ("jsonl", "mlflow"):
+        raise ValueError(f"trace_backend must be 'jsonl' or 'mlflow', got {cfg.trace_backend!r}")
     if cfg.weight_sync not in ("disk", "nccl"):
         raise ValueError(f"weight_sync must be 'disk' or 'nccl', got {cfg.weight_sync!r}")
     if cfg.behav_imp_weight_mode not in ("truncate", "mask"):
@@ -449,7 +454,7 @@ def main(config: str | None = "configs/calc_tiny.yaml", **overrides):
     # steps after its checkpoint (they are about to be run again).
     resume_step = step if resume_extra is not None else None
     logger = MetricsLogger(cfg.run_dir, to_dict(cfg), tensorboard=cfg.tensorboard, wandb_project=cfg.wandb_project,
-                           resume_step=resume_step)
+                           resume_step=resume_step, mlflow=cfg.trace_backend == "mlflow")
     trace_file = open(continue_jsonl(os.path.join(cfg.run_dir, "traces.jsonl"), resume_step), "a")
     episode_args = (client, tokenizer, reward_pool, cfg)
 
@@ -543,11 +548,13 @@ def main(config: str | None = "configs/calc_tiny.yaml", **overrides):
             logger.log(step, metrics)
             progress.update(1)
             progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", step_s=f"{step_s:.1f}")
-            for e in episodes[: cfg.group_size]:  # one group's decoded trajectories
-                trace_file.write(json.dumps({"step": step, "question": e["question"], "gold": e["gold"],
-                                             "reward": e["rewards"].item(), "finish": e["finish_reason"],
-                                             "turns": e["turn_texts"]}) + "\n")
-            trace_file.flush()
+            if cfg.trace_every and step % cfg.trace_every == 0:  # after step 3: trainer log-probs exist
+                trainer_lp = trainer_logprobs_by_episode(keep, batch.get("proximal_logprobs"))
+                records = trace_records(step, episodes, full["advantages"], trainer_lp, tokenizer, cfg.group_size,
+                                        cfg.trace_groups, context_role="tool",
+                                        tool_failures=lambda e: e["num_calc_errors"])
+                write_traces(trace_file, records)
+                logger.log_traces(step, records)
 
             # 7. checkpoint
             if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.max_steps):

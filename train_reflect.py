@@ -16,7 +16,6 @@ only), main() with the GRPO loop.
 import asyncio
 import dataclasses
 import functools
-import json
 import os
 import random
 import re
@@ -42,6 +41,7 @@ from lib.padding import concat_padded_tensors
 from lib.reward_pool import RewardPool
 from lib.ranks import broadcast_from_rank0, init_trainer_ranks, server_seed
 from lib.supervise import Supervisor
+from lib.traces import trace_records, trainer_logprobs_by_episode, write_traces
 from lib.weight_sync import ServerWeightSync
 
 
@@ -122,7 +122,9 @@ class Config:
     eval_every: int = 10  # steps; 0 = only at the end
     eval_size: int = 200  # dev questions per evaluation
     test_size: int = 500  # test questions at the end
-    trace_every: int = 1  # write decoded trajectories every N steps
+    trace_every: int = 1  # write trajectories (traces.jsonl, token by token) every N steps; 0 = never
+    trace_groups: int = 1  # groups traced per traced step (group_size episodes each)
+    trace_backend: str = "jsonl"  # "jsonl", or "mlflow": metrics and traces also go to MLflow (run_dir/mlflow.db)
     tensorboard: bool = True
     wandb_project: str | None = None
 
@@ -513,6 +515,8 @@ def embedded_model(cfg: Config) -> str:
 # --- main: the GRPO loop ---
 def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
     cfg = load_config(Config, config, overrides)
+    if cfg.trace_backend not in ("jsonl", "mlflow"):
+        raise ValueError(f"trace_backend must be 'jsonl' or 'mlflow', got {cfg.trace_backend!r}")
     if cfg.mode not in ("sync", "async"):
         raise ValueError(f"mode must be 'sync' or 'async', got {cfg.mode!r}")
     if cfg.weight_sync not in ("disk", "nccl"):
@@ -625,7 +629,8 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
         # One run per file: a fresh start moves an earlier run's rows aside, a resume drops the rows of
         # steps after its checkpoint (they are about to be run again).
         logger = MetricsLogger(cfg.run_dir, to_dict(cfg), tensorboard=cfg.tensorboard, wandb_project=cfg.wandb_project,
-                               resume_step=step if resume_extra is not None else None)
+                               resume_step=step if resume_extra is not None else None,
+                               mlflow=cfg.trace_backend == "mlflow")
         trace_file = open(continue_jsonl(os.path.join(cfg.run_dir, "traces.jsonl"),
                                          step if resume_extra is not None else None), "a")
         if cfg.mode == "async":
@@ -754,12 +759,13 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
                 logger.log(step, metrics)
                 progress.update(1)
                 progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", dev_acc=metrics.get("eval/acc_final", ""))
-                if cfg.trace_every and step % cfg.trace_every == 0:
-                    for e in episodes[: cfg.group_size]:
-                        trace_file.write(json.dumps({"step": step, "question": e["question"], "gold": e["gold"],
-                                                     "reward": e["rewards"].item(), "finish": e["finish_reason"],
-                                                     "turns": e["turn_texts"]}) + "\n")
-                    trace_file.flush()
+                if cfg.trace_every and step % cfg.trace_every == 0:  # after step 3: trainer log-probs exist
+                    trainer_lp = trainer_logprobs_by_episode(keep, rows.get("proximal_logprobs"), rank, world_size)
+                    records = trace_records(step, episodes, full["advantages"], trainer_lp, tokenizer, cfg.group_size,
+                                            cfg.trace_groups, context_role="reflection",
+                                            correct=lambda e: e["correct_turn"] > 0)
+                    write_traces(trace_file, records)
+                    logger.log_traces(step, records)
 
             # 7. checkpoint
             stopping = out_of_time(train_start)
