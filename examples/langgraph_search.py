@@ -54,6 +54,7 @@ from lib.openai_proxy import OpenAIProxy
 from lib.padding import concat_padded_tensors
 from lib.ranks import server_seed
 from lib.supervise import Supervisor
+from lib.traces import episode_record, write_traces
 from lib.weight_sync import ServerWeightSync
 
 
@@ -115,6 +116,8 @@ class Config:
     eval_every: int = 10  # steps; 0 = only at the end
     eval_size: int = 50  # dev questions per evaluation
     test_size: int = 100  # test questions at the end
+    trace_every: int = 1  # write trajectories (traces.jsonl, token by token; python -m lib.viewer) every N steps; 0 = never
+    trace_groups: int = 1  # groups traced per traced step
     tensorboard: bool = True
     wandb_project: str | None = None
 
@@ -464,12 +467,12 @@ def main(config: str | None = "configs/langgraph_search_tiny.yaml", **overrides)
             advantages = grpo_advantages(rewards, cfg.group_size, scale_by_std=cfg.scale_adv_by_std)
             equal = equal_reward_groups(rewards, cfg.group_size)
             keep = ~equal if cfg.drop_equal_groups else torch.ones_like(equal)
-            rows = [(segment, r, a) for e, r, a, k in zip(episodes, rewards, advantages, keep) if k
+            rows = [(segment, r, a, i) for i, (e, r, a, k) in enumerate(zip(episodes, rewards, advantages, keep)) if k
                     for segment in e["segments"]]
-            batch = concat_padded_tensors([s for s, _, _ in rows]) if rows else {}
+            batch = concat_padded_tensors([s for s, _, _, _ in rows]) if rows else {}
             if rows:
-                batch["rewards"] = torch.stack([r for _, r, _ in rows])
-                batch["advantages"] = torch.stack([a for _, _, a in rows])
+                batch["rewards"] = torch.stack([r for _, r, _, _ in rows])
+                batch["advantages"] = torch.stack([a for _, _, a, _ in rows])
             t_rollout = time.time() - t0
 
             # 3. proximal log-probs (the trainer's; `logprobs` stays the server's), then 4. the update
@@ -519,11 +522,19 @@ def main(config: str | None = "configs/langgraph_search_tiny.yaml", **overrides)
             logger.log(step, metrics)
             progress.update(1)
             progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", step_s=f"{step_s:.1f}")
-            for e in episodes[: cfg.group_size]:  # one group's conversations, as the agent saw them
-                trace_file.write(json.dumps({"step": step, "question": e["question"], "gold": e["gold"],
-                                             "reward": e["reward"], "finish": e["finish_reason"],
-                                             "messages": e["messages"]}, default=str) + "\n")
-            trace_file.flush()
+            if cfg.trace_every and step % cfg.trace_every == 0:  # token by token, trainer log-probs included
+                records, row_of = [], {id(segment): k for k, (segment, _, _, _) in enumerate(rows)}
+                for i, e in enumerate(episodes[: cfg.trace_groups * cfg.group_size]):
+                    for segment in e["segments"]:
+                        row = row_of.get(id(segment))  # None: its group was dropped, never scored by the trainer
+                        records.append(episode_record(
+                            {**segment, "rewards": rewards[i:i + 1], "finish_reason": e["finish_reason"],
+                             "question": e["question"], "gold": e["gold"], "answer": e["answer"],
+                             "num_searches": e["num_searches"], "num_model_calls": e["num_model_calls"]},
+                            tokenizer, step=step, group=i // cfg.group_size, index=i % cfg.group_size,
+                            advantage=advantages[i].item(), context_role="tool", tool_failures=e["num_tool_failures"],
+                            trainer_logprobs=batch["proximal_logprobs"][row] if row is not None else None))
+                write_traces(trace_file, records)
 
             # 7. checkpoint
             if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.max_steps):

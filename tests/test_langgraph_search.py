@@ -109,4 +109,9 @@ def test_two_grpo_steps_of_the_langgraph_agent_run_end_to_end(tmp_path):
         assert r["rollout/failed_groups"] == 0 and r["rollout/gen_tokens"] > 0
         assert r["logprob/server_trainer_abs_diff_mean"] < 0.05
     traces = [json.loads(line) for line in open(os.path.join(run_dir, "traces.jsonl"))]
-    assert traces and traces[0]["messages"][0]["role"] == "human"
+    assert len(traces) >= 2 * 2  # one group of 2 episodes per step, a record per segment
+    assert traces[0]["tokens"]["tlp"] is not None and '"name": "search"' in traces[0]["prompt"]
+    from lib.viewer import render_page  # the viewer shows the example's run: its plots and its conversations
+
+    page = render_page([run_dir], {}, {})
+    assert "rollout/searches" in page and 'class="group" data-step="2"' in page
