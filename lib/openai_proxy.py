@@ -23,7 +23,6 @@ rendered by the chat template, where only the new reply is trained on. So every 
 exactly one segment with loss_mask 1 and the log-prob the server reported for it. Each segment is a
 training sequence with the episode's reward.
 """
-import asyncio
 import json
 import os
 import time
@@ -77,10 +76,13 @@ def _error(status: int, message: str, *, param: str | None = None, code: str | N
                              status=status)
 
 
-class _Refused(Exception):
+class _Refused(BadRequest):
+    """lib.http_body's BadRequest with the two fields OpenAI's error shape adds: the request field at
+    fault and an error code."""
+
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.param, self.code = status, param, code
+        super().__init__(message, status)
+        self.param, self.code = param, code
 
 
 class OpenAIProxy:
@@ -171,10 +173,8 @@ class OpenAIProxy:
             reward = body.get("reward") if isinstance(body, dict) else None
             if isinstance(reward, bool) or not isinstance(reward, (int, float)) or reward != reward:
                 raise _Refused(400, "send {\"reward\": <a finite number>}", param="reward")
-        except BadRequest as e:
-            return _error(e.status, str(e))
-        except _Refused as e:
-            return _error(e.status, str(e), param=e.param, code=e.code)
+        except BadRequest as e:  # read_json_body's, or a _Refused one with its field and code
+            return _error(e.status, str(e), param=getattr(e, "param", None), code=getattr(e, "code", None))
         session.reward = float(reward)
         return web.json_response({"status": "ok"})
 
@@ -185,10 +185,8 @@ class OpenAIProxy:
                                         too_large_hint="shorten the conversation")
             params = self._read_params(body)
             plan = self._plan(session, params)
-        except BadRequest as e:
-            return _error(e.status, str(e))
-        except _Refused as e:
-            return _error(e.status, str(e), param=e.param, code=e.code)
+        except BadRequest as e:  # read_json_body's, or a _Refused one with its field and code
+            return _error(e.status, str(e), param=getattr(e, "param", None), code=getattr(e, "code", None))
         except ChatFormatError as e:
             return _error(400, str(e), param="messages")
         session.stats["requests"] += 1
