@@ -10,7 +10,6 @@ FLOPs counted: 6 * (non-embedding params + LM head) per token for the dense part
 halved by the causal mask). Peak bf16 dense: H100/H200 SXM 989 TFLOP/s.
 """
 import argparse
-import inspect
 import os
 import sys
 import time
@@ -23,44 +22,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lib.actor import Actor  # noqa: E402
 
 
-def register_torch_varlen():
-    """attn_implementation "torch_varlen": packed rows through torch.nn.attention.varlen.varlen_attn
-    (FlashAttention kernels shipped in torch, no flash-attn package), sequence boundaries taken from
-    position_ids; no [N, N] mask is built. Benchmark-only experiment, not used by lib."""
-    from torch.nn.attention.varlen import varlen_attn
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    params = inspect.signature(varlen_attn).parameters
-
-    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        batch, heads, length, _ = query.shape
-        position_ids = kwargs.get("position_ids")
-        if batch != 1 or position_ids is None:
-            raise ValueError("torch_varlen needs one packed row with position_ids")
-        starts = torch.nonzero(position_ids.reshape(-1) == 0).flatten()
-        cu = torch.cat([starts, starts.new_tensor([length])]).to(torch.int32)
-        max_len = int((cu[1:] - cu[:-1]).max())
-        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else query.dtype
-        q, k, v = (x[0].transpose(0, 1).to(dtype).contiguous() for x in (query, key, value))  # [L, H, D]
-        kw = {"scale": scaling}
-        if "is_causal" in params:
-            kw["is_causal"] = True
-        else:
-            kw["window_size"] = (-1, 0)
-        if k.shape[1] != heads:
-            if "enable_gqa" in params:
-                kw["enable_gqa"] = True
-            else:
-                k = k.repeat_interleave(heads // k.shape[1], dim=1)
-                v = v.repeat_interleave(heads // v.shape[1], dim=1)
-        out = varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
-        return out.unsqueeze(0), None  # [1, L, H, D]
-
-    AttentionInterface.register("torch_varlen", attention)
-    AttentionMaskInterface.register("torch_varlen", lambda *args, **kwargs: None)
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model-path", required=True)
@@ -69,14 +30,15 @@ def main():
     p.add_argument("--mean-len", type=int, default=1024)
     p.add_argument("--max-tokens-per-mb", type=int, default=32768)
     p.add_argument("--gradient-checkpointing", action="store_true")
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--steps", type=int, default=4, help="timed updates; the best after the first is reported")
     p.add_argument("--padded", action="store_true", help="padded rows instead of packing (sdpa has no varlen)")
-    p.add_argument("--attn", default=None, help="attn_implementation, e.g. flash_attention_2")
+    p.add_argument("--attn", default=None, help="attn_implementation: default lib's varlen when packed; sdpa, eager")
+    p.add_argument("--no-master-weights", action="store_true",
+                   help="the old path: fp32 parameters under bf16 autocast instead of bf16 params + fp32 master")
+    p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one more update")
     a = p.parse_args()
-    if a.attn == "torch_varlen":
-        register_torch_varlen()
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
         dist.init_process_group("nccl")
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -85,7 +47,8 @@ def main():
 
     actor = Actor(a.model_path, lr=1e-6, dtype=a.dtype, max_tokens_per_mb=a.max_tokens_per_mb,
                   gradient_checkpointing=a.gradient_checkpointing, total_steps=100,
-                  packed=not a.padded, attn_implementation=a.attn)
+                  packed=not a.padded, attn_implementation=a.attn, master_weights=not a.no_master_weights,
+                  compile_layers=a.compile)
     cfg = actor.model.config
     g = torch.Generator().manual_seed(rank)
     lengths = torch.randint(a.mean_len // 2, a.mean_len * 3 // 2 + 1, (a.num_seqs,), generator=g)
@@ -128,7 +91,10 @@ def main():
     best = min(times[1:]) if len(times) > 1 else times[0]
     mem_gb = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else float("nan")
     if rank == 0:
-        print(f"packed={not a.padded} attn={a.attn or 'sdpa'} max_tokens_per_mb={a.max_tokens_per_mb}")
+        print(f"packed={not a.padded} attn={actor.model.config._attn_implementation} "
+              f"params={next(actor.model.parameters()).dtype} master_weights={actor.master_model is not actor.model} "
+              f"compile={a.compile} gradient_checkpointing={a.gradient_checkpointing} "
+              f"max_tokens_per_mb={a.max_tokens_per_mb}")
         print(f"| model params | GPUs | seqs x mean len | tokens/step/GPU | update s | tokens/s/GPU | TFLOP/s/GPU | MFU | logp s | peak mem GB | micro-batches |")
         print(f"| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         tflops = flops / best / 1e12

@@ -6,6 +6,7 @@ of token t given tokens < t (0 at position 0 and on padding), the same layout th
 behaviour log-probs use in a trajectory; `loss_mask` is 1 on generated tokens.
 """
 import contextlib
+import copy
 import math
 import os
 import shutil
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lib.attention import VARLEN, packed_kwargs, register_varlen_attention
 from lib.padding import pack_sequences, sequence_lengths, split_by_token_budget, unpack_sequences
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean")
@@ -51,8 +53,10 @@ def token_logprobs(causal_lm: nn.Module, input_ids: torch.Tensor, position_ids: 
     """
     # use_cache=False matters: with a cache object present, transformers skips the detection of
     # packed sequences from position_ids and lets packed sequences attend to each other.
+    # Packed rows: the sequence boundaries, found once here rather than in every layer's attention.
+    boundaries = packed_kwargs(position_ids) if position_ids is not None and input_ids.shape[0] == 1 else {}
     hidden = causal_lm.get_decoder()(input_ids=input_ids, position_ids=position_ids,
-                                     attention_mask=attention_mask, use_cache=False).last_hidden_state
+                                     attention_mask=attention_mask, use_cache=False, **boundaries).last_hidden_state
     rows, length = input_ids.shape
     head = causal_lm.get_output_embeddings()
     hidden_prev = hidden[:, :-1].reshape(-1, hidden.shape[-1])  # predicts the next token
@@ -305,9 +309,17 @@ class Actor:
 
     One process: a plain module on `device` (default: cuda if available). Under torchrun
     (`torch.distributed` initialised, world size > 1): FSDP2, each decoder layer and then the root
-    sharded over all ranks. Parameters, gradients and optimizer state are float32 (master
-    weights); `dtype="bfloat16"` makes the forward/backward compute in bf16 (autocast on one
-    process, `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)` under FSDP2).
+    sharded over all ranks. The optimizer always steps float32 weights (master weights).
+    `dtype="bfloat16"` makes the forward/backward compute in bf16: on one process the model that
+    runs holds bf16 parameters and an fp32 copy of them (`master_model`) is what AdamW steps (its
+    gradients are the bf16 ones cast up, the new weights are cast down after each step); with
+    `master_weights=False` instead the fp32 model runs under autocast, which casts every weight in
+    every forward and backward (slower: ~casts and fp32 elementwise work, measured in
+    docs/benchmarks.md). Under FSDP2: `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`.
+
+    Attention: `attn_implementation=None` runs packed micro-batches with lib's varlen attention
+    (lib/attention.py: FlashAttention varlen kernel on CUDA, sequence by sequence elsewhere) and
+    padded ones with transformers' default (sdpa).
 
     Under FSDP every rank calls every method (they hold collectives), each with its own shard of
     the batch (or all with the same batch: the result is the same either way).
@@ -321,7 +333,7 @@ class Actor:
                  ref_model_path: str | None = None, kl_coef: float = 0.0,
                  eps_clip_low: float = 0.2, eps_clip_high: float = 0.28, loss_agg: str = "token-mean",
                  behaviour_weight_cap: float | None = None, behaviour_cap_mode: str = "truncate",
-                 logits_chunk_tokens: int = 2048,
+                 logits_chunk_tokens: int = 2048, master_weights: bool = True, compile_layers: bool = False,
                  attn_implementation: str | None = None, packed: bool = True):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -337,8 +349,8 @@ class Actor:
         if behaviour_cap_mode not in CAP_MODES:
             raise ValueError(f"behaviour_cap_mode must be one of {CAP_MODES}, got {behaviour_cap_mode!r}")
         self.loss_agg, self.behaviour_weight_cap, self.behaviour_cap_mode = loss_agg, behaviour_weight_cap, behaviour_cap_mode
-        # Packing pays off with varlen attention (flash_attention_2); with sdpa the [N, N] mask makes
-        # it about 2x slower than padded rows on CPU (measured on the tiny model), so it is optional.
+        # Packing pays off with varlen attention; with sdpa the [N, N] mask makes it about 2x slower
+        # than padded rows on CPU (measured on the tiny model), so it is optional.
         self.packed = packed
         self.world_size = _world_size()
         self.rank = dist.get_rank() if self.world_size > 1 else 0
@@ -349,13 +361,24 @@ class Actor:
                 device = "cpu"
         self.device = torch.device(device)
 
-        # attn_implementation: None = transformers' default (sdpa), which turns packed rows into an
-        # [N, N] block-diagonal mask; on GPUs "flash_attention_2" runs them as varlen sequences.
+        # attn_implementation None/"varlen": lib's varlen attention for packed rows (transformers'
+        # sdpa would build an [N, N] block-diagonal mask for them); sdpa for padded rows.
+        if attn_implementation in (None, "varlen"):
+            attn_implementation = register_varlen_attention() if packed else None
         load_kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **load_kwargs)
         self.model.config.use_cache = False
         if freeze_embeddings:  # the input embeddings, and the LM head with them when the two are tied
             self.model.get_input_embeddings().weight.requires_grad_(False)
+        # bf16 parameters run; an fp32 copy is what the optimizer steps (one process only: under
+        # FSDP2 the sharded fp32 parameters are the master weights and the policy casts them).
+        self.master_model = self.model
+        if master_weights and self.compute_dtype != torch.float32 and self.world_size == 1:
+            self.master_model = copy.deepcopy(self.model).to(self.device)
+            self.master_model.requires_grad_(False)
+            for master, param in zip(self.master_model.parameters(), self.model.parameters()):
+                master.requires_grad_(param.requires_grad)
+            self.model.to(self.compute_dtype)
         if gradient_checkpointing:
             # transformers 5.2x renamed gradient_checkpointing_enable; SGLang's pinned 5.12 has only the old name.
             if hasattr(self.model, "activation_checkpointing_enable"):
@@ -366,6 +389,9 @@ class Actor:
         has_tokenizer = not os.path.isdir(model_path) or any(
             os.path.exists(os.path.join(model_path, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
         self.tokenizer = AutoTokenizer.from_pretrained(model_path) if has_tokenizer else None
+        if compile_layers:  # fuses each layer's elementwise work (norms, rotary, SiLU); dynamic lengths
+            for layer in self.model.get_decoder().layers:
+                layer.compile(dynamic=True)
         self.policy = self._wrap(self.model, logits_chunk_tokens)
         self.ref_policy = None
         if ref_model_path is not None:
@@ -374,7 +400,7 @@ class Actor:
             ref.requires_grad_(False)
             self.ref_policy = self._wrap(ref, logits_chunk_tokens).eval()
 
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=tuple(betas),
+        self.optimizer = torch.optim.AdamW(self.master_model.parameters(), lr=lr, betas=tuple(betas),
                                            eps=adam_eps, weight_decay=weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: _lr_factor(step, warmup_steps, total_steps, lr_schedule))
@@ -394,8 +420,9 @@ class Actor:
         return policy
 
     def _autocast(self):
-        # Under FSDP2 the mixed-precision policy casts; on one process autocast does.
-        enabled = self.world_size == 1 and self.compute_dtype != torch.float32
+        # Under FSDP2 the mixed-precision policy casts; with master weights the parameters are bf16
+        # already; otherwise (master_weights=False, one process) autocast does.
+        enabled = self.world_size == 1 and self.compute_dtype != torch.float32 and self.master_model is self.model
         return torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=enabled)
 
     def _micro_batches(self, attention_mask: torch.Tensor) -> list[list[int]]:
@@ -487,17 +514,27 @@ class Actor:
             loss_total = torch.tensor(loss_sum, device=self.device)
             dist.all_reduce(loss_total)
             loss_sum = loss_total.item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        if self.master_model is not self.model:  # bf16 gradients → the fp32 master's, freed as we go
+            for master, param in zip(self.master_model.parameters(), self.model.parameters()):
+                master.grad = None if param.grad is None else param.grad.float()
+                param.grad = None
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.master_model.parameters(), self.grad_clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         grad_norm = float(grad_norm)
         skipped = not math.isfinite(grad_norm)
         if not skipped:
             self.optimizer.step()
+            self._copy_master_to_model()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return {"loss": loss_sum, "grad_norm": grad_norm, "lr": lr, "num_micro_batches": len(groups),
                 "skipped": float(skipped), **merge_stats(per_mb)}
+
+    @torch.no_grad()
+    def _copy_master_to_model(self) -> None:
+        if self.master_model is not self.model:
+            torch._foreach_copy_(list(self.model.parameters()), list(self.master_model.parameters()))
 
     # --- weights out: HF export, weight sync, checkpoints ---
 
@@ -507,13 +544,15 @@ class Actor:
         on the trainer's device. Under FSDP each tensor is all-gathered, so every rank must drain the
         iterator in step; all ranks get the full tensors. Tied weights appear once."""
         dtype = dtype or self.compute_dtype
-        for name, param in self.model.named_parameters():
+        # With master weights the bf16 parameters are the master's cast: hand them out uncopied.
+        source = self.model if next(self.model.parameters()).dtype == dtype else self.master_model
+        for name, param in source.named_parameters():
             full = param.full_tensor() if hasattr(param, "full_tensor") else param
             yield name, full.detach().to(dtype)
 
     def _full_state_dict(self, dtype: torch.dtype) -> dict:
         if self.world_size == 1:
-            return {k: v.detach().to(dtype) for k, v in self.model.state_dict().items()}
+            return {k: v.detach().to(dtype) for k, v in self.master_model.state_dict().items()}
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -549,7 +588,7 @@ class Actor:
         tmp = _fresh_tmp(path) if self.rank == 0 else path + ".tmp"
         if self.world_size > 1:
             dist.barrier()
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = get_state_dict(self.master_model, self.optimizer)
         with _single_process_dcp_quiet():
             dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp, no_dist=self.world_size == 1)
         if self.rank == 0:
@@ -571,12 +610,13 @@ class Actor:
         if not os.path.exists(os.path.join(path, "trainer_state.pt")):
             raise FileNotFoundError(f"no checkpoint at {path} (trainer_state.pt missing); "
                                     f"start without --resume or point at a directory save_checkpoint wrote")
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = get_state_dict(self.master_model, self.optimizer)
         state = {"model": model_state, "optimizer": optim_state}
         with _single_process_dcp_quiet():
             dcp.load(state, checkpoint_id=path, no_dist=self.world_size == 1)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+        set_state_dict(self.master_model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
+        self._copy_master_to_model()
         # Holds the caller's extra (RNG states, tuples): not a weights-only file.
         trainer_state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
         self.scheduler.load_state_dict(trainer_state["scheduler"])

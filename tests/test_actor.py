@@ -7,6 +7,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from lib.actor import (Actor, compute_logprobs, equal_reward_groups, grpo_advantages, logprob_mismatch, merge_stats,
                        minibatch_rows, ppo_loss)
+from lib.attention import VARLEN, packed_kwargs, register_varlen_attention, varlen_attention
 from lib.padding import concat_padded_tensors
 
 ARCH = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -69,6 +70,29 @@ def test_packed_logprobs_equal_the_padded_forward(model):
     packed = compute_logprobs(model, batch["input_ids"], batch["attention_mask"], packed=True)
     padded = compute_logprobs(model, batch["input_ids"], batch["attention_mask"], packed=False)
     assert torch.allclose(packed, padded, atol=1e-5, rtol=0)
+
+
+def test_varlen_attention_gives_the_logprobs_of_the_padded_sdpa_forward(model_dir, model):
+    varlen = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                  attn_implementation=register_varlen_attention()).eval()
+    batch = make_batch([7, 2, 5, 4, 1], seed=2)
+    packed = compute_logprobs(varlen, batch["input_ids"], batch["attention_mask"], packed=True)
+    padded = compute_logprobs(model, batch["input_ids"], batch["attention_mask"], packed=False)
+    assert torch.allclose(packed, padded, atol=1e-5, rtol=0)
+
+
+def test_varlen_attention_finds_the_sequences_from_position_ids_alone():
+    torch.manual_seed(0)
+    query, key, value = torch.randn(1, 4, 9, 8), torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8)
+    position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 0, 1, 2]])
+    given, _ = varlen_attention(None, query, key, value, None, scaling=0.3, **packed_kwargs(position_ids))
+    found, _ = varlen_attention(None, query, key, value, None, scaling=0.3, position_ids=position_ids)
+    assert torch.equal(given, found)
+    # the second sequence (tokens 4-5) sees only itself: its first token attends to one key
+    k, v = key.repeat_interleave(2, dim=1), value.repeat_interleave(2, dim=1)
+    assert torch.allclose(found[0, 4], v[0, :, 4], atol=1e-6)
+    expected = torch.softmax(query[0, :, 5:6] @ k[0, :, 4:6].transpose(1, 2) * 0.3, -1) @ v[0, :, 4:6]
+    assert torch.allclose(found[0, 5], expected.squeeze(1), atol=1e-6)
 
 
 def test_logprobs_are_of_temperature_scaled_logits(model):
@@ -346,6 +370,80 @@ def test_save_hf_writes_a_model_that_transformers_loads_with_the_same_weights(mo
         assert torch.equal(p, exported[name]), name
 
 
+def test_actor_runs_packed_micro_batches_with_varlen_attention_and_padded_ones_with_sdpa(model_dir):
+    assert Actor(model_dir).model.config._attn_implementation == VARLEN
+    assert Actor(model_dir, packed=False).model.config._attn_implementation == "sdpa"
+    assert Actor(model_dir, attn_implementation="eager").model.config._attn_implementation == "eager"
+
+
+def test_packed_varlen_and_padded_actors_take_the_same_step(model_dir):
+    batch = make_batch([6, 3, 5, 4], advantages=[1.0, -0.5, 0.25, -1.0])
+    packed, padded = Actor(model_dir, lr=1e-3), Actor(model_dir, lr=1e-3, packed=False)
+    assert torch.allclose(packed.compute_logprobs(batch), padded.compute_logprobs(batch), atol=1e-5, rtol=0)
+    one, two = packed.update(batch), padded.update(batch)
+    assert one["loss"] == pytest.approx(two["loss"], abs=1e-6)
+    assert one["grad_norm"] == pytest.approx(two["grad_norm"], rel=1e-5)
+
+
+def test_bfloat16_step_is_the_float32_step_within_bf16_noise(model_dir):
+    batch = make_batch([6, 3, 5, 4], advantages=[1.0, -0.5, 0.25, -1.0])
+    fp32, bf16 = Actor(model_dir, lr=1e-3), Actor(model_dir, lr=1e-3, dtype="bfloat16")
+    gap = (fp32.compute_logprobs(batch) - bf16.compute_logprobs(batch)).abs().max().item()
+    assert 0 < gap < 0.05  # bf16 rounding of a 2-layer model's weights and activations: ~1e-2
+    one, two = fp32.update(batch), bf16.update(batch)
+    assert two["loss"] == pytest.approx(one["loss"], abs=0.02)
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=0.05)
+    moved_fp32 = {n: p.detach().clone() for n, p in fp32.model.named_parameters()}
+    start = dict(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters())
+    step_fp32, step_bf16 = (torch.cat([(weights[n].detach() - start[n]).flatten() for n in start])
+                            for weights in (moved_fp32, dict(bf16.master_model.named_parameters())))
+    # Adam's first step is ~lr * sign(grad): the signs agree except where a gradient is ~0 (e.g. the
+    # key bias, whose exact gradient is 0) and bf16 noise decides.
+    assert torch.nn.functional.cosine_similarity(step_fp32, step_bf16, dim=0) > 0.9
+
+
+def test_bfloat16_master_weights_keep_updates_smaller_than_a_bf16_step(model_dir):
+    batch = make_batch([6, 4], advantages=[1.0, -1.0])
+    actor = Actor(model_dir, lr=1e-5, dtype="bfloat16")  # 1e-5 is far below bf16's spacing near 0.1 (~5e-4)
+    start = {n: p.detach().clone() for n, p in actor.master_model.named_parameters()}
+    running_start = {n: p.detach().clone() for n, p in actor.model.named_parameters()}
+    for _ in range(3):
+        actor.update(batch)
+    for name, master in actor.master_model.named_parameters():
+        assert (master - start[name]).abs().max() > 0, f"{name}: fp32 master did not move"
+    running = dict(actor.model.named_parameters())
+    assert sum(torch.equal(running[n], running_start[n]) for n in running) >= 1  # bf16 alone loses steps
+    for name, master in actor.master_model.named_parameters():
+        assert torch.equal(running[name], master.to(torch.bfloat16)), name
+
+
+def test_bfloat16_checkpoint_restores_the_float32_master_weights(model_dir, tmp_path):
+    batch = make_batch([6, 4], advantages=[1.0, -1.0])
+    actor = Actor(model_dir, lr=1e-3, dtype="bfloat16")
+    actor.update(batch)
+    actor.save_checkpoint(str(tmp_path / "ckpt"), extra={"step": 1})
+    after_one = actor.update(batch)
+    resumed = Actor(model_dir, lr=1e-3, dtype="bfloat16")
+    assert resumed.load_checkpoint(str(tmp_path / "ckpt")) == {"step": 1}
+    for (name, a), b in zip(actor.master_model.named_parameters(), resumed.master_model.parameters()):
+        assert b.dtype == torch.float32
+    for (name, a), b in zip(resumed.master_model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(b, a.to(torch.bfloat16)), name
+    again = resumed.update(batch)
+    assert again["loss"] == pytest.approx(after_one["loss"], abs=1e-6)
+    for (name, a), b in zip(actor.master_model.named_parameters(), resumed.master_model.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_bfloat16_autocast_path_without_master_copy_still_trains(model_dir):
+    batch = make_batch([6, 4], advantages=[1.0, -1.0])
+    actor = Actor(model_dir, lr=1e-3, dtype="bfloat16", master_weights=False)
+    assert actor.master_model is actor.model
+    assert all(p.dtype == torch.float32 for p in actor.model.parameters())
+    stats = actor.update(batch)
+    assert math.isfinite(stats["loss"]) and stats["grad_norm"] > 0
+
+
 def test_bfloat16_compute_keeps_float32_master_weights_and_close_logprobs(model_dir):
     batch = make_batch([6, 4], advantages=[1.0, -1.0])
     fp32 = Actor(model_dir).compute_logprobs(batch)
@@ -353,7 +451,8 @@ def test_bfloat16_compute_keeps_float32_master_weights_and_close_logprobs(model_
     assert torch.allclose(actor.compute_logprobs(batch), fp32, atol=0.1)
     stats = actor.update(batch)
     assert math.isfinite(stats["loss"]) and stats["grad_norm"] > 0
-    assert all(p.dtype == torch.float32 for p in actor.model.parameters())
+    assert all(p.dtype == torch.float32 for p in actor.master_model.parameters())
+    assert all(p.dtype == torch.bfloat16 for p in actor.model.parameters())
 
 
 # --- FSDP2 on 2 processes: gloo on CPU here, NCCL on 2 GPUs on the GPU machines ---

@@ -3,6 +3,8 @@
     AGENTRL_GPU_TEST_MODEL=/path/to/tiny NCCL_CUMEM_ENABLE=0 python -m pytest -m gpu tests/test_gpu.py
 
 - lib's CPU server running on CUDA answers with log-probs that match a transformers forward;
+- the trainer's fast path (bf16 parameters + fp32 master weights, lib's varlen attention kernel)
+  gives the log-probs and the step of the plain fp32 path within bf16 noise;
 - NCCL weight sync (lib/weight_sync.py, trainer on GPU 0) into lib's CPU server on GPU 1 and into
   real SGLang on GPU 1 (when importable) changes the server's outputs, and the server's log-probs
   then agree with the trainer's.
@@ -51,6 +53,61 @@ def max_gap_to_actor(actor, gens) -> float:
         lp = actor.compute_logprobs({"input_ids": ids, "attention_mask": torch.ones_like(ids)})[0, len(prompt):]
         gap = max(gap, (lp - torch.tensor(g.logprobs)).abs().max().item())
     return gap
+
+
+@pytest.fixture(scope="module")
+def head_dim_64_model(tmp_path_factory):
+    """A random 2-layer Qwen2 with head_dim 64 (the flash kernels' sizes), built here."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    path = str(tmp_path_factory.mktemp("fast") / "model")
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(path)
+    return path
+
+
+def _random_batch(lengths, vocab=1000, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    T = max(lengths)
+    attention_mask = (torch.arange(T)[None] < torch.tensor(lengths)[:, None]).long()
+    loss_mask = attention_mask.clone()
+    loss_mask[:, :3] = 0
+    return {"input_ids": torch.randint(0, vocab, (len(lengths), T), generator=g) * attention_mask,
+            "attention_mask": attention_mask, "loss_mask": loss_mask,
+            "advantages": torch.linspace(-1, 1, len(lengths))}
+
+
+def test_varlen_kernel_equals_sequence_by_sequence_attention_in_bf16():
+    from lib.attention import _per_sequence_sdpa, packed_kwargs, varlen_attention
+
+    torch.manual_seed(0)
+    q = torch.randn(1, 8, 300, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2, 300, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    position_ids = torch.cat([torch.arange(n) for n in (120, 1, 79, 100)])[None].cuda()
+    kernel, _ = varlen_attention(None, q, k, v, None, scaling=0.125, **packed_kwargs(position_ids))
+    cu = packed_kwargs(position_ids)["cu_seq_lens_q"].tolist()
+    reference = _per_sequence_sdpa(*(x[0].transpose(0, 1).float() for x in (q, k, v)), cu, 0.125)
+    assert (kernel[0].float() - reference).abs().max().item() < 2e-2
+
+
+def test_fast_path_logprobs_and_step_match_the_fp32_path_within_bf16_noise(head_dim_64_model):
+    batch = _random_batch([200, 37, 150, 90])
+    fast = Actor(head_dim_64_model, lr=1e-3, dtype="bfloat16", device="cuda:0")
+    plain = Actor(head_dim_64_model, lr=1e-3, dtype="float32", packed=False, device="cuda:0")
+    assert fast.model.config._attn_implementation == "agentrl_varlen"
+    assert next(fast.model.parameters()).dtype == torch.bfloat16
+    fast_lp, plain_lp = fast.compute_logprobs(batch), plain.compute_logprobs(batch)
+    gap = ((fast_lp - plain_lp) * batch["attention_mask"]).abs().max().item()
+    assert gap < 0.1, f"fast path log-probs off the fp32 ones by {gap}"
+    batch["logprobs"] = plain_lp
+    one, two = plain.update(batch), fast.update(batch)
+    assert two["loss"] == pytest.approx(one["loss"], abs=0.02)
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=0.05)
+    start = dict(Actor(head_dim_64_model, device="cuda:0").model.named_parameters())
+    steps = [torch.cat([(dict(m.named_parameters())[n].detach() - start[n]).flatten() for n in start])
+             for m in (plain.model, fast.master_model)]
+    assert torch.nn.functional.cosine_similarity(*steps, dim=0) > 0.9
 
 
 def test_cpu_server_on_cuda_logprobs_match_forward(model_dir):
