@@ -35,7 +35,8 @@ def main():
     p.add_argument("--attn", default=None, help="attn_implementation: default lib's varlen when packed; sdpa, eager")
     p.add_argument("--no-master-weights", action="store_true",
                    help="the old path: fp32 parameters under bf16 autocast instead of bf16 params + fp32 master")
-    p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
+    p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                   help="torch.compile each decoder layer (auto: lib's default, on for one GPU)")
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one more update")
     a = p.parse_args()
@@ -48,7 +49,7 @@ def main():
     actor = Actor(a.model_path, lr=1e-6, dtype=a.dtype, max_tokens_per_mb=a.max_tokens_per_mb,
                   gradient_checkpointing=a.gradient_checkpointing, total_steps=100,
                   packed=not a.padded, attn_implementation=a.attn, master_weights=not a.no_master_weights,
-                  compile_layers=a.compile)
+                  compile_layers={'auto': None, 'on': True, 'off': False}[a.compile])
     cfg = actor.model.config
     g = torch.Generator().manual_seed(rank)
     lengths = torch.randint(a.mean_len // 2, a.mean_len * 3 // 2 + 1, (a.num_seqs,), generator=g)
@@ -93,7 +94,7 @@ def main():
     if rank == 0:
         print(f"packed={not a.padded} attn={actor.model.config._attn_implementation} "
               f"params={next(actor.model.parameters()).dtype} master_weights={actor.master_model is not actor.model} "
-              f"compile={a.compile} gradient_checkpointing={a.gradient_checkpointing} "
+              f"compile={a.compile} fused_adam={actor.optimizer.defaults.get('fused')} gradient_checkpointing={a.gradient_checkpointing} "
               f"max_tokens_per_mb={a.max_tokens_per_mb}")
         print(f"| model params | GPUs | seqs x mean len | tokens/step/GPU | update s | tokens/s/GPU | TFLOP/s/GPU | MFU | logp s | peak mem GB | micro-batches |")
         print(f"| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")

@@ -3,7 +3,7 @@
 # weights), old path (fp32 params under autocast, sdpa) against lib's defaults (bf16 params + fp32
 # master, varlen attention), with and without activation checkpointing and torch.compile.
 #
-#   OUT=/tmp/out bash bench/gpu_trainer.sh [quick]
+#   OUT=/tmp/out bash bench/gpu_trainer.sh [old]     # old: also the old path (fp32 + autocast, sdpa)
 set -u
 T0=$(date +%s); ts() { echo "[t=$(( $(date +%s) - T0 ))s] $*"; }
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -21,12 +21,14 @@ run() {  # label, args...
   timeout 120 $B "$@" > $OUT/trainer_$label.log 2>&1
   echo "exit $?"; grep -E "^packed|^\| [0-9]|^update times|Error|error" $OUT/trainer_$label.log | tail -4
 }
-run old_gc --attn sdpa --no-master-weights --gradient-checkpointing --max-tokens-per-mb 32768
-run new_gc --gradient-checkpointing --max-tokens-per-mb 32768
-run new_16k --max-tokens-per-mb 16384
-run new_8k --max-tokens-per-mb 8192
-run new_16k_compile --max-tokens-per-mb 16384 --compile
-run new_gc_compile --gradient-checkpointing --max-tokens-per-mb 32768 --compile
+case "${1:-all}" in
+  old) run old_gc --attn sdpa --no-master-weights --compile off --gradient-checkpointing --max-tokens-per-mb 32768 ;;
+esac
+run default_16k --max-tokens-per-mb 16384
+run default_12k --max-tokens-per-mb 12288
+run default_gc_32k --gradient-checkpointing --max-tokens-per-mb 32768
+run default_gc_64k --gradient-checkpointing --max-tokens-per-mb 65536
+run nocompile_gc_32k --compile off --gradient-checkpointing --max-tokens-per-mb 32768
 ts "profile of lib's default"
-timeout 120 $B --max-tokens-per-mb 16384 --profile > $OUT/trainer_profile.log 2>&1; tail -40 $OUT/trainer_profile.log
+timeout 120 $B --max-tokens-per-mb 12288 --profile > $OUT/trainer_profile.log 2>&1; tail -40 $OUT/trainer_profile.log
 ts done

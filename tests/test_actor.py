@@ -527,3 +527,27 @@ def test_fsdp2_update_on_two_processes_equals_the_single_process_update(model_di
         assert torch.equal(exported[name], fsdp["params"][name]), name
         assert torch.equal(fsdp["restored"][name], fsdp["params"][name]), name
     assert fsdp["extra"] == {"step": 1}
+
+
+# --- the chunked LM head ---
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_head_logprobs_entropy_and_gradients_equal_the_plain_log_softmax(temperature):
+    from lib.actor import HeadLogprobs
+
+    torch.manual_seed(0)
+    hidden = torch.randn(11, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(40, 16, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 40, (11,))
+    upstream = torch.randn(11, dtype=torch.float64)
+    logits = (hidden @ weight.T) / temperature
+    log_p = torch.log_softmax(logits.float(), -1)
+    expected = log_p.gather(-1, targets[:, None]).squeeze(-1)
+    (expected.double() * upstream).sum().backward()
+    grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    lp, ent = HeadLogprobs.apply(hidden, weight, targets, temperature, 4, True, torch.float64)
+    (lp.double() * upstream).sum().backward()
+    assert torch.allclose(lp, expected, atol=1e-5)
+    assert torch.allclose(ent, -(log_p.exp() * log_p).sum(-1), atol=1e-5)
+    assert torch.allclose(hidden.grad, grads[0], atol=1e-5) and torch.allclose(weight.grad, grads[1], atol=1e-5)
