@@ -531,8 +531,9 @@ def test_fsdp2_update_on_two_processes_equals_the_single_process_update(model_di
 
 # --- the chunked LM head ---
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_chunked_head_logprobs_entropy_and_gradients_equal_the_plain_log_softmax(temperature):
+def test_chunked_head_logprobs_entropy_and_gradients_equal_the_plain_log_softmax(temperature, fused):
     from lib.actor import HeadLogprobs
 
     torch.manual_seed(0)
@@ -546,7 +547,7 @@ def test_chunked_head_logprobs_entropy_and_gradients_equal_the_plain_log_softmax
     (expected.double() * upstream).sum().backward()
     grads = hidden.grad.clone(), weight.grad.clone()
     hidden.grad = weight.grad = None
-    lp, ent = HeadLogprobs.apply(hidden, weight, targets, temperature, 4, True, torch.float64)
+    lp, ent = HeadLogprobs.apply(hidden, weight, targets, temperature, 4, True, torch.float64, fused)
     (lp.double() * upstream).sum().backward()
     assert torch.allclose(lp, expected, atol=1e-5)
     assert torch.allclose(ent, -(log_p.exp() * log_p).sum(-1), atol=1e-5)
