@@ -28,7 +28,6 @@ run default_16k --max-tokens-per-mb 16384
 run default_12k --max-tokens-per-mb 12288
 run default_gc_32k --gradient-checkpointing --max-tokens-per-mb 32768
 run default_24k --max-tokens-per-mb 24576
-run nocompile_16k --compile off --max-tokens-per-mb 16384
 ts "profile of lib's default"
 timeout 120 $B --max-tokens-per-mb 16384 --profile > $OUT/trainer_profile.log 2>&1; tail -40 $OUT/trainer_profile.log
 ts done
