@@ -110,8 +110,10 @@ class Config:
     behav_imp_weight_cap: float = 2.0  # cap of the server->trainer importance weight per token; 0 = no cap
     behav_imp_weight_mode: str = "truncate"  # above the cap: "truncate" to it (TIS) or "mask" the token out (AReaL)
     max_tokens_per_mb: int = 16384  # micro-batch token budget of the trainer
-    pack_sequences: bool = True  # padding-free rows; best with attn_implementation flash_attention_2
-    attn_implementation: str | None = None  # trainer attention: None = sdpa; "flash_attention_2" on GPUs
+    pack_sequences: bool = True  # padding-free rows (varlen attention); padded rows are faster on CPU
+    attn_implementation: str | None = None  # trainer attention: None = lib's varlen when packed, else sdpa
+    trainer_gradient_checkpointing: bool = False  # recompute activations in backward: ~half the memory, ~20% slower
+    trainer_compile: bool | None = None  # torch.compile the decoder layers; None = on with one GPU
     weight_sync: str = "disk"  # "disk" (safetensors + /update_weights_from_disk) or "nccl" (broadcast; gloo on CPUs)
     weight_sync_bucket_mb: float = 512  # nccl: tensors per update call, one flattened broadcast each
     # --- async mode ---
@@ -631,7 +633,8 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
                   eps_clip_low=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high, loss_agg=cfg.loss_agg,
                   freeze_embeddings=cfg.freeze_embeddings, packed=cfg.pack_sequences,
                   behaviour_weight_cap=cfg.behav_imp_weight_cap or None, behaviour_cap_mode=cfg.behav_imp_weight_mode,
-                  attn_implementation=cfg.attn_implementation)
+                  attn_implementation=cfg.attn_implementation,
+                  gradient_checkpointing=cfg.trainer_gradient_checkpointing, compile_layers=cfg.trainer_compile)
 
     async def new_session():  # aiohttp sessions belong to the loop they are made in
         return aiohttp.ClientSession()

@@ -105,7 +105,9 @@ class Config:
     behav_imp_weight_mode: str = "truncate"  # above the cap: "truncate" to it (TIS) or "mask" the token out (AReaL)
     max_tokens_per_mb: int = 8192  # micro-batch token budget of the trainer
     pack_sequences: bool = False  # padding-free rows; best with a varlen attention on GPUs
-    attn_implementation: str | None = None  # trainer attention: None = sdpa
+    attn_implementation: str | None = None  # trainer attention: None = lib's varlen when packed, else sdpa
+    trainer_gradient_checkpointing: bool = False  # recompute activations in backward: ~half the memory, ~20% slower
+    trainer_compile: bool | None = None  # torch.compile the decoder layers; None = on with one GPU
     weight_sync: str = "disk"  # "disk" (safetensors + /update_weights_from_disk) or "nccl" (broadcast; gloo on CPUs)
     # --- warm start (embedded default only) ---
     warm_start_steps: int = 4000  # SFT steps on tool-calling demonstrations (1200 did not copy answers: dev F1 0.03)
@@ -425,6 +427,7 @@ def main(config: str | None = "configs/langgraph_search_tiny.yaml", **overrides)
                   max_tokens_per_mb=cfg.max_tokens_per_mb, dtype=cfg.trainer_dtype,
                   eps_clip_low=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high, loss_agg=cfg.loss_agg,
                   packed=cfg.pack_sequences, attn_implementation=cfg.attn_implementation,
+                  gradient_checkpointing=cfg.trainer_gradient_checkpointing, compile_layers=cfg.trainer_compile,
                   behaviour_weight_cap=cfg.behav_imp_weight_cap or None, behaviour_cap_mode=cfg.behav_imp_weight_mode)
     weight_sync = ServerWeightSync(cfg.weight_sync, actor, client, run, num_servers=len(addrs), tp_size=cfg.tp_size,
                                    disk_dir=os.path.join(cfg.run_dir, "weights"))
