@@ -312,6 +312,30 @@ class InferenceClient:
             body["load_format"] = load_format
         return await self._fan_out("POST", "/update_weights_from_distributed", body, retry=False)
 
+    async def update_weights_from_tensor(self, serialized_named_tensors: str, tp_size: int = 1,
+                                         weight_version: str | None = None, flush_cache: bool = True,
+                                         abort_all_requests: bool = False) -> list[dict]:
+        """Every server on this machine loads the trainer's tensors through their handles
+        (`lib.tensor_ipc.serialize_named_tensors`; CUDA IPC, no copy to disk). One payload entry
+        per TP rank, each the whole set (a rank takes its own shard). Not retried: the tensors must
+        stay alive until this returns."""
+        body = {"serialized_named_tensors": [serialized_named_tensors] * tp_size, "flush_cache": flush_cache,
+                "abort_all_requests": abort_all_requests}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        return await self._fan_out("POST", "/update_weights_from_tensor", body, retry=False)
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> list[dict]:
+        """Every server frees its GPU memory (`tags`: "weights", "kv_cache"; None = all) so that a
+        trainer on the same GPU can use it. SGLang needs `--enable-memory-saver`; no request may
+        run meanwhile (pause generation first)."""
+        return await self._fan_out("POST", "/release_memory_occupation", {"tags": tags}, expect_json=False)
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> list[dict]:
+        """Every server takes back what `release_memory_occupation(tags)` freed. Released weights
+        come back with undefined values: sync the weights before generating again."""
+        return await self._fan_out("POST", "/resume_memory_occupation", {"tags": tags}, expect_json=False)
+
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> list[dict]:
         return await self._fan_out("POST", "/destroy_weights_update_group", {"group_name": group_name})
 

@@ -8,7 +8,8 @@ SGLang's where SGLang has them:
 
 Endpoints: /generate, /health, /health_generate, /get_model_info, /get_server_info, /flush_cache,
 /pause_generation, /continue_generation, /abort_request, /update_weights_from_disk,
-/init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group.
+/init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group,
+/update_weights_from_tensor, /release_memory_occupation, /resume_memory_occupation.
 The field names and response shapes follow docs/sglang_contract.md.
 
 Batching: one scheduler coroutine owns the running batch. Each iteration it admits waiting
@@ -36,6 +37,11 @@ Where it differs from SGLang (docs/sglang_contract.md has SGLang's side):
 - Not supported, refused with a 400 rather than ignored: `stream`, `top_logprobs_num`, penalties,
   grammars, `logit_bias`.
 - `--random-seed` defaults to 0 (SGLang: random); `--dtype auto` is float32 on CPU.
+- `/update_weights_from_tensor` takes only lib.tensor_ipc's payload (handles of shared tensors;
+  any other pickle content is a 400) and no `load_format`.
+- `/release_memory_occupation` frees nothing (there is no KV pool to free, and the weights stay
+  where they are); it marks the server released, so that /generate is refused (400) until
+  `/resume_memory_occupation`, and it is itself refused while requests run or wait.
 - Weight updates copy tensors by their Hugging Face state-dict names (SGLang's `load_weights`
   also accepts those names).
 - Stricter than SGLang on hostile input, all refused with a 400 before anything runs:
@@ -82,6 +88,7 @@ SGLANG_TOP_K_ALL = 1 << 30  # SGLang's default top_k, meaning the whole vocabula
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 MAX_WORLD_SIZE = 2**16
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16", "float64")  # what a weight update may send
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's /release_memory_occupation tags
 
 
 def _short(value) -> str:
@@ -642,6 +649,7 @@ class Server:
         self.idle = asyncio.Event()  # set whenever no step is in flight
         self.idle.set()
         self.groups: dict = {}
+        self.released: set = set()  # memory tags released by /release_memory_occupation
         self.updates_pending = 0
         self.no_update = asyncio.Event()  # set while no weight update is pending
         self.no_update.set()
@@ -932,6 +940,9 @@ def build_app(server: Server) -> web.Application:
 
     async def generate(request):
         body = await _json_body(request, allow_empty=False)
+        if server.released:
+            raise BadRequest(f"the server's memory is released ({sorted(server.released)}); "
+                             f"call /resume_memory_occupation first")
         requests, is_batch = await server.build_requests(body)
         done = await server.submit(requests)
         out = [server.response(r) for r in done]
@@ -1142,6 +1153,57 @@ def build_app(server: Server) -> web.Application:
         await asyncio.get_running_loop().run_in_executor(None, destroy_custom_process_group, pg)
         return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
 
+    async def update_weights_from_tensor(request):
+        from lib.tensor_ipc import PayloadError, load_named_tensors
+
+        body = await _json_body(request, allow_empty=False)
+        entries = body.get("serialized_named_tensors")
+        version = _field(body, "weight_version", str)
+        abort_all = _field(body, "abort_all_requests", bool, False)
+        _field(body, "flush_cache", bool, True)  # no prefix cache: checked, nothing to flush
+        if _field(body, "load_format", str) is not None:
+            raise BadRequest("load_format is not supported here; send null (lib.tensor_ipc's payload)")
+        if not (isinstance(entries, list) and entries and all(isinstance(e, str) for e in entries)):
+            raise BadRequest("serialized_named_tensors must be a non-empty list of base64 strings, one per TP rank")
+
+        def load():  # opening shared memory / IPC handles: off the event loop
+            named = load_named_tensors(entries[0], int(server.args.max_body_mb * 2**20))
+            runner.check_named_shapes([n for n, _ in named], [list(t.shape) for _, t in named])
+            for name, tensor in named:
+                if not tensor.is_floating_point():
+                    raise BadRequest(f"{name!r} was sent as {tensor.dtype}; weights are floating point")
+            return named
+        try:
+            named = await asyncio.get_running_loop().run_in_executor(None, load)
+            async with server.exclusive_update(abort_all):
+                await server.run_on_worker(runner.copy_named_tensors, named)
+        except (BadRequest, PayloadError) as e:  # checked before any weight changed
+            return web.json_response({"success": False, "message": f"Failed to update weights: {e}"}, status=400)
+        del named  # the trainer's memory is only borrowed until we answer
+        if version is not None:
+            server.weight_version = version
+        return web.json_response({"success": True, "message": "Success"})
+
+    def _memory_tags(body) -> set:
+        tags = body.get("tags") if isinstance(body, dict) else None
+        if tags is None:
+            return set(MEMORY_TAGS)
+        if not (isinstance(tags, list) and all(t in MEMORY_TAGS for t in tags)):
+            raise BadRequest(f"tags must be null or a list of {list(MEMORY_TAGS)}, got {_short(tags)}")
+        return set(tags)
+
+    async def release_memory_occupation(request):
+        tags = _memory_tags(await _json_body(request))
+        if runner.rows or server.waiting:
+            raise BadRequest(f"requests are running ({len(runner.rows)}) or waiting ({len(server.waiting)}); "
+                             f"pause generation (mode abort) before releasing memory")
+        server.released |= tags
+        return web.json_response(None)
+
+    async def resume_memory_occupation(request):
+        server.released -= _memory_tags(await _json_body(request))
+        return web.json_response(None)
+
     async def update_weight_version(request):
         body = await _json_body(request, allow_empty=False)
         version = _field(body, "new_version", str)
@@ -1181,6 +1243,9 @@ def build_app(server: Server) -> web.Application:
     r.add_post("/init_weights_update_group", _finish_even_if_client_leaves(init_weights_update_group))
     r.add_post("/update_weights_from_distributed", _finish_even_if_client_leaves(update_weights_from_distributed))
     r.add_post("/destroy_weights_update_group", _finish_even_if_client_leaves(destroy_weights_update_group))
+    r.add_post("/update_weights_from_tensor", _finish_even_if_client_leaves(update_weights_from_tensor))
+    r.add_route("*", "/release_memory_occupation", release_memory_occupation)
+    r.add_route("*", "/resume_memory_occupation", resume_memory_occupation)
     return app
 
 

@@ -1,6 +1,6 @@
 """Trainer → inference server weight sync, the trainer's side.
 
-Two paths, both speaking SGLang's protocol (lib's CPU server implements the same endpoints):
+Three paths, all speaking SGLang's protocol (lib's CPU server implements the same endpoints):
 - disk: `sync_weights_from_disk` writes an HF safetensors directory and asks every server to
   reload it (`/update_weights_from_disk`). Simple, works across machines with a shared disk.
 - broadcast: `DistributedWeightSync` puts the trainer (rank 0) and every server worker in one
@@ -9,7 +9,11 @@ Two paths, both speaking SGLang's protocol (lib's CPU server implements the same
   tensors from rank 0 in that same order. The servers receive one broadcast per name, in order,
   so the HTTP call and the broadcasts must run concurrently: the broadcasts go to a thread.
 
-Neither pauses generation: the training loop pauses, syncs, continues (docs/trajectory.md, step order).
+- tensor (colocated: trainer and server on one GPU or one CPU machine): `sync_weights_from_tensor`
+  hands the server handles of the trainer's tensors (CUDA IPC / shared memory, lib/tensor_ipc.py)
+  through `/update_weights_from_tensor`; the server copies from the trainer's memory directly.
+
+None pauses generation: the training loop pauses, syncs, continues (docs/trajectory.md, step order).
 Under FSDP every trainer rank calls these (gathering full tensors is collective); only rank 0
 talks to the servers and broadcasts.
 """
@@ -47,6 +51,23 @@ async def sync_weights_from_disk(actor, client, path: str, version) -> float:
     await _to_thread_on(actor.device, actor.save_hf, os.path.abspath(path))
     if _trainer_rank() == 0:
         await client.update_weights_from_disk(os.path.abspath(path), weight_version=str(version))
+    return time.perf_counter() - start
+
+
+async def sync_weights_from_tensor(actor, client, version, tp_size: int = 1) -> float:
+    """Hand every server (colocated with the trainer) handles of the actor's full tensors in the
+    compute dtype, tagged `weight_version=str(version)`. With bf16 master weights those are the
+    running parameters themselves: nothing is copied on the trainer's side. Returns the seconds taken."""
+    from lib.tensor_ipc import serialize_named_tensors
+
+    start = time.perf_counter()
+    named = list(actor.named_full_parameters())  # kept alive until every server has answered
+    payload = serialize_named_tensors(named)
+    if _trainer_rank() == 0:
+        if actor.device.type == "cuda":
+            torch.cuda.synchronize(actor.device)  # the last optimizer step's copies are in the memory we share
+        await client.update_weights_from_tensor(payload, tp_size=tp_size, weight_version=str(version))
+    del named
     return time.perf_counter() - start
 
 
@@ -157,17 +178,21 @@ class DistributedWeightSync:
 class ServerWeightSync:
     """What a training script calls after each update: `sync(version)` sends the actor's weights to
     every server and returns the seconds taken. `method` "disk": `sync_weights_from_disk` into
-    `disk_dir`; "nccl": a `DistributedWeightSync` group with every server's `tp_size` workers, built
+    `disk_dir`; "tensor": `sync_weights_from_tensor` (servers on the trainer's machine, one trainer
+    process); "nccl": a `DistributedWeightSync` group with every server's `tp_size` workers, built
     here once (gloo when the actor is on CPUs). `run` runs a coroutine on the event loop that owns
     `client` (`lib.async_rollout.BackgroundLoop.run`). Every trainer rank makes every call; ranks > 0
     pass `client=None` and `num_servers=0`."""
 
     def __init__(self, method: str, actor, client, run, *, num_servers: int, tp_size: int = 1,
                  disk_dir: str, bucket_mb: float = 512):
-        if method not in ("disk", "nccl"):
-            raise ValueError(f"weight sync method must be 'disk' or 'nccl', got {method!r}")
+        if method not in ("disk", "nccl", "tensor"):
+            raise ValueError(f"weight sync method must be 'disk', 'nccl' or 'tensor', got {method!r}")
+        if method == "tensor" and actor.world_size > 1:
+            raise ValueError("weight sync 'tensor' hands over one process's tensors: use 'nccl' under torchrun")
         from lib.launch import free_port
 
+        self.method, self.tp_size = method, tp_size
         self.actor, self.client, self.run, self.disk_dir, self.bucket_mb = actor, client, run, disk_dir, bucket_mb
         self.broadcaster = None
         if method == "nccl":
@@ -178,6 +203,8 @@ class ServerWeightSync:
             run(self.broadcaster.init())
 
     def sync(self, version) -> float:
+        if self.method == "tensor":
+            return self.run(sync_weights_from_tensor(self.actor, self.client, version, self.tp_size))
         if self.broadcaster is None:
             return self.run(sync_weights_from_disk(self.actor, self.client, self.disk_dir, version))
         named = self.actor.named_full_parameters()  # under FSDP each tensor is gathered: every rank takes part

@@ -1,15 +1,16 @@
 """Weight sync against lib's CPU server: after a sync the server generates with the trainer's
-weights, by the disk path and by the gloo broadcast path alike."""
+weights, by the disk path, the gloo broadcast path and the tensor-handle path alike; hostile
+tensor payloads are refused with nothing changed; a released server generates nothing until resumed."""
 import asyncio
 
 import pytest
 import torch
 
 from lib.actor import Actor
-from lib.client import InferenceClient
+from lib.client import InferenceClient, InferenceServerError
 from lib.launch import free_port, launch_cpu_server
 from lib.tiny_model import build_tiny_model
-from lib.weight_sync import DistributedWeightSync, sync_weights_from_disk
+from lib.weight_sync import DistributedWeightSync, sync_weights_from_disk, sync_weights_from_tensor
 
 TEXTS = [f"Ilvan Moresk was born in {c}. <search> {c} </search> <answer> {i} </answer>"
          for i, c in enumerate(["Tarsk", "Velmoor", "Quenby", "Ostrava", "Lindel"] * 40)]
@@ -108,3 +109,99 @@ def test_gloo_broadcast_sync_gives_the_same_server_outputs_as_disk_sync(server, 
     assert via_broadcast.weight_version == "2"
     assert via_broadcast.output_ids == via_disk.output_ids
     assert via_broadcast.logprobs == via_disk.logprobs
+
+
+# --- colocated: tensors handed over by handle (/update_weights_from_tensor) ---
+
+def test_tensor_sync_gives_the_same_server_outputs_as_disk_sync(server, model_dir, trained_actor, tmp_path):
+    async def main():
+        client = InferenceClient([server])
+        try:
+            await sync_weights_from_disk(trained_actor, client, str(tmp_path / "weights"), 1)
+            via_disk = await greedy(client)
+            await reset(client, model_dir)
+            seconds = await sync_weights_from_tensor(trained_actor, client, 4)
+            via_tensor = await greedy(client)
+            await reset(client, model_dir)
+            return via_disk, via_tensor, seconds
+        finally:
+            await client.close()
+
+    via_disk, via_tensor, seconds = asyncio.run(main())
+    assert seconds > 0
+    assert via_tensor.weight_version == "4"
+    assert via_tensor.output_ids == via_disk.output_ids
+    assert via_tensor.logprobs == via_disk.logprobs
+
+
+def _post(address, path, body):
+    import requests
+
+    return requests.post(address + path, json=body, timeout=30)
+
+
+class _Shell:  # pickles as a call of os.system: what a hostile payload would carry
+    def __reduce__(self):
+        import os
+
+        return os.system, ("touch /tmp/agentrl_pwned",)
+
+
+def _hostile_payloads(model_dir):
+    import base64
+    import pickle
+
+    from lib.tensor_ipc import serialize_named_tensors
+
+    good_name = "model.norm.weight"
+    return {
+        "a foreign class": base64.b64encode(pickle.dumps([("x", _Shell())])).decode(),
+        "not base64": "%%% not base64 %%%",
+        "a truncated pickle": serialize_named_tensors([(good_name, torch.ones(32))])[:40],
+        "a name the model lacks": serialize_named_tensors([("no.such.weight", torch.ones(32))]),
+        "a wrong shape": serialize_named_tensors([(good_name, torch.ones(31))]),
+        "integer weights": serialize_named_tensors([(good_name, torch.ones(32, dtype=torch.int64))]),
+        "a dict instead of pairs": base64.b64encode(pickle.dumps({"x": 1})).decode(),
+    }
+
+
+def test_tensor_sync_refuses_hostile_payloads_with_400_and_keeps_the_weights(server, model_dir):
+    import os
+
+    async def outputs():
+        client = InferenceClient([server])
+        try:
+            return await greedy(client)
+        finally:
+            await client.close()
+
+    before = asyncio.run(outputs())
+    for what, payload in _hostile_payloads(model_dir).items():
+        r = _post(server, "/update_weights_from_tensor", {"serialized_named_tensors": [payload]})
+        assert r.status_code == 400, (what, r.status_code, r.text)
+        assert r.json()["success"] is False, what
+    for body in ({}, {"serialized_named_tensors": []}, {"serialized_named_tensors": "abc"},
+                 {"serialized_named_tensors": [1]}, {"serialized_named_tensors": ["x"], "load_format": "direct"}):
+        assert _post(server, "/update_weights_from_tensor", body).status_code == 400, body
+    assert not os.path.exists("/tmp/agentrl_pwned")
+    after = asyncio.run(outputs())
+    assert (after.output_ids, after.logprobs, after.weight_version) == (before.output_ids, before.logprobs,
+                                                                        before.weight_version)
+
+
+def test_released_server_refuses_generation_until_resumed(server):
+    async def main():
+        client = InferenceClient([server])
+        try:
+            await client.release_memory_occupation(["kv_cache"])
+            with pytest.raises(InferenceServerError) as refused:
+                await greedy(client)
+            await client.resume_memory_occupation()
+            return refused.value, await greedy(client)
+        finally:
+            await client.close()
+
+    refused, generation = asyncio.run(main())
+    assert refused.status == 400 and "resume_memory_occupation" in str(refused)
+    assert len(generation.output_ids) == 8
+    assert _post(server, "/release_memory_occupation", {"tags": ["gpu"]}).status_code == 400
