@@ -106,7 +106,9 @@ class Config:
     attn_implementation: str | None = None  # trainer attention: None = lib's varlen when packed, else sdpa
     trainer_gradient_checkpointing: bool = False  # recompute activations in backward: ~half the memory, ~20% slower
     trainer_compile: bool | None = None  # torch.compile the decoder layers; None = on with one GPU
-    weight_sync: str = "disk"  # "disk" (safetensors + /update_weights_from_disk) or "nccl" (broadcast; gloo on CPUs)
+    weight_sync: str = "disk"  # "disk" (safetensors + /update_weights_from_disk), "nccl" (broadcast; gloo on CPUs)
+    # or "tensor" (server on the trainer's GPU/machine: handles of the trainer's tensors, no copy to disk)
+    colocate_sleep: bool = False  # sync mode, server on the trainer's GPU: it frees its memory while the trainer works
     weight_sync_bucket_mb: float = 512  # nccl: tensors per update call, one flattened broadcast each
     # --- async mode ---
     async_capacity: int = 0  # groups started and not yet trained on; 0 = 2 x batch_size
@@ -521,8 +523,10 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
         raise ValueError(f"trace_backend must be 'jsonl' or 'mlflow', got {cfg.trace_backend!r}")
     if cfg.mode not in ("sync", "async"):
         raise ValueError(f"mode must be 'sync' or 'async', got {cfg.mode!r}")
-    if cfg.weight_sync not in ("disk", "nccl"):
-        raise ValueError(f"weight_sync must be 'disk' or 'nccl', got {cfg.weight_sync!r}")
+    if cfg.weight_sync not in ("disk", "nccl", "tensor"):
+        raise ValueError(f"weight_sync must be 'disk', 'nccl' or 'tensor', got {cfg.weight_sync!r}")
+    if cfg.colocate_sleep and cfg.mode != "sync":
+        raise ValueError("colocate_sleep needs mode sync: in async mode the server generates while the trainer works")
     if cfg.weight_sync == "nccl" and cfg.dp_size > 1:
         raise ValueError("weight_sync nccl sends to the server's TP ranks: use dp_size 1")
     if cfg.agent not in ("tokens", "openai"):
@@ -574,7 +578,8 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
     elif is_main and cfg.server == "sglang":
         server = launch_sglang(model_path, base_gpu_id=cfg.base_gpu_id, tp_size=cfg.tp_size, dp_size=cfg.dp_size,
                                mem_fraction_static=cfg.mem_fraction_static, random_seed=sampling_seed,
-                               extra_args=cfg.sglang_extra_args.split(),
+                               extra_args=cfg.sglang_extra_args.split()
+                               + (["--enable-memory-saver"] if cfg.colocate_sleep else []),
                                log_path=os.path.join(cfg.run_dir, "sglang.log"))
         supervisors.append(Supervisor("inference server", server))
         addrs = [server.address]
@@ -695,6 +700,8 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
                 if equal.all():
                     tqdm.write(f"step {step + 1}: every group's rewards are equal: no learning signal this step")
                 batch = {k: v[keep] for k, v in full.items()}
+            if cfg.colocate_sleep and is_main:  # the server is idle until the sync: lend its memory to the trainer
+                run(client.release_memory_occupation())
             t_rollout = time.time() - t0
             batch = broadcast_from_rank0(batch, cpu_group)
             rows = {k: v[rank::world_size] for k, v in batch.items()}  # this rank's share of the batch
@@ -721,7 +728,13 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
             version += 1
             if is_main:
                 run(client.pause_generation())
+            if cfg.colocate_sleep:  # the server takes its memory back: weights first (the sync fills them), then its cache
+                torch.cuda.empty_cache()  # what the update freed goes back to the driver, for the server
+                if is_main:
+                    run(client.resume_memory_occupation(["weights"]))
             weight_sync.sync(version)
+            if cfg.colocate_sleep and is_main:
+                run(client.resume_memory_occupation(["kv_cache", "cuda_graph"]))
             if is_main:
                 if producer is not None:
                     producer.set_version(version)

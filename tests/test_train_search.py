@@ -321,6 +321,19 @@ def test_async_mode_with_tool_latency_and_broadcast_sync_runs_two_steps(tmp_path
 
 
 @pytest.mark.slow
+def test_colocated_sleep_mode_with_tensor_sync_runs_two_steps_with_the_trained_weights_served(tmp_path):
+    run_dir = str(tmp_path / "colocated")
+    args = [sys.executable, "train_search.py", "--run_dir", run_dir, "--weight_sync", "tensor",
+            "--colocate_sleep", "True", *COMMON]
+    out = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = train_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    # step 2 was sampled after the server was released, resumed and handed step 1's weights
+    assert all(r["logprob/server_trainer_abs_diff_max"] < 1e-3 for r in rows)
+
+
+@pytest.mark.slow
 def test_torchrun_two_ranks_train_on_their_share_of_rank0s_batch(tmp_path):
     run_dir = str(tmp_path / "fsdp")
     # 3 x 3 = 9 episodes: rank 0 holds 5 rows, rank 1 holds 4, and 4 mini-batches are asked for.
