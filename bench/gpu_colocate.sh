@@ -1,0 +1,49 @@
+#!/bin/bash
+# One GPU, trainer and SGLang colocated, at Qwen2.5-1.5B shapes (random weights):
+#   A: GPU numerics tests of the trainer's fast path, then bench/bench_colocate.py (tensor vs disk
+#      sync, release/resume memory occupation);
+#   B: train_reflect.py sync mode, 4 GRPO steps each: the old static split (mem_fraction_static 0.3,
+#      disk sync, activation checkpointing) against sleep mode (0.55, colocate_sleep, tensor sync).
+#
+#   OUT=/tmp/out bash bench/gpu_colocate.sh A|B
+# Needs SGLang 0.5.15 from the offline kit in .kit (docs/gpu.md) and, for B, the wheels of fire and
+# termcolor in .gpu_carry_proxy/whl (the machine lacks them).
+set -u
+T0=$(date +%s); ts() { echo "[t=$(( $(date +%s) - T0 ))s] $*"; }
+eval "$(bash .kit/install.sh)"
+if ls .gpu_carry_proxy/whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 .gpu_carry_proxy/whl/fire-*.whl \
+    .gpu_carry_proxy/whl/termcolor-*.whl 2>&1 | grep -v WARN
+fi
+export PYTHONPATH=$PWD:$PYTHONPATH:/tmp/site2 PYTHONUNBUFFERED=1 NCCL_CUMEM_ENABLE=0 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-/tmp/gpu_colocate_out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
+python3 -c "import sglang, torch, transformers; print('sglang', sglang.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+ts "random 1.5B model"
+python3 bench/make_random_model.py --arch qwen2.5-1.5b --out /tmp/q15 > /dev/null 2>&1 || echo "make_random_model failed"
+case "${1:-A}" in
+A)
+  ts "numerics tests"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "varlen or fast_path" 2>&1 | tail -3
+  ts "bench_colocate"
+  timeout 300 python3 bench/bench_colocate.py --model-path /tmp/q15 --mem-fraction-static 0.5 2>&1 | grep -v "Loading weights" | tail -20
+  tail -5 /tmp/bench_colocate_sglang.log
+  ;;
+B)
+  SG="--attention-backend triton --sampling-backend pytorch --grammar-backend none --disable-cuda-graph"
+  C="--model_path /tmp/q15 --server sglang --base_gpu_id 0 --trainer_dtype bfloat16 --batch_size 8 --group_size 8 --max_turns 2 --max_new_tokens_per_turn 256 --max_steps 4 --eval_every 0 --test_size 64 --checkpoint_every 0 --tensorboard False --trace_every 0"
+  one() {  # name, args...
+    local name=$1; shift
+    ts "start $name"
+    timeout 200 python3 train_reflect.py --run_dir /tmp/runs/$name $C --sglang_extra_args "$SG" "$@" > $OUT/$name.log 2>&1
+    ts "end $name rc=$?"; grep -iE "error|Traceback|out of memory" $OUT/$name.log | head -5
+    cp /tmp/runs/$name/metrics.jsonl $OUT/$name.metrics.jsonl 2>/dev/null
+  }
+  one reflect_static_split --mem_fraction_static 0.3 --weight_sync disk --trainer_gradient_checkpointing True --max_tokens_per_mb 32768
+  one reflect_sleep --mem_fraction_static 0.55 --colocate_sleep True --weight_sync tensor --max_tokens_per_mb 16384
+  python3 bench/bench_step_time.py "static split, disk sync, checkpointing=/tmp/runs/reflect_static_split" \
+    "sleep mode, tensor sync=/tmp/runs/reflect_sleep" --skip 1 2>&1 | tail -8
+  grep -h "logprob/server_trainer_abs_diff_max" /tmp/runs/*/metrics.jsonl | python3 -c "import sys, json; print('gap max per step', [round(json.loads(l)['logprob/server_trainer_abs_diff_max'], 3) for l in sys.stdin])"
+  ;;
+esac
+ts done
