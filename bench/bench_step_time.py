@@ -1,4 +1,4 @@
-"""Step-time breakdown (rollout / logp / update / sync) of train_search.py runs, from their metrics.jsonl,
+"""Step-time breakdown (rollout / logp / update / sync) of train_search.py (or train_reflect.py) runs, from their metrics.jsonl,
 as a markdown table; one row per run. The first `--skip` steps (start-up: CUDA graphs, allocator, NCCL
 communicators) are left out; the rest are summarised by their median.
 
@@ -19,7 +19,8 @@ def summarize(run_dir: str, skip: int) -> dict:
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")) if line.strip()]
     steps = [r for r in rows if "perf/step_s" in r]
     timed = steps[skip:] or steps
-    med = lambda key: statistics.median(r[key] for r in timed)  # noqa: E731
+    # train_reflect.py logs no episodes / tool calls: those columns read nan for its runs
+    med = lambda key: statistics.median(r.get(key, float("nan")) for r in timed)  # noqa: E731
     episodes = med("rollout/episodes")
     return {
         "steps": len(timed), "step_s": med("perf/step_s"), "rollout_s": med("perf/rollout_s"),
