@@ -54,6 +54,7 @@ class Config:
     time_budget_s: float = 0.0  # stop training after this many seconds (then test); 0 = no limit
     mode: str = "sync"  # "sync": rollout, then update; "async": rollouts keep running during the update
     agent: str = "tokens"  # "tokens": arun_episode's token loop; "openai": the same agent on the openai SDK, through lib/openai_proxy.py
+    openai_http_client: str = "aiohttp"  # --agent openai: the SDK's HTTP transport, "aiohttp" (DefaultAioHttpClient) or "httpx" (its default)
     resume: bool = False  # continue from the latest checkpoint in run_dir
     checkpoint_every: int = 10  # steps; 0 = never
     # --- model and inference server ---
@@ -315,13 +316,41 @@ async def arun_episode(client: InferenceClient, tokenizer, reflection_ids: list[
 
 
 # --- one episode, as an agent written with the openai SDK (--agent openai) ---
-@functools.lru_cache(maxsize=4)
-def openai_client(base_url: str, loop):
+_openai_clients: dict = {}  # (base_url, event loop, http_client) -> AsyncOpenAI
+
+
+def openai_client(base_url: str, http_client: str = "aiohttp"):
     """One SDK client (one connection pool) per event loop for every episode: building an
-    AsyncOpenAI takes ~40 ms (an SSL context), a copy with another api_key (`with_options`) ~0.04 ms."""
+    AsyncOpenAI takes ~40 ms (an SSL context), a copy with another api_key (`with_options`) ~0.04 ms.
+    `http_client`: "aiohttp" is the SDK's own aiohttp transport (`DefaultAioHttpClient`, the
+    `openai[aiohttp]` extra), "httpx" its default one. The default httpx pool walks every pooled
+    connection on each request and response, and with one connection per concurrent episode that
+    was a third of the proxy path's cost (docs/benchmarks.md). Close with `close_openai_clients()`."""
     from openai import AsyncOpenAI
 
-    return AsyncOpenAI(base_url=base_url, api_key="per-episode", max_retries=0)
+    loop = asyncio.get_running_loop()
+    key = (base_url, loop, http_client)
+    if key not in _openai_clients:
+        if http_client not in ("aiohttp", "httpx"):
+            raise ValueError(f"openai_http_client must be 'aiohttp' or 'httpx', got {http_client!r}")
+        transport = None
+        if http_client == "aiohttp":
+            try:
+                from openai import DefaultAioHttpClient
+                transport = DefaultAioHttpClient()
+            except (ImportError, RuntimeError):  # an SDK before 1.9x, or without the aiohttp extra
+                print("openai_http_client 'aiohttp' needs `pip install 'openai[aiohttp]'`; using the SDK's httpx "
+                      "client (slower: docs/benchmarks.md)")
+        _openai_clients[key] = AsyncOpenAI(base_url=base_url, api_key="per-episode", max_retries=0,
+                                           http_client=transport)
+    return _openai_clients[key]
+
+
+async def close_openai_clients():
+    """Close the SDK clients of the running event loop (their connection pools)."""
+    loop = asyncio.get_running_loop()
+    for key in [k for k in _openai_clients if k[1] is loop]:
+        await _openai_clients.pop(key).close()
 
 
 async def arun_episode_openai(proxy: OpenAIProxy, tokenizer, reflection_ids, reward_pool: RewardPool, cfg: Config,
@@ -333,7 +362,7 @@ async def arun_episode_openai(proxy: OpenAIProxy, tokenizer, reflection_ids, rew
     from openai import BadRequestError  # only this path needs the SDK
 
     key = proxy.new_session()  # one episode = one session; its key is the agent's API key
-    llm = openai_client(proxy.url, asyncio.get_running_loop()).with_options(api_key=key)
+    llm = openai_client(proxy.url, cfg.openai_http_client).with_options(api_key=key)
     messages = [{"role": "user", "content": PROMPT_TEMPLATE.format(question=item["question"])}]
     score, turns, finish, texts = 0.0, 0, "max_turns", []
     try:
@@ -811,6 +840,7 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
         try:
             weight_sync.close()
             if proxy is not None:
+                run(close_openai_clients(), timeout_s=30)
                 run(proxy.close(), timeout_s=30)
             if is_main:
                 run(client.close(), timeout_s=30)

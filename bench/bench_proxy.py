@@ -37,6 +37,8 @@ def main():
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--max-turns", type=int, default=2)
     p.add_argument("--server-threads", type=int, default=1)
+    p.add_argument("--http-client", default="aiohttp", choices=["aiohttp", "httpx"],
+                   help="the openai SDK's HTTP transport (train_reflect's openai_http_client)")
     p.add_argument("--warm-start-steps", type=int, default=300,
                    help="SFT steps of the embedded model (reflect_tiny.yaml: 1500); 300 answer like it, in fewer minutes")
     p.add_argument("--warm-start-direct-steps", type=int, default=None,
@@ -69,7 +71,7 @@ def main():
         cpu = {"tokens": [], "openai": []}  # this process's CPU seconds: the agent, the SDK, the proxy, the client
         tokens = {}
         for agent in ("tokens", "openai") * (args.rounds + 1):  # the first round of each warms up
-            run_cfg = tr.dataclasses.replace(cfg, agent=agent)
+            run_cfg = tr.dataclasses.replace(cfg, agent=agent, openai_http_client=args.http_client)
             await client.flush_cache()
             t0, c0 = time.perf_counter(), time.process_time()
             groups, failed = await tr.rollout_groups(proxy if agent == "openai" else client, tokenizer, reflection_ids,
@@ -79,6 +81,7 @@ def main():
             tokens[agent] = sum(int(e["loss_mask"].sum()) for g in groups for e in g)
             times[agent].append(elapsed)
             cpu[agent].append(time.process_time() - c0)
+        await tr.close_openai_clients()
         await proxy.close()
         await client.close()
         return {k: v[1:] for k, v in times.items()}, {k: v[1:] for k, v in cpu.items()}, tokens
@@ -91,7 +94,7 @@ def main():
     base = statistics.median(times["tokens"])
     episodes = args.questions * args.group_size
     print(f"\n{episodes} episodes ({args.questions} questions x {args.group_size}), max_turns {args.max_turns}, greedy; "
-          f"median of {args.rounds} rounds, {args.server} server")
+          f"median of {args.rounds} rounds, {args.server} server, SDK over {args.http_client}")
     print("| path | rollout s (median) | min | max | generated tokens | tokens/s | overhead vs tokens | trainer-process CPU s (median) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for agent in ("tokens", "openai"):

@@ -108,6 +108,13 @@ def render_text(tokenizer, messages: list[dict], tools=None, *, add_generation_p
 
 
 def encode(tokenizer, text: str) -> list[int]:
+    """`tokenizer(text, add_special_tokens=False)["input_ids"]`. A fast tokenizer's Rust encoder is
+    called directly when it is set up as `__call__` would set it (special tokens whole): the same
+    ids without the BatchEncoding around them, ~3x cheaper on a short text, and the proxy encodes
+    on the event loop (tests/test_openai_proxy.py compares the two)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if backend is not None and backend.encode_special_tokens == bool(getattr(tokenizer, "split_special_tokens", False)):
+        return backend.encode(text, add_special_tokens=False).ids
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

@@ -236,6 +236,35 @@ def test_concurrent_sessions_are_recorded_apart(tokenizer):
         assert tokenizer.decode(ids, skip_special_tokens=True) == f"n={n}.n={n + 100}."
 
 
+
+# --- tokenizing on the event loop ---
+def test_the_proxys_encoder_gives_the_tokenizers_own_ids_for_any_text(tokenizer):
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from lib.chat_format import encode
+
+    specials = [t for t in tokenizer.all_special_tokens] + ["<|im_start|>", "<|im_end|>", "<tool_call>"]
+    pieces = st.one_of(st.sampled_from(specials + ["\n", " ", "user", "assistant", "#### 12", "é", "🎉"]), st.text(max_size=12))
+
+    @settings(max_examples=300, deadline=None, database=None)
+    @given(text=st.lists(pieces, max_size=12).map("".join))
+    def check(text):
+        assert encode(tokenizer, text) == tokenizer(text, add_special_tokens=False)["input_ids"]
+    check()
+
+
+def test_a_tokenizer_that_splits_special_tokens_is_encoded_as_its_call_would(tokenizer):
+    import copy
+
+    from lib.chat_format import encode
+
+    split = copy.deepcopy(tokenizer)
+    split.split_special_tokens = True  # the Rust encoder is then set up otherwise: the proxy must not bypass __call__
+    text = "<|im_start|>user\nhi<|im_end|>\n"
+    assert encode(split, text) == split(text, add_special_tokens=False)["input_ids"] != encode(tokenizer, text)
+
+
 # --- tool calls ---
 @pytest.mark.parametrize("text, expected", [
     ('<tool_call>{"name": "search", "arguments": {"query": "Pem"}}</tool_call>', (None, [("search", {"query": "Pem"})])),

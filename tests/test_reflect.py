@@ -324,6 +324,7 @@ def both_paths(tokenizer, script_fn, **cfg_overrides):
             return groups[0][0]
         finally:
             if proxy:
+                await tr.close_openai_clients()
                 await proxy.close()
             await client.close()
     out = []
