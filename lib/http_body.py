@@ -21,11 +21,17 @@ async def read_json_body(request: web.Request, *, max_body_bytes: int, timeout_s
     all there within `timeout_s` (408), not readable as its Content-Encoding says, or not JSON that
     Python parses (400: invalid, nested ~1000 levels deep, an integer over 4300 digits). A blank body
     is `{}` with `allow_empty`, else a 400. `parse_constant` sees NaN/Infinity literals."""
+    raw = await read_body(request, max_body_bytes=max_body_bytes, timeout_s=timeout_s, too_large_hint=too_large_hint)
+    return parse_json_body(raw, allow_empty=allow_empty, parse_constant=parse_constant)
+
+
+async def read_body(request: web.Request, *, max_body_bytes: int, timeout_s: float, too_large_hint: str) -> bytes:
+    """The raw body, or read_json_body's BadRequest for a body too large, too slow or unreadable."""
     try:
         # Without a deadline, a client that sends part of a body and goes silent holds its connection
         # (a file descriptor) for good; so does a deflate body cut short, sent after its headers
         # (aiohttp then never ends the payload).
-        raw = await asyncio.wait_for(request.read(), timeout_s)
+        return await asyncio.wait_for(request.read(), timeout_s)
     except asyncio.TimeoutError:
         raise BadRequest(f"the request body was not all read within {timeout_s} s; send it at once, check "
                          "its Content-Encoding, or raise the server's --body-timeout-s", 408)
@@ -34,6 +40,10 @@ async def read_json_body(request: web.Request, *, max_body_bytes: int, timeout_s
     except web.RequestPayloadError as e:  # e.g. `Content-Encoding: gzip` on a body that is not gzip
         raise BadRequest(f"the request body could not be read ({' '.join(str(e).split())}); send plain JSON, "
                          f"or JSON encoded as its Content-Encoding {request.headers.get('Content-Encoding')!r} says")
+
+
+def parse_json_body(raw: bytes, *, allow_empty: bool = False, parse_constant=None):
+    """read_json_body's parsing of a body already read (the OpenAI proxy's in-process transport)."""
     if not raw.strip():
         if not allow_empty:
             raise BadRequest("empty body; send a JSON object")

@@ -25,6 +25,7 @@ training sequence with the episode's reward.
 """
 import json
 import os
+import sys
 import time
 import uuid
 
@@ -34,7 +35,7 @@ from aiohttp import web
 from lib.chat_format import (ChatFormatError, continuation_ids, end_of_turn_token, message_key, parse_tool_calls,
                              render_ids, to_template_messages)
 from lib.client import GenerationAborted, InferenceServerError
-from lib.http_body import BadRequest, read_json_body
+from lib.http_body import BadRequest, parse_json_body, read_body
 
 # Fields of a chat completion request: read, ignored (harmless for sampling), or refused with a
 # 400 unless they hold their neutral value.
@@ -70,10 +71,13 @@ class _Session:
                       "length_cut": 0, "new_segments": 0}
 
 
-def _error(status: int, message: str, *, param: str | None = None, code: str | None = None) -> web.Response:
+def _error(status: int, message: str, *, param: str | None = None, code: str | None = None) -> tuple[int, dict]:
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": code}},
-                             status=status)
+    return status, {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+_TOO_LARGE_HINTS = {"/v1/chat/completions": "shorten the conversation", "/agentrl/reward": "send {\"reward\": x}"}
+_EVENT_STREAM_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
 class _Refused(BadRequest):
@@ -83,6 +87,30 @@ class _Refused(BadRequest):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message, status)
         self.param, self.code = param, code
+
+
+class _InProcessTransport:
+    """An httpx transport (the one under the openai SDK's client) that answers from the proxy's
+    handlers: OpenAIProxy.http_client()."""
+
+    def __init__(self, proxy: "OpenAIProxy"):
+        self.proxy = proxy
+
+    async def handle_async_request(self, request):
+        raw = await request.aread()
+        if len(raw) > self.proxy.max_body_bytes:
+            status, payload = _error(413, f"request body larger than {self.proxy.max_body_bytes} bytes; "
+                                          f"{_TOO_LARGE_HINTS.get(request.url.path, '')}")
+        else:
+            status, payload = await self.proxy._answer(request.method, request.url.path,
+                                                       request.headers.get("Authorization", ""), raw)
+        events = isinstance(payload, bytes)
+        response = sys.modules[type(request).__module__].Response  # httpx's, or the SDK's fork of it (httpx2)
+        return response(status, request=request, content=payload if events else json.dumps(payload).encode(),
+                        headers={"Content-Type": "text/event-stream" if events else "application/json; charset=utf-8"})
+
+    async def aclose(self):
+        pass
 
 
 class OpenAIProxy:
@@ -112,9 +140,9 @@ class OpenAIProxy:
     # --- lifecycle, on the event loop the client runs on ---
     async def start(self) -> str:
         app = web.Application(client_max_size=self.max_body_bytes)
-        app.router.add_post("/v1/chat/completions", self._chat)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_post("/agentrl/reward", self._reward)
+        app.router.add_post("/v1/chat/completions", self._http)
+        app.router.add_get("/v1/models", self._http)
+        app.router.add_post("/agentrl/reward", self._http)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
@@ -127,6 +155,17 @@ class OpenAIProxy:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+    def http_client(self):
+        """An HTTP client for the openai SDK that hands its requests to this proxy in the same
+        process, with no socket between them: `AsyncOpenAI(base_url=proxy.url, api_key=key,
+        http_client=proxy.http_client())`. Everything else is as over HTTP (the SDK builds and parses
+        the same requests and replies; the proxy answers them with the same code); what goes is the
+        HTTP framing on both sides, ~0.5 ms of CPU per request (docs/benchmarks.md). Only for agents
+        on the event loop the proxy runs on."""
+        from openai import DefaultAsyncHttpxClient
+
+        return DefaultAsyncHttpxClient(transport=_InProcessTransport(self))
 
     # --- sessions ---
     def new_session(self) -> str:
@@ -151,41 +190,65 @@ class OpenAIProxy:
                     for s in session.segments if any(s.mask)]
         return {"segments": segments, "reward": session.reward, **session.stats}
 
-    # --- handlers ---
-    def _session_of(self, request) -> _Session:
-        auth = request.headers.get("Authorization", "")
-        key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+    # --- handlers: an answer is (status, a JSON object | server-sent events as bytes), whichever transport ---
+    def _session_of(self, authorization: str) -> _Session:
+        key = authorization[7:].strip() if authorization[:7].lower() == "bearer " else ""
         session = self.sessions.get(key)
         if session is None:
             raise _Refused(401, "unknown or missing API key: use the key of a live session (proxy.new_session())",
                            code="invalid_api_key")
         return session
 
-    async def _models(self, request):
-        return web.json_response({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "agentrl"}]})
+    async def _http(self, request):
+        """aiohttp's route for every endpoint: the body read, the answer sent."""
+        raw = b""
+        if request.method == "POST":
+            try:
+                self._session_of(request.headers.get("Authorization", ""))  # a wrong key is told before the body is read
+                raw = await read_body(request, max_body_bytes=self.max_body_bytes, timeout_s=self.body_timeout_s,
+                                      too_large_hint=_TOO_LARGE_HINTS.get(request.path, ""))
+            except BadRequest as e:
+                status, payload = _error(e.status, str(e), param=getattr(e, "param", None), code=getattr(e, "code", None))
+                return web.json_response(payload, status=status)
+        status, payload = await self._answer(request.method, request.path, request.headers.get("Authorization", ""),
+                                             raw)
+        if not isinstance(payload, bytes):
+            return web.json_response(payload, status=status)
+        response = web.StreamResponse(status=status, headers=_EVENT_STREAM_HEADERS)
+        await response.prepare(request)
+        await response.write(payload)
+        await response.write_eof()
+        return response
 
-    async def _reward(self, request):
+    async def _answer(self, method: str, path: str, authorization: str, raw: bytes):
+        if (method, path) == ("GET", "/v1/models"):
+            return 200, {"object": "list", "data": [
+                {"id": self.model_name, "object": "model", "created": 0, "owned_by": "agentrl"}]}
+        if (method, path) == ("POST", "/agentrl/reward"):
+            return self._reward(authorization, raw)
+        if (method, path) == ("POST", "/v1/chat/completions"):
+            return await self._chat(authorization, raw)
+        return _error(404, f"no endpoint {method} {path}: the proxy serves POST /v1/chat/completions, GET /v1/models "
+                           "and POST /agentrl/reward")
+
+    def _reward(self, authorization: str, raw: bytes):
         try:
-            session = self._session_of(request)
-            body = await read_json_body(request, max_body_bytes=self.max_body_bytes, timeout_s=self.body_timeout_s,
-                                        too_large_hint="send {\"reward\": x}")
+            session = self._session_of(authorization)
+            body = parse_json_body(raw)
             reward = body.get("reward") if isinstance(body, dict) else None
             if isinstance(reward, bool) or not isinstance(reward, (int, float)) or reward != reward:
                 raise _Refused(400, "send {\"reward\": <a finite number>}", param="reward")
-        except BadRequest as e:  # read_json_body's, or a _Refused one with its field and code
+        except BadRequest as e:  # parse_json_body's, or a _Refused one with its field and code
             return _error(e.status, str(e), param=getattr(e, "param", None), code=getattr(e, "code", None))
         session.reward = float(reward)
-        return web.json_response({"status": "ok"})
+        return 200, {"status": "ok"}
 
-    async def _chat(self, request):
+    async def _chat(self, authorization: str, raw: bytes):
         try:
-            session = self._session_of(request)
-            body = await read_json_body(request, max_body_bytes=self.max_body_bytes, timeout_s=self.body_timeout_s,
-                                        too_large_hint="shorten the conversation")
-            params = self._read_params(body)
+            session = self._session_of(authorization)
+            params = self._read_params(parse_json_body(raw))
             plan = self._plan(session, params)
-        except BadRequest as e:  # read_json_body's, or a _Refused one with its field and code
+        except BadRequest as e:  # parse_json_body's, or a _Refused one with its field and code
             return _error(e.status, str(e), param=getattr(e, "param", None), code=getattr(e, "code", None))
         except ChatFormatError as e:
             return _error(400, str(e), param="messages")
@@ -219,36 +282,29 @@ class OpenAIProxy:
                                     for text, lp in zip(self.tokenizer.convert_ids_to_tokens(gen.output_ids),
                                                         gen.logprobs)]}
         if params["stream"]:
-            return await self._stream(request, completion_id, message, finish, logprobs,
-                                      usage if params["include_usage"] else None)
-        return web.json_response({
+            return 200, self._events(completion_id, message, finish, logprobs,
+                                     usage if params["include_usage"] else None)
+        return 200, {
             "id": completion_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
             "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}],
-            "usage": usage})
+            "usage": usage}
 
-    async def _stream(self, request, completion_id, message, finish, logprobs, usage):
+    def _events(self, completion_id, message, finish, logprobs, usage) -> bytes:
         """The whole reply as server-sent events, in the chunks the SDKs assemble: role, content,
         tool calls, finish reason, usage (when asked), [DONE]."""
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
         base = {"id": completion_id, "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": self.model_name}
-
-        async def send(choices, **extra):
-            await response.write(f"data: {json.dumps({**base, 'choices': choices, **extra})}\n\n".encode())
-        await send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+        chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}]
         if message["content"]:
-            await send([{"index": 0, "delta": {"content": message["content"]}, "finish_reason": None,
-                         "logprobs": logprobs}])
+            chunks.append({"choices": [{"index": 0, "delta": {"content": message["content"]}, "finish_reason": None,
+                                        "logprobs": logprobs}]})
         if message.get("tool_calls"):
-            await send([{"index": 0, "finish_reason": None,
-                         "delta": {"tool_calls": [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]}}])
-        await send([{"index": 0, "delta": {}, "finish_reason": finish}])
+            chunks.append({"choices": [{"index": 0, "finish_reason": None, "delta": {"tool_calls": [
+                {"index": i, **call} for i, call in enumerate(message["tool_calls"])]}}]})
+        chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
         if usage is not None:
-            await send([], usage=usage)
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
+            chunks.append({"choices": [], "usage": usage})
+        return "".join(f"data: {json.dumps({**base, **chunk})}\n\n" for chunk in chunks).encode() + b"data: [DONE]\n\n"
 
     # --- the request's fields ---
     def _read_params(self, body) -> dict:

@@ -237,6 +237,51 @@ def test_concurrent_sessions_are_recorded_apart(tokenizer):
 
 
 
+
+# --- the in-process HTTP client ---
+def test_the_in_process_http_client_gets_the_answers_and_the_recording_a_socket_gets(tokenizer):
+    def run(in_process):
+        async def agent(proxy):
+            if in_process:
+                await proxy.close()  # the in-process client needs no listening socket
+            key = proxy.new_session()
+            answers = []
+            async with openai.AsyncOpenAI(base_url=proxy.url, api_key=key, max_retries=0,
+                                          http_client=proxy.http_client() if in_process else None) as llm:
+                messages = [user("Who founded the Ostrel Guild?")]
+                reply = await llm.chat.completions.create(model="policy", messages=messages, tools=[SEARCH_TOOL])
+                call = reply.choices[0].message.tool_calls[0]
+                answers.append((reply.choices[0].finish_reason, call.function.name, call.function.arguments,
+                                reply.usage.model_dump()))
+                messages += [reply.choices[0].message.model_dump(exclude_none=True),
+                             {"role": "tool", "tool_call_id": call.id, "content": "Pem Varo founded it."}]
+                chunks = [c async for c in await llm.chat.completions.create(
+                    model="policy", messages=messages, tools=[SEARCH_TOOL], stream=True, logprobs=True,
+                    stream_options={"include_usage": True})]
+                answers.append(("".join(c.choices[0].delta.content or "" for c in chunks if c.choices),
+                                [c.choices[0].finish_reason for c in chunks if c.choices], chunks[-1].usage.model_dump(),
+                                [t.logprob for c in chunks if c.choices and c.choices[0].logprobs
+                                 for t in c.choices[0].logprobs.content]))
+                with pytest.raises(openai.BadRequestError) as bad:
+                    await llm.chat.completions.create(model="policy", messages=messages, temperature=3)
+                answers.append((bad.value.status_code, bad.value.param, bad.value.code))
+                with pytest.raises(openai.AuthenticationError) as unknown:
+                    await llm.with_options(api_key="agentrl-nope").chat.completions.create(
+                        model="policy", messages=messages)
+                answers.append((unknown.value.status_code, unknown.value.code))
+                answers.append([m.id async for m in llm.models.list()])
+            episode = proxy.end_session(key)
+            return answers, [{k: v.tolist() for k, v in s.items()} for s in episode["segments"]], episode["requests"]
+
+        script = [Reply('<tool_call>{"name": "search", "arguments": {"query": "Ostrel Guild"}}</tool_call>', eos=True),
+                  Reply("Pem Varo.", eos=True)]
+        return run_agent(tokenizer, script, agent)[0]
+
+    over_http, in_process = run(False), run(True)
+    assert in_process == over_http
+    assert in_process[0][0][0] == "tool_calls" and in_process[0][1][0] == "Pem Varo." and in_process[2] == 2
+
+
 # --- tokenizing on the event loop ---
 def test_the_proxys_encoder_gives_the_tokenizers_own_ids_for_any_text(tokenizer):
     from hypothesis import given, settings
