@@ -1,0 +1,122 @@
+"""Where an OpenAI-proxy request's cost goes: the same single-turn chat request sent N at a time
+along each path, against lib.scripted_server in another process (no model, so only the request
+handling is timed), wall and CPU time of this process per request.
+
+    python bench/bench_proxy_requests.py            # 128 concurrent requests, 32 tokens each, 3 repetitions
+
+Paths: `tokens` (lib's client posting the prompt ids, as the token loop does), `raw http` (an
+aiohttp client posting the chat request to lib/openai_proxy.py: the proxy's own cost on top of
+`tokens`), `sdk httpx` and `sdk aiohttp` (the openai SDK posting it, over its default httpx
+transport and over `DefaultAioHttpClient`, as train_reflect.openai_client builds it). The paths
+alternate; the table gives the median repetition after a warm-up one.
+"""
+import argparse
+import asyncio
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import train_reflect as tr  # noqa: E402
+from lib.client import InferenceClient  # noqa: E402
+from lib.openai_proxy import OpenAIProxy  # noqa: E402
+
+QUESTION = "Tom has 3 apples and buys 4 more. How many apples does he have?"
+
+
+def serve(model_path: str, reply_tokens: int, address_queue):
+    """The scripted server, in its own process: every request gets the same reply, then EOS."""
+    import threading
+
+    from transformers import AutoTokenizer
+
+    from lib.scripted_server import Reply, ScriptedServer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    ids = tokenizer("the answer is" + " seven" * reply_tokens, add_special_tokens=False)["input_ids"][:reply_tokens - 1]
+    server = ScriptedServer(tokenizer, [Reply(ids=ids, eos=True)]).__enter__()
+    address_queue.put(server.address)
+    threading.Event().wait()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--concurrent", type=int, default=128)
+    p.add_argument("--reply-tokens", type=int, default=32)
+    p.add_argument("--repetitions", type=int, default=3)
+    args = p.parse_args()
+
+    import aiohttp
+    from transformers import AutoTokenizer
+
+    model_path = tr.embedded_model(tr.load_config(tr.Config, "configs/reflect_tiny.yaml", {"warm_start_steps": 300}))
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    spawn = multiprocessing.get_context("spawn")
+    address_queue = spawn.Queue()
+    server = spawn.Process(target=serve, args=(model_path, args.reply_tokens, address_queue), daemon=True)
+    server.start()
+    address = address_queue.get(timeout=120)
+    messages = [{"role": "user", "content": tr.PROMPT_TEMPLATE.format(question=QUESTION)}]
+    prompt_ids = tr.build_prompt_ids(tokenizer, QUESTION, True)
+    eos = [tokenizer.eos_token_id]
+
+    async def bench():
+        client = InferenceClient([address])
+        proxy = OpenAIProxy(client, tokenizer, stop_token_ids=eos, max_context_tokens=1024, default_max_tokens=64)
+        await proxy.start()
+        raw_http = aiohttp.ClientSession()
+
+        async def tokens():
+            await client.generate(list(prompt_ids), max_new_tokens=64, temperature=0.0, stop_token_ids=eos)
+
+        async def raw():
+            key = proxy.new_session()
+            async with raw_http.post(f"{proxy.url}/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                                     json={"model": "policy", "messages": messages, "max_tokens": 64,
+                                           "temperature": 0}) as response:
+                assert response.status == 200, await response.text()
+                await response.json()
+            proxy.end_session(key)
+
+        def sdk(http_client):
+            async def request():
+                key = proxy.new_session()
+                llm = tr.openai_client(proxy.url, http_client).with_options(api_key=key)
+                await llm.chat.completions.create(model="policy", messages=messages, max_tokens=64, temperature=0)
+                proxy.end_session(key)
+            return request
+
+        paths = {"tokens": tokens, "raw http": raw, "sdk httpx": sdk("httpx"), "sdk aiohttp": sdk("aiohttp")}
+        per_request = {name: [] for name in paths}  # [(wall ms, cpu ms)] per repetition
+        for repetition in range(args.repetitions + 1):  # the first warms up
+            for name, one in paths.items():
+                t0, c0 = time.perf_counter(), time.process_time()
+                await asyncio.gather(*[one() for _ in range(args.concurrent)])
+                if repetition:
+                    per_request[name].append((1e3 * (time.perf_counter() - t0) / args.concurrent,
+                                              1e3 * (time.process_time() - c0) / args.concurrent))
+        await raw_http.close()
+        await tr.close_openai_clients()
+        await proxy.close()
+        await client.close()
+        return per_request
+
+    try:
+        per_request = asyncio.run(bench())
+    finally:
+        server.kill()
+    print(f"\n{args.concurrent} concurrent single-turn requests, {args.reply_tokens} tokens each, scripted server; "
+          f"median of {args.repetitions} repetitions")
+    print("| path | wall ms / request | this process's CPU ms / request |")
+    print("| --- | --- | --- |")
+    for name, rows in per_request.items():
+        print(f"| {name} | {statistics.median(r[0] for r in rows):.2f} | {statistics.median(r[1] for r in rows):.2f} |")
+
+
+if __name__ == "__main__":
+    main()
