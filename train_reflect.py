@@ -54,7 +54,7 @@ class Config:
     time_budget_s: float = 0.0  # stop training after this many seconds (then test); 0 = no limit
     mode: str = "sync"  # "sync": rollout, then update; "async": rollouts keep running during the update
     agent: str = "tokens"  # "tokens": arun_episode's token loop; "openai": the same agent on the openai SDK, through lib/openai_proxy.py
-    openai_http_client: str = "aiohttp"  # --agent openai: the SDK's HTTP transport, "aiohttp" (DefaultAioHttpClient) or "httpx" (its default)
+    openai_http_client: str = "aiohttp"  # --agent openai: the SDK's HTTP transport, "aiohttp" (DefaultAioHttpClient), "httpx" (its default) or "in_process" (proxy.http_client(): no socket)
     resume: bool = False  # continue from the latest checkpoint in run_dir
     checkpoint_every: int = 10  # steps; 0 = never
     # --- model and inference server ---
@@ -316,24 +316,26 @@ async def arun_episode(client: InferenceClient, tokenizer, reflection_ids: list[
 
 
 # --- one episode, as an agent written with the openai SDK (--agent openai) ---
-_openai_clients: dict = {}  # (base_url, event loop, http_client) -> AsyncOpenAI
+_openai_clients: dict = {}  # (proxy url, event loop, http_client) -> AsyncOpenAI
 
 
-def openai_client(base_url: str, http_client: str = "aiohttp"):
+def openai_client(proxy: OpenAIProxy, http_client: str = "aiohttp"):
     """One SDK client (one connection pool) per event loop for every episode: building an
     AsyncOpenAI takes ~40 ms (an SSL context), a copy with another api_key (`with_options`) ~0.04 ms.
     `http_client`: "aiohttp" is the SDK's own aiohttp transport (`DefaultAioHttpClient`, the
-    `openai[aiohttp]` extra), "httpx" its default one. The default httpx pool walks every pooled
-    connection on each request and response, and with one connection per concurrent episode that
-    was a third of the proxy path's cost (docs/benchmarks.md). Close with `close_openai_clients()`."""
+    `openai[aiohttp]` extra), "httpx" its default one, "in_process" the proxy's own client that
+    hands requests to it without a socket (`proxy.http_client()`). The default httpx pool walks
+    every pooled connection on each request and response, and with one connection per concurrent
+    episode that was a third of the proxy path's cost (docs/benchmarks.md). Close with
+    `close_openai_clients()`."""
     from openai import AsyncOpenAI
 
     loop = asyncio.get_running_loop()
-    key = (base_url, loop, http_client)
+    key = (proxy.url, loop, http_client)
     if key not in _openai_clients:
-        if http_client not in ("aiohttp", "httpx"):
-            raise ValueError(f"openai_http_client must be 'aiohttp' or 'httpx', got {http_client!r}")
-        transport = None
+        if http_client not in ("aiohttp", "httpx", "in_process"):
+            raise ValueError(f"openai_http_client must be 'aiohttp', 'httpx' or 'in_process', got {http_client!r}")
+        transport = proxy.http_client() if http_client == "in_process" else None
         if http_client == "aiohttp":
             try:
                 from openai import DefaultAioHttpClient
@@ -341,7 +343,7 @@ def openai_client(base_url: str, http_client: str = "aiohttp"):
             except (ImportError, RuntimeError):  # an SDK before 1.9x, or without the aiohttp extra
                 print("openai_http_client 'aiohttp' needs `pip install 'openai[aiohttp]'`; using the SDK's httpx "
                       "client (slower: docs/benchmarks.md)")
-        _openai_clients[key] = AsyncOpenAI(base_url=base_url, api_key="per-episode", max_retries=0,
+        _openai_clients[key] = AsyncOpenAI(base_url=proxy.url, api_key="per-episode", max_retries=0,
                                            http_client=transport)
     return _openai_clients[key]
 
@@ -362,7 +364,7 @@ async def arun_episode_openai(proxy: OpenAIProxy, tokenizer, reflection_ids, rew
     from openai import BadRequestError  # only this path needs the SDK
 
     key = proxy.new_session()  # one episode = one session; its key is the agent's API key
-    llm = openai_client(proxy.url, cfg.openai_http_client).with_options(api_key=key)
+    llm = openai_client(proxy, cfg.openai_http_client).with_options(api_key=key)
     messages = [{"role": "user", "content": PROMPT_TEMPLATE.format(question=item["question"])}]
     score, turns, finish, texts = 0.0, 0, "max_turns", []
     try:

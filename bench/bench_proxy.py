@@ -37,7 +37,7 @@ def main():
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--max-turns", type=int, default=2)
     p.add_argument("--server-threads", type=int, default=1)
-    p.add_argument("--http-client", default="aiohttp", choices=["aiohttp", "httpx"],
+    p.add_argument("--http-client", default="aiohttp", choices=["aiohttp", "httpx", "in_process"],
                    help="the openai SDK's HTTP transport (train_reflect's openai_http_client)")
     p.add_argument("--warm-start-steps", type=int, default=300,
                    help="SFT steps of the embedded model (reflect_tiny.yaml: 1500); 300 answer like it, in fewer minutes")
