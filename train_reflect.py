@@ -16,6 +16,7 @@ only), main() with the GRPO loop.
 import asyncio
 import dataclasses
 import functools
+import gc
 import os
 import random
 import re
@@ -682,6 +683,11 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
         # Under torchrun rank 0's clock decides for every rank, so all ranks leave the loop together.
         return broadcast_from_rank0(bool(cfg.time_budget_s) and time.time() - start > cfg.time_budget_s, cpu_group)
 
+    # What is built by now (model, tokenizer, libraries) lives as long as the run; frozen, it is left
+    # out of garbage collections, whose full passes would otherwise scan all of it on the event loop in
+    # the middle of a rollout (0.1-0.3 s each; the openai agent's SDK allocates enough to trigger one
+    # every few hundred requests: docs/benchmarks.md).
+    gc.freeze()
     try:
         if is_main and step == 0 and cfg.eval_every:
             metrics = run(evaluate(*episode_args, dev_items))

@@ -12,6 +12,7 @@ server's prefix cache flushed before every round; the table gives the median.
 """
 import argparse
 import asyncio
+import gc
 import os
 import statistics
 import sys
@@ -39,6 +40,8 @@ def main():
     p.add_argument("--server-threads", type=int, default=1)
     p.add_argument("--http-client", default="aiohttp", choices=["aiohttp", "httpx", "in_process"],
                    help="the openai SDK's HTTP transport (train_reflect's openai_http_client)")
+    p.add_argument("--no-gc-freeze", action="store_true",
+                   help="leave out the gc.freeze() that train_reflect.main runs after its setup")
     p.add_argument("--warm-start-steps", type=int, default=300,
                    help="SFT steps of the embedded model (reflect_tiny.yaml: 1500); 300 answer like it, in fewer minutes")
     p.add_argument("--warm-start-direct-steps", type=int, default=None,
@@ -67,6 +70,8 @@ def main():
         proxy = OpenAIProxy(client, tokenizer, stop_token_ids=cfg.stop_token_ids, max_context_tokens=cfg.max_tokens,
                             default_max_tokens=cfg.max_new_tokens_per_turn)
         await proxy.start()
+        if not args.no_gc_freeze:
+            gc.freeze()  # as train_reflect.main does before its loop
         times = {"tokens": [], "openai": []}
         cpu = {"tokens": [], "openai": []}  # this process's CPU seconds: the agent, the SDK, the proxy, the client
         tokens = {}
@@ -94,7 +99,8 @@ def main():
     base = statistics.median(times["tokens"])
     episodes = args.questions * args.group_size
     print(f"\n{episodes} episodes ({args.questions} questions x {args.group_size}), max_turns {args.max_turns}, greedy; "
-          f"median of {args.rounds} rounds, {args.server} server, SDK over {args.http_client}")
+          f"median of {args.rounds} rounds, {args.server} server, SDK over {args.http_client}, "
+          f"gc.freeze {'off' if args.no_gc_freeze else 'on'}")
     print("| path | rollout s (median) | min | max | generated tokens | tokens/s | overhead vs tokens | trainer-process CPU s (median) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for agent in ("tokens", "openai"):
