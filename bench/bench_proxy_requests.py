@@ -6,9 +6,10 @@ handling is timed), wall and CPU time of this process per request.
 
 Paths: `tokens` (lib's client posting the prompt ids, as the token loop does), `raw http` (an
 aiohttp client posting the chat request to lib/openai_proxy.py: the proxy's own cost on top of
-`tokens`), `sdk httpx` and `sdk aiohttp` (the openai SDK posting it, over its default httpx
-transport and over `DefaultAioHttpClient`, as train_reflect.openai_client builds it). The paths
-alternate; the table gives the median repetition after a warm-up one.
+`tokens`), `sdk httpx`, `sdk aiohttp` and `sdk in_process` (the openai SDK posting it, over its
+default httpx transport, over `DefaultAioHttpClient`, and handed to the proxy without a socket by
+`proxy.http_client()`; train_reflect.openai_client builds each). The paths alternate; the table
+gives the median repetition after a warm-up one.
 """
 import argparse
 import asyncio
@@ -86,12 +87,13 @@ def main():
         def sdk(http_client):
             async def request():
                 key = proxy.new_session()
-                llm = tr.openai_client(proxy.url, http_client).with_options(api_key=key)
+                llm = tr.openai_client(proxy, http_client).with_options(api_key=key)
                 await llm.chat.completions.create(model="policy", messages=messages, max_tokens=64, temperature=0)
                 proxy.end_session(key)
             return request
 
-        paths = {"tokens": tokens, "raw http": raw, "sdk httpx": sdk("httpx"), "sdk aiohttp": sdk("aiohttp")}
+        paths = {"tokens": tokens, "raw http": raw, "sdk httpx": sdk("httpx"), "sdk aiohttp": sdk("aiohttp"),
+                 "sdk in_process": sdk("in_process")}
         per_request = {name: [] for name in paths}  # [(wall ms, cpu ms)] per repetition
         for repetition in range(args.repetitions + 1):  # the first warms up
             for name, one in paths.items():
