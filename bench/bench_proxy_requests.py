@@ -13,6 +13,7 @@ gives the median repetition after a warm-up one.
 """
 import argparse
 import asyncio
+import gc
 import multiprocessing
 import os
 import statistics
@@ -50,6 +51,8 @@ def main():
     p.add_argument("--concurrent", type=int, default=128)
     p.add_argument("--reply-tokens", type=int, default=32)
     p.add_argument("--repetitions", type=int, default=3)
+    p.add_argument("--no-gc-freeze", action="store_true",
+                   help="leave out the gc.freeze() that train_reflect.main runs after its setup")
     args = p.parse_args()
 
     import aiohttp
@@ -71,6 +74,8 @@ def main():
         proxy = OpenAIProxy(client, tokenizer, stop_token_ids=eos, max_context_tokens=1024, default_max_tokens=64)
         await proxy.start()
         raw_http = aiohttp.ClientSession()
+        if not args.no_gc_freeze:
+            gc.freeze()  # as train_reflect.main does before its loop
 
         async def tokens():
             await client.generate(list(prompt_ids), max_new_tokens=64, temperature=0.0, stop_token_ids=eos)
@@ -113,7 +118,7 @@ def main():
     finally:
         server.kill()
     print(f"\n{args.concurrent} concurrent single-turn requests, {args.reply_tokens} tokens each, scripted server; "
-          f"median of {args.repetitions} repetitions")
+          f"median of {args.repetitions} repetitions, gc.freeze {'off' if args.no_gc_freeze else 'on'}")
     print("| path | wall ms / request | this process's CPU ms / request |")
     print("| --- | --- | --- |")
     for name, rows in per_request.items():
