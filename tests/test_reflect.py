@@ -355,9 +355,11 @@ def _scenarios(tokenizer):
 
 @pytest.mark.parametrize("scenario", ["reflect twice", "turn cut by length", "context budget",
                                       "eos as the last allowed token", "another eos id"])
-def test_the_openai_sdk_agent_gives_the_token_loops_trajectory_id_for_id(tokenizer, scenario):
+@pytest.mark.parametrize("http_client", ["aiohttp", "httpx", "in_process"])
+def test_the_openai_sdk_agent_gives_the_token_loops_trajectory_id_for_id(tokenizer, scenario, http_client):
     script_fn, overrides = _scenarios(tokenizer)[scenario]
-    (tokens, token_server), (sdk, sdk_server) = both_paths(tokenizer, script_fn, **overrides)
+    (tokens, token_server), (sdk, sdk_server) = both_paths(tokenizer, script_fn, openai_http_client=http_client,
+                                                           **overrides)
     for key in ("input_ids", "loss_mask", "versions", "attention_mask", "rewards"):
         assert torch.equal(tokens[key], sdk[key]), key
     assert torch.allclose(tokens["logprobs"], sdk["logprobs"])
