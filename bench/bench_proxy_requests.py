@@ -8,8 +8,9 @@ Paths: `tokens` (lib's client posting the prompt ids, as the token loop does), `
 aiohttp client posting the chat request to lib/openai_proxy.py: the proxy's own cost on top of
 `tokens`), `sdk httpx`, `sdk aiohttp` and `sdk in_process` (the openai SDK posting it, over its
 default httpx transport, over `DefaultAioHttpClient`, and handed to the proxy without a socket by
-`proxy.http_client()`; train_reflect.openai_client builds each). The paths alternate; the table
-gives the median repetition after a warm-up one.
+`proxy.http_client()`; train_reflect.openai_client builds each); with `--langchain`, LangChain's
+ChatOpenAI over httpx and over aiohttp. The paths alternate; the table gives the median repetition
+after a warm-up one.
 """
 import argparse
 import asyncio
@@ -51,6 +52,9 @@ def main():
     p.add_argument("--concurrent", type=int, default=128)
     p.add_argument("--reply-tokens", type=int, default=32)
     p.add_argument("--repetitions", type=int, default=3)
+    p.add_argument("--langchain", action="store_true",
+                   help="also langchain_openai.ChatOpenAI (requirements-agents.txt), built per episode as "
+                        "examples/langgraph_search.py does, over its default httpx client and over a shared aiohttp one")
     p.add_argument("--no-gc-freeze", action="store_true",
                    help="leave out the gc.freeze() that train_reflect.main runs after its setup")
     args = p.parse_args()
@@ -97,8 +101,26 @@ def main():
                 proxy.end_session(key)
             return request
 
+        shared_aiohttp = None
+
+        def langchain(http_client):
+            async def request():
+                from langchain_openai import ChatOpenAI
+                nonlocal shared_aiohttp
+                if http_client == "aiohttp" and shared_aiohttp is None:
+                    from openai import DefaultAioHttpClient
+                    shared_aiohttp = DefaultAioHttpClient()
+                key = proxy.new_session()
+                llm = ChatOpenAI(model="policy", base_url=proxy.url, api_key=key, temperature=0, max_tokens=64,
+                                 max_retries=0, http_async_client=shared_aiohttp if http_client == "aiohttp" else None)
+                await llm.ainvoke(messages)
+                proxy.end_session(key)
+            return request
+
         paths = {"tokens": tokens, "raw http": raw, "sdk httpx": sdk("httpx"), "sdk aiohttp": sdk("aiohttp"),
                  "sdk in_process": sdk("in_process")}
+        if args.langchain:
+            paths.update({"langchain httpx": langchain("httpx"), "langchain aiohttp": langchain("aiohttp")})
         per_request = {name: [] for name in paths}  # [(wall ms, cpu ms)] per repetition
         for repetition in range(args.repetitions + 1):  # the first warms up
             for name, one in paths.items():
@@ -108,6 +130,8 @@ def main():
                     per_request[name].append((1e3 * (time.perf_counter() - t0) / args.concurrent,
                                               1e3 * (time.process_time() - c0) / args.concurrent))
         await raw_http.close()
+        if shared_aiohttp is not None:
+            await shared_aiohttp.aclose()
         await tr.close_openai_clients()
         await proxy.close()
         await client.close()
