@@ -61,6 +61,7 @@ def run_episodes(tokenizer, script, retrieval_addr, n=1, **cfg_overrides):
                 return await asyncio.gather(*[lg.arun_episode(proxy, http, retrieval_addr, cfg, ITEM, 1.0)
                                               for _ in range(n)])
         finally:
+            await lg.close_chat_http_client()
             await proxy.close()
             await client.close()
     with ScriptedServer(tokenizer, script) as server:
