@@ -115,6 +115,10 @@ class Config:
     # --- async mode ---
     async_capacity: int = 0  # groups started and not yet trained on; 0 = 2 x batch_size
     max_staleness: int = 1  # drop a group whose oldest token is more than this many versions old
+    # how the weight sync pauses the servers: "in_place" holds in-flight requests (their KV stays)
+    # and they go on under the new weights, "abort" cuts them (the client re-sends prompt + output;
+    # SGLang then waits ~1 s per pause) and flushes the prefix cache (docs/client.md)
+    pause_mode: str = "in_place"
     # --- warm start (embedded default only) ---
     warm_start_steps: int = 1500
     warm_start_lr: float = 2e-3
@@ -555,6 +559,8 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
         raise ValueError(f"trace_backend must be 'jsonl' or 'mlflow', got {cfg.trace_backend!r}")
     if cfg.mode not in ("sync", "async"):
         raise ValueError(f"mode must be 'sync' or 'async', got {cfg.mode!r}")
+    if cfg.pause_mode not in ("in_place", "abort", "retract"):
+        raise ValueError(f"pause_mode must be 'in_place', 'abort' or 'retract', got {cfg.pause_mode!r}")
     if cfg.weight_sync not in ("disk", "nccl", "tensor"):
         raise ValueError(f"weight_sync must be 'disk', 'nccl' or 'tensor', got {cfg.weight_sync!r}")
     if cfg.colocate_sleep and cfg.mode != "sync":
@@ -764,18 +770,20 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
             t3 = time.time()
             version += 1
             if is_main:
-                run(client.pause_generation())
+                run(client.pause_generation(cfg.pause_mode))
             if cfg.colocate_sleep:  # the server takes its memory back: weights first (the sync fills them), then its cache
                 torch.cuda.empty_cache()  # what the update freed goes back to the driver, for the server
                 if is_main:
                     run(client.resume_memory_occupation(["weights"]))
-            weight_sync.sync(version)
+            # a held request keeps its KV (and SGLang can flush only an idle server), so the prefix
+            # cache is flushed only where nothing is in flight
+            weight_sync.sync(version, flush_cache=producer is None or cfg.pause_mode == "abort")
             if cfg.colocate_sleep and is_main:
                 run(client.resume_memory_occupation(["kv_cache", "cuda_graph"]))
             if is_main:
                 if producer is not None:
                     producer.set_version(version)
-                run(client.continue_generation(version))  # requests cut by the pause resume, tagged `version`
+                run(client.continue_generation(version))  # requests cut or held by the pause go on
             t_sync = time.time() - t3
             step += 1
 

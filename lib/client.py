@@ -220,8 +220,9 @@ class InferenceClient:
 
     # --- control calls, sent to every server ---
     async def pause_generation(self, mode: str = "abort") -> list[dict]:
-        """Stop generation on every server. mode "abort" (needed for weight updates that flush the
-        cache) answers in-flight requests, which `generate` re-sends after `continue_generation`."""
+        """Stop generation on every server. mode "abort" answers in-flight requests, which
+        `generate` re-sends after `continue_generation`; "in_place" and "retract" hold them on the
+        server (then a weight update must pass flush_cache=False). docs/client.md has the trade-offs."""
         self._bind_loop()
         self._paused = True
         self._pause_count += 1

@@ -42,22 +42,25 @@ async def _to_thread_on(device: torch.device, fn, *args, **kwargs):
     return await asyncio.to_thread(run)
 
 
-async def sync_weights_from_disk(actor, client, path: str, version) -> float:
+async def sync_weights_from_disk(actor, client, path: str, version, flush_cache: bool = True) -> float:
     """Save the actor's weights as an HF directory at `path` (rank 0 writes), then have every
     server load it, tagged `weight_version=str(version)`. Returns the seconds taken.
-    `client` may be None on ranks > 0."""
+    `client` may be None on ranks > 0. `flush_cache=False` keeps the servers' prefix caches: needed
+    when requests are held by an `in_place` pause (SGLang can only flush an idle server)."""
     start = time.perf_counter()
     # In a thread: writing a large model takes seconds and the event loop may be serving rollouts.
     await _to_thread_on(actor.device, actor.save_hf, os.path.abspath(path))
     if _trainer_rank() == 0:
-        await client.update_weights_from_disk(os.path.abspath(path), weight_version=str(version))
+        await client.update_weights_from_disk(os.path.abspath(path), weight_version=str(version),
+                                              flush_cache=flush_cache)
     return time.perf_counter() - start
 
 
-async def sync_weights_from_tensor(actor, client, version, tp_size: int = 1) -> float:
+async def sync_weights_from_tensor(actor, client, version, tp_size: int = 1, flush_cache: bool = True) -> float:
     """Hand every server (colocated with the trainer) handles of the actor's full tensors in the
     compute dtype, tagged `weight_version=str(version)`. With bf16 master weights those are the
-    running parameters themselves: nothing is copied on the trainer's side. Returns the seconds taken."""
+    running parameters themselves: nothing is copied on the trainer's side. Returns the seconds taken.
+    `flush_cache` as in `sync_weights_from_disk`."""
     from lib.tensor_ipc import serialize_named_tensors
 
     start = time.perf_counter()
@@ -66,7 +69,8 @@ async def sync_weights_from_tensor(actor, client, version, tp_size: int = 1) -> 
     if _trainer_rank() == 0:
         if actor.device.type == "cuda":
             torch.cuda.synchronize(actor.device)  # the last optimizer step's copies are in the memory we share
-        await client.update_weights_from_tensor(payload, tp_size=tp_size, weight_version=str(version))
+        await client.update_weights_from_tensor(payload, tp_size=tp_size, weight_version=str(version),
+                                                flush_cache=flush_cache)
     del named
     return time.perf_counter() - start
 
@@ -120,9 +124,10 @@ class DistributedWeightSync:
         _, self.group = await _first_error_or_all(servers_join, trainer_joins)
 
     async def update(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version, bucket_mb: float = 512,
-                     flattened: bool = False) -> float:
+                     flattened: bool = False, flush_cache: bool = True) -> float:
         """Send every `(name, full tensor)` to the servers, `bucket_mb` of tensors per HTTP call;
-        the last call sets the servers' `weight_version` to str(version) and flushes their cache.
+        the last call sets the servers' `weight_version` to str(version) and, with `flush_cache`,
+        flushes their prefix cache (leave it False while an `in_place` pause holds requests).
         `flattened`: one uint8 broadcast per bucket (SGLang's `load_format="flattened_bucket"`)
         instead of one per tensor: far fewer collectives for models with many small tensors.
         Tensors are sent in their own dtype (the server casts into its parameters').
@@ -141,21 +146,21 @@ class DistributedWeightSync:
         for name, tensor in named_tensors:
             nbytes = tensor.numel() * tensor.element_size()
             if bucket and bucket_bytes + nbytes > limit_bytes:
-                await self._send(bucket, None, flattened)
+                await self._send(bucket, None, flattened, False)
                 bucket, bucket_bytes = [], 0
             bucket.append((name, tensor.detach().to(self.device).contiguous()))
             bucket_bytes += nbytes
         if bucket:
-            await self._send(bucket, version, flattened)
+            await self._send(bucket, version, flattened, flush_cache)
         return time.perf_counter() - start
 
-    async def _send(self, bucket: list, version, flattened: bool) -> None:
+    async def _send(self, bucket: list, version, flattened: bool, flush_cache: bool) -> None:
         last = version is not None
         names = [name for name, _ in bucket]
         tensors = [t for _, t in bucket]
         post = self.client.update_weights_from_distributed(
             names, [str(t.dtype).removeprefix("torch.") for t in tensors], [list(t.shape) for t in tensors],
-            group_name=self.group_name, flush_cache=last, weight_version=str(version) if last else None,
+            group_name=self.group_name, flush_cache=last and flush_cache, weight_version=str(version) if last else None,
             load_format="flattened_bucket" if flattened else None)
         await _first_error_or_all(post, _to_thread_on(self.device, self._broadcast, tensors, flattened))
 
@@ -202,15 +207,18 @@ class ServerWeightSync:
                 backend="nccl" if actor.device.type == "cuda" else "gloo")
             run(self.broadcaster.init())
 
-    def sync(self, version) -> float:
+    def sync(self, version, flush_cache: bool = True) -> float:
+        """Push the actor's weights as `version`. `flush_cache=False` while an `in_place` pause
+        holds requests on the servers (SGLang can flush only an idle server's prefix cache)."""
         if self.method == "tensor":
-            return self.run(sync_weights_from_tensor(self.actor, self.client, version, self.tp_size))
+            return self.run(sync_weights_from_tensor(self.actor, self.client, version, self.tp_size, flush_cache))
         if self.broadcaster is None:
-            return self.run(sync_weights_from_disk(self.actor, self.client, self.disk_dir, version))
+            return self.run(sync_weights_from_disk(self.actor, self.client, self.disk_dir, version, flush_cache))
         named = self.actor.named_full_parameters()  # under FSDP each tensor is gathered: every rank takes part
         if dist.is_initialized() and dist.get_world_size() > 1:
             named = list(named)  # gather here, on the thread that owns this rank's GPU
-        return self.run(self.broadcaster.update(named, version, bucket_mb=self.bucket_mb, flattened=True))
+        return self.run(self.broadcaster.update(named, version, bucket_mb=self.bucket_mb, flattened=True,
+                                                flush_cache=flush_cache))
 
     def close(self) -> None:
         if self.broadcaster is not None:

@@ -161,6 +161,40 @@ def test_pause_cuts_an_inflight_generation_and_continue_resumes_it_under_the_new
     assert max(abs(a - b) for a, b in zip(resumed.logprobs, uninterrupted.logprobs)) < 1e-4
 
 
+def test_in_place_pause_holds_an_inflight_generation_through_a_weight_update(server, prompt, model_dir, tmp_path):
+    """Async mode's default pause: the request is not cut (no re-send), its tokens keep the version it
+    was sent under, and what it samples after the update comes from the new weights."""
+    other = build_tiny_model(str(tmp_path / "other"), TEXTS, seed=1, **ARCH)
+    max_new_tokens = CONTEXT_LENGTH - len(prompt)
+
+    async def body(client):
+        old = await client.generate(prompt, max_new_tokens=max_new_tokens, temperature=1.0,
+                                    extra_sampling_params=SEEDED)
+        client.set_version(3)
+        inflight = asyncio.create_task(client.generate(prompt, max_new_tokens=max_new_tokens, temperature=1.0,
+                                                       extra_sampling_params=SEEDED))
+        await _until_running(client)
+        await client.pause_generation("in_place")
+        try:
+            await client.update_weights_from_disk(other, weight_version="4", flush_cache=False)
+            await client.continue_generation(version=4)
+            held = await inflight
+            new = await client.generate(prompt, max_new_tokens=max_new_tokens, temperature=1.0,
+                                        extra_sampling_params=SEEDED)
+        finally:
+            await client.update_weights_from_disk(model_dir, weight_version="0")  # the module's server, as it was
+        return old, held, new
+    old, held, new = with_client([server.address], body)
+    assert held.num_resumes == 0 and held.finish_reason == "length"
+    assert len(held.output_ids) == len(held.logprobs) == max_new_tokens
+    assert held.versions == [3] * max_new_tokens, "a held piece keeps the version it was sent under"
+    assert old.output_ids != new.output_ids, "the two models must differ for this test to mean anything"
+    # Same seed, one random stream (a held request is not re-sent): the held generation starts as the
+    # old model's output and, after the update, leaves it.
+    same = next((i for i, (a, b) in enumerate(zip(held.output_ids, old.output_ids)) if a != b), max_new_tokens)
+    assert 0 < same < max_new_tokens, "the pause must land mid-generation and the new weights take over"
+
+
 def test_abort_request_while_not_paused_raises_generation_aborted(server, prompt):
     """An abort that is not a pause is an infrastructure failure: its output must not become
     training data, so the call raises instead of returning a short turn."""

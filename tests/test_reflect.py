@@ -429,10 +429,12 @@ E2E = dict(max_steps=2, batch_size=2, group_size=2, max_turns=2, max_new_tokens_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,weight_sync", [("sync", "disk"), ("async", "nccl")])  # "nccl" is gloo on CPUs
-def test_two_grpo_steps_run_end_to_end_and_resume(mode, weight_sync, tmp_path):
+@pytest.mark.parametrize("mode,weight_sync,pause_mode", [("sync", "disk", "in_place"), ("async", "nccl", "in_place"),
+                                                        ("async", "disk", "abort")])  # "nccl" is gloo on CPUs
+def test_two_grpo_steps_run_end_to_end_and_resume(mode, weight_sync, pause_mode, tmp_path):
     run_dir = str(tmp_path / mode)
-    result = tr.main(config="configs/reflect_tiny.yaml", run_dir=run_dir, mode=mode, weight_sync=weight_sync, **E2E)
+    result = tr.main(config="configs/reflect_tiny.yaml", run_dir=run_dir, mode=mode, weight_sync=weight_sync,
+                     pause_mode=pause_mode, **E2E)
     assert set(result) == {"acc_turn1", "acc_final", "turns", "reward", "shows_work", "failed"} and result["failed"] == 0
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     steps = [r for r in rows if "loss/pg" in r or "rollout/reward" in r]
@@ -446,7 +448,7 @@ def test_two_grpo_steps_run_end_to_end_and_resume(mode, weight_sync, tmp_path):
     assert os.path.exists(os.path.join(run_dir, "traces.jsonl"))
     # resume continues from step 2's checkpoint to step 3
     tr.main(config="configs/reflect_tiny.yaml", run_dir=run_dir, mode=mode, weight_sync=weight_sync, resume=True,
-            **{**E2E, "max_steps": 3})
+            pause_mode=pause_mode, **{**E2E, "max_steps": 3})
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     assert [r["step"] for r in rows if "rollout/reward" in r] == [1, 2, 3]
     assert rows[-2]["logprob/server_trainer_abs_diff_mean"] < 0.05  # the resumed weights reached the server
