@@ -2,25 +2,34 @@
 # One GPU, trainer and SGLang colocated, at Qwen2.5-1.5B shapes (random weights):
 #   A: GPU numerics tests of the trainer's fast path, then bench/bench_colocate.py (tensor vs disk
 #      sync, release/resume memory occupation);
-#   B: train_reflect.py sync mode, 4 GRPO steps each: the old static split (mem_fraction_static 0.3,
-#      disk sync, activation checkpointing) against sleep mode (0.55, colocate_sleep, tensor sync).
+#   B: train_reflect.py, 4 GRPO steps each: sync mode with the old static split (mem_fraction_static
+#      0.3, disk sync, activation checkpointing) against sleep mode (0.55, colocate_sleep, tensor
+#      sync), and async mode (static split 0.3, tensor sync, in_place pause);
+#   C: train_search.py with 1 s of tool latency per search, tiny warm-started search model, 8 steps
+#      each: sync (static split), sync in sleep mode, async with the in_place pause, async with the
+#      abort pause.
 #
-#   OUT=/tmp/out bash bench/gpu_colocate.sh A|B
-# Needs SGLang 0.5.15 from the offline kit in .kit (docs/gpu.md) and, for B, the wheels of fire and
-# termcolor in .gpu_carry_proxy/whl (the machine lacks them).
+#   OUT=/tmp/out bash bench/gpu_colocate.sh A|B|C
+# Needs SGLang 0.5.15 from the offline kit in .kit (docs/gpu.md); for B and C the wheels of fire,
+# termcolor (and bm25s for C) in $WHL (default .gpu_carry_proxy/whl; the machine lacks them); for C
+# $SEARCH_TAR, a tar.xz of search_model_bf16/ (the search warm start cast to bf16) and wiki/ (the
+# embedded data set's corpus, index and splits).
 set -u
 T0=$(date +%s); ts() { echo "[t=$(( $(date +%s) - T0 ))s] $*"; }
 eval "$(bash .kit/install.sh)"
-if ls .gpu_carry_proxy/whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 .gpu_carry_proxy/whl/fire-*.whl \
-    .gpu_carry_proxy/whl/termcolor-*.whl 2>&1 | grep -v WARN
+WHL=${WHL:-.gpu_carry_proxy/whl}
+if ls $WHL/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 $WHL/fire-*.whl \
+    $WHL/termcolor-*.whl $(ls $WHL/bm25s-*.whl 2>/dev/null) 2>&1 | grep -v WARN
 fi
 export PYTHONPATH=$PWD:$PYTHONPATH:/tmp/site2 PYTHONUNBUFFERED=1 NCCL_CUMEM_ENABLE=0 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/gpu_colocate_out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 python3 -c "import sglang, torch, transformers; print('sglang', sglang.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
-ts "random 1.5B model"
-python3 bench/make_random_model.py --arch qwen2.5-1.5b --out /tmp/q15 > /dev/null 2>&1 || echo "make_random_model failed"
+if [ "${1:-A}" != C ]; then
+  ts "random 1.5B model"
+  python3 bench/make_random_model.py --arch qwen2.5-1.5b --out /tmp/q15 > /dev/null 2>&1 || echo "make_random_model failed"
+fi
 case "${1:-A}" in
 A)
   ts "numerics tests"
@@ -39,11 +48,30 @@ B)
     ts "end $name rc=$?"; grep -iE "error|Traceback|out of memory" $OUT/$name.log | head -5
     cp /tmp/runs/$name/metrics.jsonl $OUT/$name.metrics.jsonl 2>/dev/null
   }
-  one reflect_static_split --mem_fraction_static 0.3 --weight_sync disk --trainer_gradient_checkpointing True --max_tokens_per_mb 32768
   one reflect_sleep --mem_fraction_static 0.55 --colocate_sleep True --weight_sync tensor --max_tokens_per_mb 16384
+  one reflect_async --mem_fraction_static 0.3 --weight_sync tensor --mode async --trainer_gradient_checkpointing True --max_tokens_per_mb 32768
+  one reflect_static_split --mem_fraction_static 0.3 --weight_sync disk --trainer_gradient_checkpointing True --max_tokens_per_mb 32768
   python3 bench/bench_step_time.py "static split, disk sync, checkpointing=/tmp/runs/reflect_static_split" \
-    "sleep mode, tensor sync=/tmp/runs/reflect_sleep" --skip 1 2>&1 | tail -8
+    "sleep mode, tensor sync=/tmp/runs/reflect_sleep" "async, static split, tensor sync=/tmp/runs/reflect_async" --skip 1 2>&1 | tail -8
   grep -h "logprob/server_trainer_abs_diff_max" /tmp/runs/*/metrics.jsonl | python3 -c "import sys, json; print('gap max per step', [round(json.loads(l)['logprob/server_trainer_abs_diff_max'], 3) for l in sys.stdin])"
+  ;;
+C)
+  mkdir -p /tmp/search && tar -xJf "${SEARCH_TAR:?set SEARCH_TAR}" -C /tmp/search
+  SG="--attention-backend triton --sampling-backend pytorch --grammar-backend none --disable-cuda-graph"
+  C="--model_path /tmp/search/search_model_bf16 --data_dir /tmp/search/wiki --server sglang --base_gpu_id 0 --trainer_dtype bfloat16 --trainer_compile False --tool_latency_s 1.0 --batch_size 8 --group_size 4 --max_turns 8 --max_new_tokens_per_turn 64 --max_tokens 1024 --max_steps 8 --eval_every 0 --checkpoint_every 0 --tensorboard False --trace_every 0 --weight_sync tensor"
+  one() {  # name, args...
+    local name=$1; shift
+    ts "start $name"
+    timeout 140 python3 train_search.py --run_dir /tmp/runs/$name $C --sglang_extra_args "$SG" "$@" > $OUT/$name.log 2>&1
+    ts "end $name rc=$?"; grep -iE "error|Traceback|out of memory" $OUT/$name.log | head -5
+    cp /tmp/runs/$name/metrics.jsonl $OUT/$name.metrics.jsonl 2>/dev/null
+  }
+  one search_async_in_place --mode async --mem_fraction_static 0.3 --pause_mode in_place
+  one search_sync --mode sync --mem_fraction_static 0.3
+  one search_async_abort --mode async --mem_fraction_static 0.3 --pause_mode abort
+  one search_sync_sleep --mode sync --mem_fraction_static 0.5 --colocate_sleep True
+  python3 bench/bench_step_time.py "sync=/tmp/runs/search_sync" "sync, sleep mode=/tmp/runs/search_sync_sleep" \
+    "async, in_place pause=/tmp/runs/search_async_in_place" "async, abort pause=/tmp/runs/search_async_abort" --skip 1 2>&1 | tail -10
   ;;
 esac
 ts done
