@@ -44,7 +44,7 @@ B)
   one() {  # name, args...
     local name=$1; shift
     ts "start $name"
-    timeout 200 python3 train_reflect.py --run_dir /tmp/runs/$name $C --sglang_extra_args "$SG" "$@" > $OUT/$name.log 2>&1
+    timeout 200 python3 train_reflect.py --run_dir /tmp/runs/$name $C --sglang_extra_args="$SG" "$@" > $OUT/$name.log 2>&1
     ts "end $name rc=$?"; grep -iE "error|Traceback|out of memory" $OUT/$name.log | head -5
     cp /tmp/runs/$name/metrics.jsonl $OUT/$name.metrics.jsonl 2>/dev/null
   }
@@ -62,7 +62,7 @@ C)
   one() {  # name, args...
     local name=$1; shift
     ts "start $name"
-    timeout 140 python3 train_search.py --run_dir /tmp/runs/$name $C --sglang_extra_args "$SG" "$@" > $OUT/$name.log 2>&1
+    timeout 140 python3 train_search.py --run_dir /tmp/runs/$name $C --sglang_extra_args="$SG" "$@" > $OUT/$name.log 2>&1
     ts "end $name rc=$?"; grep -iE "error|Traceback|out of memory" $OUT/$name.log | head -5
     cp /tmp/runs/$name/metrics.jsonl $OUT/$name.metrics.jsonl 2>/dev/null
   }
