@@ -6,14 +6,13 @@
 #      0.3, disk sync, activation checkpointing) against sleep mode (0.55, colocate_sleep, tensor
 #      sync), and async mode (static split 0.3, tensor sync, in_place pause);
 #   C: train_search.py with 1 s of tool latency per search, tiny warm-started search model, 8 steps
-#      each: sync (static split), sync in sleep mode, async with the in_place pause, async with the
-#      abort pause.
+#      each, $RUNS of: sync (static split), sync_sleep, async_in_place, async_abort.
 #
 #   OUT=/tmp/out bash bench/gpu_colocate.sh A|B|C
 # Needs SGLang 0.5.15 from the offline kit in .kit (docs/gpu.md); for B and C the wheels of fire,
 # termcolor (and bm25s for C) in $WHL (default .gpu_carry_proxy/whl; the machine lacks them); for C
-# $SEARCH_TAR, a tar.xz of search_model_bf16/ (the search warm start cast to bf16) and wiki/ (the
-# embedded data set's corpus, index and splits).
+# $SEARCH_CACHE_TAR, a tar.xz of an $AGENTRL_CACHE holding the tiny base model (tiny-qwen2-*, cast
+# to bf16 to travel light) and the wiki data set (wiki-data-*, with its bm25s index).
 set -u
 T0=$(date +%s); ts() { echo "[t=$(( $(date +%s) - T0 ))s] $*"; }
 eval "$(bash .kit/install.sh)"
@@ -56,22 +55,39 @@ B)
   grep -h "logprob/server_trainer_abs_diff_max" /tmp/runs/*/metrics.jsonl | python3 -c "import sys, json; print('gap max per step', [round(json.loads(l)['logprob/server_trainer_abs_diff_max'], 3) for l in sys.stdin])"
   ;;
 C)
-  mkdir -p /tmp/search && tar -xJf "${SEARCH_TAR:?set SEARCH_TAR}" -C /tmp/search
+  # The embedded default's cache (tiny base model, wiki data) travels as $SEARCH_CACHE_TAR; the
+  # search warm start is built here on the GPU (stage 1, 1200 SFT steps: the searcher; stage 2
+  # teaches it to answer from memory). The runs use stage 1, which calls the tool most.
+  export AGENTRL_CACHE=/tmp/agentrl_cache; mkdir -p $AGENTRL_CACHE
+  tar -xJf "${SEARCH_CACHE_TAR:?set SEARCH_CACHE_TAR}" -C $AGENTRL_CACHE
+  ts "build the search warm start"
+  python3 -c "
+import train_search as ts
+from lib.config import load_config
+print('embedded model and data:', ts.embedded_model_and_data(load_config(ts.Config, 'configs/search_tiny.yaml', {})))" 2>&1 | grep -v "it/s]" | tail -3
+  MODEL=$(ls -d $AGENTRL_CACHE/search-warm-start-[0-9a-f]* | head -1); DATA=$(ls -d $AGENTRL_CACHE/wiki-data-*)
+  ts "model $MODEL"
   SG="--attention-backend triton --sampling-backend pytorch --grammar-backend none --disable-cuda-graph"
-  C="--model_path /tmp/search/search_model_bf16 --data_dir /tmp/search/wiki --server sglang --base_gpu_id 0 --trainer_dtype bfloat16 --trainer_compile False --tool_latency_s 1.0 --batch_size 8 --group_size 4 --max_turns 8 --max_new_tokens_per_turn 64 --max_tokens 1024 --max_steps 8 --eval_every 0 --checkpoint_every 0 --tensorboard False --trace_every 0 --weight_sync tensor"
-  one() {  # name, args...
-    local name=$1; shift
+  C="--model_path $MODEL --data_dir $DATA --server sglang --base_gpu_id 0 --trainer_dtype bfloat16 --trainer_compile False --tool_latency_s 1.0 --batch_size 8 --group_size 4 --max_turns 8 --max_new_tokens_per_turn 64 --max_tokens 1024 --max_steps 8 --eval_every 0 --checkpoint_every 0 --tensorboard False --trace_every 0 --weight_sync tensor"
+  one() {  # name, timeout, args...
+    local name=$1 limit=$2; shift 2
     ts "start $name"
-    timeout 140 python3 train_search.py --run_dir /tmp/runs/$name $C --sglang_extra_args="$SG" "$@" > $OUT/$name.log 2>&1
+    timeout $limit python3 train_search.py --run_dir /tmp/runs/$name $C --sglang_extra_args="$SG" "$@" > $OUT/$name.log 2>&1
     ts "end $name rc=$?"; grep -iE "error|Traceback|out of memory" $OUT/$name.log | head -5
     cp /tmp/runs/$name/metrics.jsonl $OUT/$name.metrics.jsonl 2>/dev/null
+    tail -c 3000 /tmp/runs/$name/sglang0.log > $OUT/$name.sglang_tail.log 2>/dev/null
   }
-  one search_async_in_place --mode async --mem_fraction_static 0.3 --pause_mode in_place
-  one search_sync --mode sync --mem_fraction_static 0.3
-  one search_async_abort --mode async --mem_fraction_static 0.3 --pause_mode abort
-  one search_sync_sleep --mode sync --mem_fraction_static 0.5 --colocate_sleep True
+  for run in ${RUNS:-sync async_in_place}; do
+    case $run in
+      sync) one search_sync 200 --mode sync --mem_fraction_static 0.3 ;;
+      async_in_place) one search_async_in_place 150 --mode async --mem_fraction_static 0.3 --pause_mode in_place ;;
+      async_abort) one search_async_abort 150 --mode async --mem_fraction_static 0.3 --pause_mode abort ;;
+      sync_sleep) one search_sync_sleep 150 --mode sync --mem_fraction_static 0.5 --colocate_sleep True ;;
+    esac
+  done
   python3 bench/bench_step_time.py "sync=/tmp/runs/search_sync" "sync, sleep mode=/tmp/runs/search_sync_sleep" \
     "async, in_place pause=/tmp/runs/search_async_in_place" "async, abort pause=/tmp/runs/search_async_abort" --skip 1 2>&1 | tail -10
+  mkdir -p $OUT/model && cp $MODEL/* $OUT/model/ 2>/dev/null
   ;;
 esac
 ts done
