@@ -59,13 +59,13 @@ C)
   # search warm start is built here on the GPU (stage 1, 1200 SFT steps: the searcher; stage 2
   # teaches it to answer from memory). The runs use stage 1, which calls the tool most.
   export AGENTRL_CACHE=/tmp/agentrl_cache; mkdir -p $AGENTRL_CACHE
-  tar -xJf "${SEARCH_CACHE_TAR:?set SEARCH_CACHE_TAR}" -C $AGENTRL_CACHE
+  [ -d $AGENTRL_CACHE/wiki-data-v2-seed0-p20000-q10000 ] || tar -xJf "${SEARCH_CACHE_TAR:?set SEARCH_CACHE_TAR}" -C $AGENTRL_CACHE
   ts "build the search warm start"
   python3 -c "
 import train_search as ts
 from lib.config import load_config
 print('embedded model and data:', ts.embedded_model_and_data(load_config(ts.Config, 'configs/search_tiny.yaml', {})))" 2>&1 | grep -v "it/s]" | tail -3
-  MODEL=$(ls -d $AGENTRL_CACHE/search-warm-start-[0-9a-f]* | head -1); DATA=$(ls -d $AGENTRL_CACHE/wiki-data-*)
+  MODEL=$(ls -d $AGENTRL_CACHE/search-warm-start-[0-9a-f]* | head -1); DATA=$AGENTRL_CACHE/wiki-data-v2-seed0-p20000-q10000
   ts "model $MODEL"
   SG="--attention-backend triton --sampling-backend pytorch --grammar-backend none --disable-cuda-graph"
   C="--model_path $MODEL --data_dir $DATA --server sglang --base_gpu_id 0 --trainer_dtype bfloat16 --trainer_compile False --tool_latency_s 1.0 --batch_size 8 --group_size 4 --max_turns 8 --max_new_tokens_per_turn 64 --max_tokens 1024 --max_steps 8 --eval_every 0 --checkpoint_every 0 --tensorboard False --trace_every 0 --weight_sync tensor"
