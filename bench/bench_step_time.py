@@ -29,7 +29,10 @@ def summarize(run_dir: str, skip: int) -> dict:
         "gen_tokens": med("rollout/gen_tokens"), "tool_calls": med("rollout/tool_calls"),
         "staleness_max": max(r.get("rollout/staleness_max", 0) for r in timed),
         "dropped_stale": steps[-1].get("rollout/dropped_stale_groups", 0) if steps else 0,
-        "episodes_per_step": episodes,
+        "episodes_per_step": episodes, "trained_tokens_per_s": med("perf/trained_tokens_per_s"),
+        # GPU runs: the trainer's high-water mark (max over timed steps) and the GPU's least free memory
+        "trainer_peak_gb": max(r.get("perf/trainer_peak_mem_gb", float("nan")) for r in timed),
+        "gpu_free_gb": min(r.get("perf/gpu_free_gb", float("nan")) for r in timed),
     }
 
 
@@ -41,8 +44,9 @@ def main():
     args = p.parse_args()
     out = {}
     print("| run | steps timed | step s | rollout s | logp s | update s | sync s | steps/s | episodes/s | "
-          "gen tokens/step | tool calls/episode | staleness max | dropped stale groups |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "gen tokens/step | trained tokens/s | tool calls/episode | staleness max | dropped stale groups | "
+          "trainer peak GB | GPU free GB (least) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for spec in args.runs:
         label, _, run_dir = spec.rpartition("=")
         label = label or run_dir
@@ -54,7 +58,8 @@ def main():
         out[label] = s
         print(f"| {label} | {s['steps']} | {s['step_s']:.2f} | {s['rollout_s']:.2f} | {s['logp_s']:.2f} | "
               f"{s['update_s']:.2f} | {s['sync_s']:.3f} | {s['steps_per_s']:.3f} | {s['episodes_per_s']:.1f} | "
-              f"{s['gen_tokens']:.0f} | {s['tool_calls']:.2f} | {s['staleness_max']:.0f} | {s['dropped_stale']} |")
+              f"{s['gen_tokens']:.0f} | {s['trained_tokens_per_s']:.0f} | {s['tool_calls']:.2f} | "
+              f"{s['staleness_max']:.0f} | {s['dropped_stale']} | {s['trainer_peak_gb']:.1f} | {s['gpu_free_gb']:.1f} |")
     if args.json:
         json.dump(out, open(args.json, "w"), indent=1)
 

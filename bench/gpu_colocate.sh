@@ -82,7 +82,7 @@ print('embedded model and data:', ts.embedded_model_and_data(load_config(ts.Conf
       sync) one search_sync 200 --mode sync --mem_fraction_static 0.3 ;;
       async_in_place) one search_async_in_place 150 --mode async --mem_fraction_static 0.3 --pause_mode in_place ;;
       async_abort) one search_async_abort 150 --mode async --mem_fraction_static 0.3 --pause_mode abort ;;
-      sync_sleep) one search_sync_sleep 150 --mode sync --mem_fraction_static 0.5 --colocate_sleep True ;;
+      sync_sleep) one search_sync_sleep 270 --mode sync --mem_fraction_static 0.5 --colocate_sleep True ;;
     esac
   done
   python3 bench/bench_step_time.py "sync=/tmp/runs/search_sync" "sync, sleep mode=/tmp/runs/search_sync_sleep" \
