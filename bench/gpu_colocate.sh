@@ -40,16 +40,23 @@ A)
 B)
   SG="--attention-backend triton --sampling-backend pytorch --grammar-backend none --disable-cuda-graph"
   C="--model_path /tmp/q15 --server sglang --base_gpu_id 0 --trainer_dtype bfloat16 --batch_size 8 --group_size 8 --max_turns 2 --max_new_tokens_per_turn 256 --max_steps 4 --eval_every 0 --test_size 64 --checkpoint_every 0 --tensorboard False --trace_every 0"
-  one() {  # name, args...
-    local name=$1; shift
+  one() {  # name, timeout, args...
+    local name=$1 limit=$2; shift 2
     ts "start $name"
-    timeout 200 python3 train_reflect.py --run_dir /tmp/runs/$name $C --sglang_extra_args="$SG" "$@" > $OUT/$name.log 2>&1
+    timeout $limit python3 train_reflect.py --run_dir /tmp/runs/$name $C --sglang_extra_args="$SG" "$@" > $OUT/$name.log 2>&1
     ts "end $name rc=$?"; grep -iE "error|Traceback|out of memory" $OUT/$name.log | head -5
     cp /tmp/runs/$name/metrics.jsonl $OUT/$name.metrics.jsonl 2>/dev/null
+    tail -c 3000 /tmp/runs/$name/sglang0.log > $OUT/$name.sglang_tail.log 2>/dev/null
   }
-  one reflect_sleep --mem_fraction_static 0.55 --colocate_sleep True --weight_sync tensor --max_tokens_per_mb 16384
-  one reflect_async --mem_fraction_static 0.3 --weight_sync tensor --mode async --trainer_gradient_checkpointing True --max_tokens_per_mb 32768
-  one reflect_static_split --mem_fraction_static 0.3 --weight_sync disk --trainer_gradient_checkpointing True --max_tokens_per_mb 32768
+  first=270  # the first SGLang start on a fresh machine compiles its kernels (~150 s)
+  for run in ${RUNS:-sleep static_split async}; do
+    case $run in
+      sleep) one reflect_sleep $first --mem_fraction_static 0.55 --colocate_sleep True --weight_sync tensor --max_tokens_per_mb 16384 ;;
+      static_split) one reflect_static_split $first --mem_fraction_static 0.3 --weight_sync disk --trainer_gradient_checkpointing True --max_tokens_per_mb 32768 ;;
+      async) one reflect_async $first --mem_fraction_static 0.3 --weight_sync tensor --mode async --trainer_gradient_checkpointing True --max_tokens_per_mb 32768 ;;
+    esac
+    first=200
+  done
   python3 bench/bench_step_time.py "static split, disk sync, checkpointing=/tmp/runs/reflect_static_split" \
     "sleep mode, tensor sync=/tmp/runs/reflect_sleep" "async, static split, tensor sync=/tmp/runs/reflect_async" --skip 1 2>&1 | tail -8
   grep -h "logprob/server_trainer_abs_diff_max" /tmp/runs/*/metrics.jsonl | python3 -c "import sys, json; print('gap max per step', [round(json.loads(l)['logprob/server_trainer_abs_diff_max'], 3) for l in sys.stdin])"
