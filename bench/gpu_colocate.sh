@@ -25,6 +25,10 @@ export PYTHONPATH=$PWD:$PYTHONPATH:/tmp/site2 PYTHONUNBUFFERED=1 NCCL_CUMEM_ENAB
 OUT=${OUT:-/tmp/gpu_colocate_out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 python3 -c "import sglang, torch, transformers; print('sglang', sglang.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+if [ -n "${SEARCH_CACHE_TAR:-}" ]; then  # the embedded default's cache: its tokenizer, data
+  export AGENTRL_CACHE=/tmp/agentrl_cache; mkdir -p $AGENTRL_CACHE
+  [ -d $AGENTRL_CACHE/wiki-data-v2-seed0-p20000-q10000 ] || tar -xJf "$SEARCH_CACHE_TAR" -C $AGENTRL_CACHE
+fi
 if [ "${1:-A}" != C ]; then
   ts "random 1.5B model"
   python3 bench/make_random_model.py --arch qwen2.5-1.5b --out /tmp/q15 > /dev/null 2>&1 || echo "make_random_model failed"
@@ -65,8 +69,6 @@ C)
   # The embedded default's cache (tiny base model, wiki data) travels as $SEARCH_CACHE_TAR; the
   # search warm start is built here on the GPU (stage 1, 1200 SFT steps: the searcher; stage 2
   # teaches it to answer from memory). The runs use stage 1, which calls the tool most.
-  export AGENTRL_CACHE=/tmp/agentrl_cache; mkdir -p $AGENTRL_CACHE
-  [ -d $AGENTRL_CACHE/wiki-data-v2-seed0-p20000-q10000 ] || tar -xJf "${SEARCH_CACHE_TAR:?set SEARCH_CACHE_TAR}" -C $AGENTRL_CACHE
   ts "build the search warm start"
   python3 -c "
 import train_search as ts
