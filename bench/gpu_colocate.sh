@@ -33,6 +33,15 @@ if [ "${1:-A}" != C ]; then
   ts "random 1.5B model"
   python3 bench/make_random_model.py --arch qwen2.5-1.5b --out /tmp/q15 > /dev/null 2>&1 || echo "make_random_model failed"
 fi
+SG="--attention-backend triton --sampling-backend pytorch --grammar-backend none --disable-cuda-graph"
+one() {  # name, timeout, args...: one training run of $SCRIPT with the common flags $C
+  local name=$1 limit=$2; shift 2
+  ts "start $name"
+  timeout $limit python3 $SCRIPT --run_dir /tmp/runs/$name $C --sglang_extra_args="$SG" "$@" > $OUT/$name.log 2>&1
+  ts "end $name rc=$?"; grep -iE "error|Traceback|out of memory" $OUT/$name.log | head -5
+  cp /tmp/runs/$name/metrics.jsonl $OUT/$name.metrics.jsonl 2>/dev/null
+  tail -c 3000 /tmp/runs/$name/sglang0.log > $OUT/$name.sglang_tail.log 2>/dev/null
+}
 case "${1:-A}" in
 A)
   ts "numerics tests"
@@ -42,16 +51,8 @@ A)
   tail -5 /tmp/bench_colocate_sglang.log
   ;;
 B)
-  SG="--attention-backend triton --sampling-backend pytorch --grammar-backend none --disable-cuda-graph"
   C="--model_path /tmp/q15 --server sglang --base_gpu_id 0 --trainer_dtype bfloat16 --batch_size 8 --group_size 8 --max_turns 2 --max_new_tokens_per_turn 256 --max_steps 4 --eval_every 0 --test_size 64 --checkpoint_every 0 --tensorboard False --trace_every 0"
-  one() {  # name, timeout, args...
-    local name=$1 limit=$2; shift 2
-    ts "start $name"
-    timeout $limit python3 train_reflect.py --run_dir /tmp/runs/$name $C --sglang_extra_args="$SG" "$@" > $OUT/$name.log 2>&1
-    ts "end $name rc=$?"; grep -iE "error|Traceback|out of memory" $OUT/$name.log | head -5
-    cp /tmp/runs/$name/metrics.jsonl $OUT/$name.metrics.jsonl 2>/dev/null
-    tail -c 3000 /tmp/runs/$name/sglang0.log > $OUT/$name.sglang_tail.log 2>/dev/null
-  }
+  SCRIPT=train_reflect.py
   first=270  # the first SGLang start on a fresh machine compiles its kernels (~150 s)
   for run in ${RUNS:-sleep static_split async}; do
     case $run in
@@ -76,16 +77,8 @@ from lib.config import load_config
 print('embedded model and data:', ts.embedded_model_and_data(load_config(ts.Config, 'configs/search_tiny.yaml', {})))" 2>&1 | grep -v "it/s]" | tail -3
   MODEL=$(ls -d $AGENTRL_CACHE/search-warm-start-[0-9a-f]* | head -1); DATA=$AGENTRL_CACHE/wiki-data-v2-seed0-p20000-q10000
   ts "model $MODEL"
-  SG="--attention-backend triton --sampling-backend pytorch --grammar-backend none --disable-cuda-graph"
   C="--model_path $MODEL --data_dir $DATA --server sglang --base_gpu_id 0 --trainer_dtype bfloat16 --trainer_compile False --tool_latency_s 1.0 --batch_size 8 --group_size 4 --max_turns 8 --max_new_tokens_per_turn 64 --max_tokens 1024 --max_steps 8 --eval_every 0 --checkpoint_every 0 --tensorboard False --trace_every 0 --weight_sync tensor"
-  one() {  # name, timeout, args...
-    local name=$1 limit=$2; shift 2
-    ts "start $name"
-    timeout $limit python3 train_search.py --run_dir /tmp/runs/$name $C --sglang_extra_args="$SG" "$@" > $OUT/$name.log 2>&1
-    ts "end $name rc=$?"; grep -iE "error|Traceback|out of memory" $OUT/$name.log | head -5
-    cp /tmp/runs/$name/metrics.jsonl $OUT/$name.metrics.jsonl 2>/dev/null
-    tail -c 3000 /tmp/runs/$name/sglang0.log > $OUT/$name.sglang_tail.log 2>/dev/null
-  }
+  SCRIPT=train_search.py
   for run in ${RUNS:-sync async_in_place}; do
     case $run in
       sync) one search_sync 200 --mode sync --mem_fraction_static 0.3 ;;
