@@ -118,6 +118,7 @@ class Config:
     # or "tensor" (server on the trainer's GPU/machine: handles of the trainer's tensors, no copy to disk)
     colocate_sleep: bool = False  # sync mode, server on the trainer's GPU: it frees its memory while the trainer works
     weight_sync_bucket_mb: float = 512  # nccl: tensors per update call, one flattened broadcast each
+    weight_sync_master_address: str = "127.0.0.1"  # nccl: the trainer's address as servers on other machines reach it
     # --- async mode ---
     async_capacity: int = 0  # groups started and not yet trained on; 0 = 2 x batch_size
     max_staleness: int = 1  # drop a group whose oldest token is more than this many versions old
@@ -656,7 +657,8 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
     # trainer and every server's TP workers join one process group once, then each step broadcasts the
     # new weights (NCCL on GPUs, gloo on CPUs).
     weight_sync = ServerWeightSync(cfg.weight_sync, actor, client, run, num_servers=len(addrs), tp_size=cfg.tp_size,
-                                   disk_dir=os.path.join(cfg.run_dir, "weights"), bucket_mb=cfg.weight_sync_bucket_mb)
+                                   disk_dir=os.path.join(cfg.run_dir, "weights"), bucket_mb=cfg.weight_sync_bucket_mb,
+                                   master_address=cfg.weight_sync_master_address)
 
     def out_of_time(start: float) -> bool:
         # Under torchrun rank 0's clock decides for every rank, so all ranks leave the loop together.

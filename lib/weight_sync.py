@@ -185,12 +185,13 @@ class ServerWeightSync:
     every server and returns the seconds taken. `method` "disk": `sync_weights_from_disk` into
     `disk_dir`; "tensor": `sync_weights_from_tensor` (servers on the trainer's machine, one trainer
     process); "nccl": a `DistributedWeightSync` group with every server's `tp_size` workers, built
-    here once (gloo when the actor is on CPUs). `run` runs a coroutine on the event loop that owns
+    here once (gloo when the actor is on CPUs), rooted at `master_address` (this machine's address
+    as the servers reach it: 127.0.0.1 unless they run on other machines). `run` runs a coroutine on the event loop that owns
     `client` (`lib.async_rollout.BackgroundLoop.run`). Every trainer rank makes every call; ranks > 0
     pass `client=None` and `num_servers=0`."""
 
     def __init__(self, method: str, actor, client, run, *, num_servers: int, tp_size: int = 1,
-                 disk_dir: str, bucket_mb: float = 512):
+                 disk_dir: str, bucket_mb: float = 512, master_address: str = "127.0.0.1"):
         if method not in ("disk", "nccl", "tensor"):
             raise ValueError(f"weight sync method must be 'disk', 'nccl' or 'tensor', got {method!r}")
         if method == "tensor" and actor.world_size > 1:
@@ -202,7 +203,8 @@ class ServerWeightSync:
         self.broadcaster = None
         if method == "nccl":
             self.broadcaster = DistributedWeightSync(
-                client, master_port=free_port() if _trainer_rank() == 0 else 0, world_size=1 + num_servers * tp_size,
+                client, master_address=master_address, master_port=free_port() if _trainer_rank() == 0 else 0,
+                world_size=1 + num_servers * tp_size,
                 rank_offsets=[1 + i * tp_size for i in range(num_servers)],
                 backend="nccl" if actor.device.type == "cuda" else "gloo")
             run(self.broadcaster.init())
