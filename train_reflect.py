@@ -37,7 +37,7 @@ from lib.client import InferenceClient, model_eos_ids
 from lib.config import load_config, to_dict
 from lib.launch import launch_cpu_server, launch_sglang
 from lib.metrics import MetricsLogger, continue_jsonl
-from lib.openai_proxy import OpenAIProxy
+from lib.openai_proxy import OpenAIProxy, sdk_aiohttp_client
 from lib.padding import concat_padded_tensors
 from lib.reward_pool import RewardPool
 from lib.ranks import broadcast_from_rank0, init_trainer_ranks, server_seed
@@ -341,14 +341,11 @@ def openai_client(proxy: OpenAIProxy, http_client: str = "aiohttp"):
     if key not in _openai_clients:
         if http_client not in ("aiohttp", "httpx", "in_process"):
             raise ValueError(f"openai_http_client must be 'aiohttp', 'httpx' or 'in_process', got {http_client!r}")
-        transport = proxy.http_client() if http_client == "in_process" else None
-        if http_client == "aiohttp":
-            try:
-                from openai import DefaultAioHttpClient
-                transport = DefaultAioHttpClient()
-            except (ImportError, RuntimeError):  # an SDK before 1.9x, or without the aiohttp extra
-                print("openai_http_client 'aiohttp' needs `pip install 'openai[aiohttp]'`; using the SDK's httpx "
-                      "client (slower: docs/benchmarks.md)")
+        transport = None  # "httpx": the SDK's default client
+        if http_client == "in_process":
+            transport = proxy.http_client()
+        elif http_client == "aiohttp":
+            transport = sdk_aiohttp_client()
         _openai_clients[key] = AsyncOpenAI(base_url=proxy.url, api_key="per-episode", max_retries=0,
                                            http_client=transport)
     return _openai_clients[key]
@@ -771,16 +768,17 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
             # 5. weight sync: pause generation, push the new weights, continue; bump the version
             t3 = time.time()
             version += 1
+            # sync mode has nothing in flight: "abort" leaves SGLang in a state it can always flush
+            pause_mode = cfg.pause_mode if producer is not None else "abort"
             if is_main:
-                # sync mode: nothing in flight, and "abort" leaves SGLang in a state it can always flush
-                run(client.pause_generation(cfg.pause_mode if producer is not None else "abort"))
+                run(client.pause_generation(pause_mode))
             if cfg.colocate_sleep:  # the server takes its memory back: weights first (the sync fills them), then its cache
                 torch.cuda.empty_cache()  # what the update freed goes back to the driver, for the server
                 if is_main:
                     run(client.resume_memory_occupation(["weights"]))
             # a held request keeps its KV (and SGLang can flush only an idle server: its scheduler
             # dies on a failed flush), so the prefix cache is flushed only where nothing is held
-            weight_sync.sync(version, flush_cache=producer is None or cfg.pause_mode == "abort")
+            weight_sync.sync(version, flush_cache=pause_mode == "abort")
             if cfg.colocate_sleep and is_main:
                 run(client.resume_memory_occupation(["kv_cache", "cuda_graph"]))
             if is_main:

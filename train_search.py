@@ -787,16 +787,17 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
             # 5. weight sync: pause generation, push the new weights, continue; bump the version
             t3 = time.time()
             version += 1
+            # sync mode has nothing in flight: "abort" leaves SGLang in a state it can always flush
+            pause_mode = cfg.pause_mode if producer is not None else "abort"
             if is_main:
-                # sync mode: nothing in flight, and "abort" leaves SGLang in a state it can always flush
-                run(client.pause_generation(cfg.pause_mode if producer is not None else "abort"))
+                run(client.pause_generation(pause_mode))
             if cfg.colocate_sleep:  # the server takes its memory back: weights first (the sync fills them), then its cache
                 torch.cuda.empty_cache()  # what the update freed goes back to the driver, for the server
                 if is_main:
                     run(client.resume_memory_occupation(["weights"]))
             # a held request keeps its KV (and SGLang can flush only an idle server: its scheduler
             # dies on a failed flush), so the prefix cache is flushed only where nothing is held
-            weight_sync.sync(version, flush_cache=producer is None or cfg.pause_mode == "abort")
+            weight_sync.sync(version, flush_cache=pause_mode == "abort")
             if cfg.colocate_sleep and is_main:
                 run(client.resume_memory_occupation(["kv_cache", "cuda_graph"]))
             if is_main:

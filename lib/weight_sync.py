@@ -160,7 +160,7 @@ class DistributedWeightSync:
         tensors = [t for _, t in bucket]
         post = self.client.update_weights_from_distributed(
             names, [str(t.dtype).removeprefix("torch.") for t in tensors], [list(t.shape) for t in tensors],
-            group_name=self.group_name, flush_cache=last and flush_cache, weight_version=str(version) if last else None,
+            group_name=self.group_name, flush_cache=flush_cache, weight_version=str(version) if last else None,
             load_format="flattened_bucket" if flattened else None)
         await _first_error_or_all(post, _to_thread_on(self.device, self._broadcast, tensors, flattened))
 
