@@ -50,7 +50,7 @@ from lib.client import InferenceClient, model_eos_ids
 from lib.config import load_config, to_dict
 from lib.launch import launch_cpu_server, launch_sglang
 from lib.metrics import MetricsLogger, continue_jsonl
-from lib.openai_proxy import OpenAIProxy
+from lib.openai_proxy import OpenAIProxy, sdk_aiohttp_client
 from lib.padding import concat_padded_tensors
 from lib.ranks import server_seed
 from lib.supervise import Supervisor
@@ -211,12 +211,7 @@ def chat_http_client():
     SDK without the aiohttp extra."""
     loop = asyncio.get_running_loop()
     if loop not in _chat_http_clients:
-        try:
-            from openai import DefaultAioHttpClient
-            _chat_http_clients[loop] = DefaultAioHttpClient()
-        except (ImportError, RuntimeError):  # an SDK before 1.9x, or without the aiohttp extra
-            print("the openai SDK's aiohttp client needs `pip install 'openai[aiohttp]'`; ChatOpenAI keeps httpx")
-            _chat_http_clients[loop] = None
+        _chat_http_clients[loop] = sdk_aiohttp_client()
     return _chat_http_clients[loop]
 
 

@@ -36,10 +36,15 @@ async def read_body(request: web.Request, *, max_body_bytes: int, timeout_s: flo
         raise BadRequest(f"the request body was not all read within {timeout_s} s; send it at once, check "
                          "its Content-Encoding, or raise the server's --body-timeout-s", 408)
     except web.HTTPRequestEntityTooLarge:
-        raise BadRequest(f"request body larger than {max_body_bytes} bytes; {too_large_hint}", 413)
+        raise body_too_large(max_body_bytes, too_large_hint)
     except web.RequestPayloadError as e:  # e.g. `Content-Encoding: gzip` on a body that is not gzip
         raise BadRequest(f"the request body could not be read ({' '.join(str(e).split())}); send plain JSON, "
                          f"or JSON encoded as its Content-Encoding {request.headers.get('Content-Encoding')!r} says")
+
+
+def body_too_large(max_body_bytes: int, hint: str) -> BadRequest:
+    """The 413 for a body over `max_body_bytes` (also raised by transports that read the body themselves)."""
+    return BadRequest(f"request body larger than {max_body_bytes} bytes; {hint}", 413)
 
 
 def parse_json_body(raw: bytes, *, allow_empty: bool = False, parse_constant=None):

@@ -36,7 +36,7 @@ from aiohttp import web
 from lib.chat_format import (ChatFormatError, continuation_ids, end_of_turn_token, message_key, parse_tool_calls,
                              render_ids, to_template_messages)
 from lib.client import GenerationAborted, InferenceServerError
-from lib.http_body import BadRequest, parse_json_body, read_body
+from lib.http_body import BadRequest, body_too_large, parse_json_body, read_body
 
 # Fields of a chat completion request: read, ignored (harmless for sampling), or refused with a
 # 400 unless they hold their neutral value.
@@ -90,6 +90,21 @@ class _Refused(BadRequest):
         self.param, self.code = param, code
 
 
+def sdk_aiohttp_client():
+    """The openai SDK's aiohttp transport (`DefaultAioHttpClient`, the `openai[aiohttp]` extra) for an
+    agent's client of this proxy, or None (the SDK's default httpx client) where the SDK lacks it.
+    The httpx pool walks every pooled connection on each request, and holds one per concurrent
+    episode: about twice the CPU per request (docs/benchmarks.md). Build it on the event loop the
+    agents run on."""
+    try:
+        from openai import DefaultAioHttpClient
+        return DefaultAioHttpClient()
+    except (ImportError, RuntimeError):  # an SDK before 1.9x, or without the aiohttp extra
+        print("the openai SDK's aiohttp client needs `pip install 'openai[aiohttp]'`; using its httpx client "
+              "(slower: docs/benchmarks.md)")
+        return None
+
+
 class _InProcessTransport:
     """An httpx transport (the one under the openai SDK's client) that answers from the proxy's
     handlers: OpenAIProxy.http_client()."""
@@ -100,8 +115,8 @@ class _InProcessTransport:
     async def handle_async_request(self, request):
         raw = await request.aread()
         if len(raw) > self.proxy.max_body_bytes:
-            status, payload = _error(413, f"request body larger than {self.proxy.max_body_bytes} bytes; "
-                                          f"{_TOO_LARGE_HINTS.get(request.url.path, '')}")
+            refused = body_too_large(self.proxy.max_body_bytes, _TOO_LARGE_HINTS.get(request.url.path, ""))
+            status, payload = _error(refused.status, str(refused))
         else:
             status, payload = await self.proxy._answer(request.method, request.url.path,
                                                        request.headers.get("Authorization", ""), raw)
