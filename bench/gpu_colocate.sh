@@ -4,7 +4,8 @@
 #      sync, release/resume memory occupation);
 #   B: train_reflect.py, 4 GRPO steps each: sync mode with the old static split (mem_fraction_static
 #      0.3, disk sync, activation checkpointing) against sleep mode (0.55, colocate_sleep, tensor
-#      sync), and async mode (static split 0.3, tensor sync, in_place pause);
+#      sync), and, both with the static split 0.3, tensor sync and checkpointing, sync_split (sync mode)
+#      against async (in_place pause); $RUNS picks runs, $STEPS their length (default 4);
 #   C: train_search.py with 1 s of tool latency per search, tiny warm-started search model, 8 steps
 #      each, $RUNS of: sync (static split), sync_sleep, async_in_place, async_abort.
 #
@@ -51,20 +52,27 @@ A)
   tail -5 /tmp/bench_colocate_sglang.log
   ;;
 B)
-  C="--model_path /tmp/q15 --server sglang --base_gpu_id 0 --trainer_dtype bfloat16 --batch_size 8 --group_size 8 --max_turns 2 --max_new_tokens_per_turn 256 --max_steps 4 --eval_every 0 --test_size 64 --checkpoint_every 0 --tensorboard False --trace_every 0"
+  C="--model_path /tmp/q15 --server sglang --base_gpu_id 0 --trainer_dtype bfloat16 --batch_size 8 --group_size 8 --max_turns 2 --max_new_tokens_per_turn 256 --max_steps ${STEPS:-4} --eval_every 0 --test_size 64 --checkpoint_every 0 --tensorboard False --trace_every 0"
   SCRIPT=train_reflect.py
   first=270  # the first SGLang start on a fresh machine compiles its kernels (~150 s)
   for run in ${RUNS:-sleep static_split async}; do
     case $run in
       sleep) one reflect_sleep $first --mem_fraction_static 0.55 --colocate_sleep True --weight_sync tensor --max_tokens_per_mb 16384 ;;
       static_split) one reflect_static_split $first --mem_fraction_static 0.3 --weight_sync disk --trainer_gradient_checkpointing True --max_tokens_per_mb 32768 ;;
+      sync_split) one reflect_sync_split $first --mem_fraction_static 0.3 --weight_sync tensor --trainer_gradient_checkpointing True --max_tokens_per_mb 32768 ;;
       async) one reflect_async $first --mem_fraction_static 0.3 --weight_sync tensor --mode async --trainer_gradient_checkpointing True --max_tokens_per_mb 32768 ;;
     esac
     first=200
   done
   python3 bench/bench_step_time.py "static split, disk sync, checkpointing=/tmp/runs/reflect_static_split" \
-    "sleep mode, tensor sync=/tmp/runs/reflect_sleep" "async, static split, tensor sync=/tmp/runs/reflect_async" --skip 1 2>&1 | tail -8
+    "sleep mode, tensor sync=/tmp/runs/reflect_sleep" "sync, static split, tensor sync, checkpointing=/tmp/runs/reflect_sync_split" \
+    "async, static split, tensor sync, checkpointing=/tmp/runs/reflect_async" --skip 1 2>&1 | tail -8
   grep -h "logprob/server_trainer_abs_diff_max" /tmp/runs/*/metrics.jsonl | python3 -c "import sys, json; print('gap max per step', [round(json.loads(l)['logprob/server_trainer_abs_diff_max'], 3) for l in sys.stdin])"
+  for m in /tmp/runs/reflect_*/metrics.jsonl; do  # per step: a slow step after the first is a recompile?
+    python3 -c "import sys, json; rows = [json.loads(l) for l in open(sys.argv[1]) if 'perf/logp_s' in l]
+print(sys.argv[1].split('/')[3], 'logp/update s per step:', [(round(r['perf/logp_s'], 1), round(r['perf/update_s'], 1)) for r in rows])" $m
+  done
+  grep -h -A4 "Recompiling" $OUT/reflect_*.log | head -40
   ;;
 C)
   # The embedded default's cache (tiny base model, wiki data) travels as $SEARCH_CACHE_TAR; the

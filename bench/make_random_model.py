@@ -30,7 +30,9 @@ def make_random_model(arch: str, out: str, tokenizer_path: str | None = None, se
                          torch_dtype="bfloat16", bos_token_id=151643, eos_token_id=151645)
     torch.manual_seed(seed)
     torch.set_default_dtype(torch.bfloat16)
-    model = Qwen2ForCausalLM(config)
+    # On a GPU the random init takes seconds; on CPU cores a 7B one takes minutes.
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = Qwen2ForCausalLM(config)
     torch.set_default_dtype(torch.float32)
     model.save_pretrained(out, safe_serialization=True)
     if tokenizer_path is None:
