@@ -34,11 +34,15 @@ class PolicyForward(nn.Module):
     embedding, final norm and LM head, which `token_logprobs` uses outside the HF forward (it
     applies the head in chunks so a [N, vocab] fp32 tensor is never built at once)."""
 
-    def __init__(self, causal_lm: nn.Module, logits_chunk_tokens: int = 2048, fused_head: bool = False):
+    def __init__(self, causal_lm: nn.Module, logits_chunk_tokens: int = 2048, fused_head: bool = False,
+                 packed_min_tokens: int = 0, packed_multiple: int = 1):
         super().__init__()
         self.lm = causal_lm
         self.logits_chunk_tokens = logits_chunk_tokens
         self.fused_head = fused_head
+        # compute_logprobs pads a packed row to at least `packed_min_tokens`, a multiple of
+        # `packed_multiple`, with a filler sequence of its own (see Actor: compiled layers).
+        self.packed_min_tokens, self.packed_multiple = packed_min_tokens, packed_multiple
 
     def forward(self, input_ids, position_ids=None, attention_mask=None, temperature=1.0, return_entropy=False):
         return token_logprobs(self.lm, input_ids, position_ids, attention_mask, temperature, return_entropy,
@@ -170,8 +174,14 @@ def compute_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: 
     forward = model if isinstance(model, PolicyForward) else PolicyForward(model)
     if packed:
         packed_batch = pack_sequences({"input_ids": input_ids, "attention_mask": attention_mask})
-        lp, ent = forward(packed_batch["input_ids"], position_ids=packed_batch["position_ids"],
-                          temperature=temperature, return_entropy=return_entropy)
+        ids, positions = packed_batch["input_ids"], packed_batch["position_ids"]
+        n = ids.shape[1]
+        filler = max(forward.packed_min_tokens, -(-n // forward.packed_multiple) * forward.packed_multiple) - n
+        if filler:  # one more sequence, of token 0: its positions restart at 0, so no real token sees it
+            ids = torch.cat([ids, ids.new_zeros(1, filler)], dim=1)
+            positions = torch.cat([positions, torch.arange(filler, device=positions.device)[None]], dim=1)
+        lp, ent = forward(ids, position_ids=positions, temperature=temperature, return_entropy=return_entropy)
+        lp, ent = lp[:, :n], (ent[:, :n] if return_entropy else None)
         cu = packed_batch["cu_seqlens"]
         logprobs = unpack_sequences(lp, cu, tuple(input_ids.shape))
         entropy = unpack_sequences(ent, cu, tuple(input_ids.shape)) if return_entropy else None
@@ -473,7 +483,15 @@ class Actor:
             self.optimizer, lambda step: _lr_factor(step, warmup_steps, total_steps, lr_schedule))
 
     def _wrap(self, causal_lm: nn.Module, logits_chunk_tokens: int) -> PolicyForward:
-        policy = PolicyForward(causal_lm, logits_chunk_tokens, fused_head=self.compile_layers)
+        # Compiled layers: the first compile guards on the micro-batch's length N (torch 2.11's
+        # inductor: N >= 4096 after a first micro-batch of 10k tokens), so a shorter one, e.g. a
+        # step's last, recompiled every layer: one step as slow as the first (~20 s at 1.5B). A last
+        # log-prob chunk of one row recompiled the head (size-1 dims are specialised). Packed rows of
+        # at least 4096 tokens, a multiple of 64 (N - 1 never leaves one row over), compile once
+        # (bench/check_recompiles.py; the filler costs < 64 tokens once N >= 4096).
+        policy = PolicyForward(causal_lm, logits_chunk_tokens, fused_head=self.compile_layers,
+                               packed_min_tokens=4096 if self.compile_layers else 0,
+                               packed_multiple=64 if self.compile_layers else 1)
         if self.world_size == 1:
             return policy.to(self.device)
         from torch.distributed.device_mesh import init_device_mesh

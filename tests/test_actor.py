@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from lib.actor import (Actor, compute_logprobs, equal_reward_groups, grpo_advantages, logprob_mismatch, merge_stats,
+from lib.actor import (Actor, PolicyForward, compute_logprobs, equal_reward_groups, grpo_advantages, logprob_mismatch, merge_stats,
                        minibatch_rows, ppo_loss)
 from lib.attention import VARLEN, packed_kwargs, register_varlen_attention, varlen_attention
 from lib.padding import concat_padded_tensors
@@ -79,6 +79,27 @@ def test_varlen_attention_gives_the_logprobs_of_the_padded_sdpa_forward(model_di
     packed = compute_logprobs(varlen, batch["input_ids"], batch["attention_mask"], packed=True)
     padded = compute_logprobs(model, batch["input_ids"], batch["attention_mask"], packed=False)
     assert torch.allclose(packed, padded, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("min_tokens,multiple", [(64, 1), (0, 16), (40, 32)])
+def test_a_packed_row_padded_by_a_filler_sequence_gives_the_same_logprobs_entropy_and_gradients(
+        model_dir, min_tokens, multiple):
+    # Compiled layers pad each packed micro-batch (Actor: one compile for all lengths); the filler
+    # must change nothing that the loss sees.
+    varlen = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                  attn_implementation=register_varlen_attention())
+    batch = make_batch([7, 2, 5, 4], seed=3)  # 18 tokens: every case adds a filler
+    results = []
+    for forward in (PolicyForward(varlen), PolicyForward(varlen, packed_min_tokens=min_tokens,
+                                                         packed_multiple=multiple)):
+        varlen.zero_grad()
+        lp, ent = compute_logprobs(forward, batch["input_ids"], batch["attention_mask"], return_entropy=True)
+        (lp * batch["loss_mask"]).sum().backward()
+        results.append((lp.detach(), ent, [p.grad.clone() for p in varlen.parameters()]))
+    (lp0, ent0, grads0), (lp1, ent1, grads1) = results
+    assert lp1.shape == lp0.shape and torch.allclose(lp1, lp0, atol=1e-5, rtol=0)
+    assert torch.allclose(ent1, ent0, atol=1e-5, rtol=0)
+    assert all(torch.allclose(g1, g0, atol=1e-5, rtol=1e-4) for g0, g1 in zip(grads0, grads1))
 
 
 def test_varlen_attention_finds_the_sequences_from_position_ids_alone():
