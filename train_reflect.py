@@ -104,7 +104,7 @@ class Config:
     behav_imp_weight_cap: float = 2.0  # cap of the server->trainer importance weight per token; 0 = no cap
     behav_imp_weight_mode: str = "truncate"  # above the cap: "truncate" to it (TIS) or "mask" the token out (AReaL)
     max_tokens_per_mb: int = 16384  # micro-batch token budget of the trainer
-    pack_sequences: bool = True  # padding-free rows (varlen attention); padded rows are faster on CPU
+    pack_sequences: bool | None = None  # padding-free rows (varlen attention); None: on GPUs only (padded rows are faster on CPU)
     attn_implementation: str | None = None  # trainer attention: None = lib's varlen when packed, else sdpa
     trainer_gradient_checkpointing: bool = False  # recompute activations in backward: ~half the memory, ~20% slower
     trainer_compile: bool | None = None  # torch.compile the decoder layers; None = on with one GPU

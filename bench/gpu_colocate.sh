@@ -2,7 +2,8 @@
 # One GPU, trainer and SGLang colocated, at Qwen2.5-1.5B shapes (random weights):
 #   A: GPU numerics tests of the trainer's fast path, then bench/bench_colocate.py (tensor vs disk
 #      sync, release/resume memory occupation);
-#   B: train_reflect.py, 4 GRPO steps each: sync mode with the old static split (mem_fraction_static
+#   B: train_reflect.py with configs/reflect_qwen2.5_1.5b.yaml on one GPU (2 turns of 256 tokens, 8 x 8
+#      episodes a step), 4 GRPO steps each: sync mode with the old static split (mem_fraction_static
 #      0.3, disk sync, activation checkpointing) against sleep mode (0.55, colocate_sleep, tensor
 #      sync), and, both with the static split 0.3, tensor sync and checkpointing, sync_split (sync mode)
 #      against async (in_place pause); $RUNS picks runs, $STEPS their length (default 4);
@@ -11,16 +12,17 @@
 #
 #   OUT=/tmp/out bash bench/gpu_colocate.sh A|B|C
 # Needs SGLang 0.5.15 from the offline kit in .kit (docs/gpu.md); for B and C the wheels of fire,
-# termcolor (and bm25s for C) in $WHL (default .gpu_carry_proxy/whl; the machine lacks them); for C
-# $SEARCH_CACHE_TAR, a tar.xz of an $AGENTRL_CACHE holding the tiny base model (tiny-qwen2-*, cast
-# to bf16 to travel light) and the wiki data set (wiki-data-*, with its bm25s index).
+# termcolor, bm25s (for B also datasets, dill, multiprocess, xxhash) in $WHL (default .gpu_carry/whl;
+# the machine lacks them); for B and C $SEARCH_CACHE_TAR, a tar.xz of an $AGENTRL_CACHE holding the
+# tiny base model (tiny-qwen2-*, cast to bf16 to travel light), the wiki data set (wiki-data-*, with
+# its bm25s index) and the math data set (math-data-*).
 set -u
 T0=$(date +%s); ts() { echo "[t=$(( $(date +%s) - T0 ))s] $*"; }
 eval "$(bash .kit/install.sh)"
-WHL=${WHL:-.gpu_carry_proxy/whl}
+WHL=${WHL:-.gpu_carry/whl}
 if ls $WHL/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 $WHL/fire-*.whl \
-    $WHL/termcolor-*.whl $(ls $WHL/bm25s-*.whl 2>/dev/null) 2>&1 | grep -v WARN
+    $WHL/termcolor-*.whl $(ls $WHL/{bm25s,datasets,dill,multiprocess,xxhash}-*.whl 2>/dev/null) 2>&1 | grep -v WARN
 fi
 export PYTHONPATH=$PWD:$PYTHONPATH:/tmp/site2 PYTHONUNBUFFERED=1 NCCL_CUMEM_ENABLE=0 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/gpu_colocate_out}; mkdir -p "$OUT"
@@ -52,7 +54,9 @@ A)
   tail -5 /tmp/bench_colocate_sglang.log
   ;;
 B)
-  C="--model_path /tmp/q15 --server sglang --base_gpu_id 0 --trainer_dtype bfloat16 --batch_size 8 --group_size 8 --max_turns 2 --max_new_tokens_per_turn 256 --max_steps ${STEPS:-4} --eval_every 0 --test_size 64 --checkpoint_every 0 --tensorboard False --trace_every 0"
+  # The real recipe's config, on one GPU, with the bundled problems in GSM8K's layout (train, test).
+  GSM=/tmp/gsm_style; mkdir -p $GSM; cp $AGENTRL_CACHE/math-data-v2-seed0/{train,test}.jsonl $GSM/
+  C="--config configs/reflect_qwen2.5_1.5b.yaml --mode sync --model_path /tmp/q15 --dataset $GSM --base_gpu_id 0 --batch_size 8 --group_size 8 --max_turns 2 --max_new_tokens_per_turn 256 --max_steps ${STEPS:-4} --eval_every 0 --test_size 16 --checkpoint_every 0 --tensorboard False --trace_every 0"
   SCRIPT=train_reflect.py
   first=270  # the first SGLang start on a fresh machine compiles its kernels (~150 s)
   for run in ${RUNS:-sleep static_split async}; do

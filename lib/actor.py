@@ -406,7 +406,7 @@ class Actor:
                  eps_clip_low: float = 0.2, eps_clip_high: float = 0.28, loss_agg: str = "token-mean",
                  behaviour_weight_cap: float | None = None, behaviour_cap_mode: str = "truncate",
                  logits_chunk_tokens: int = 2048, master_weights: bool = True, compile_layers: bool | None = None,
-                 attn_implementation: str | None = None, packed: bool = True):
+                 attn_implementation: str | None = None, packed: bool | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if lr_schedule not in ("constant", "cosine"):
@@ -421,9 +421,6 @@ class Actor:
         if behaviour_cap_mode not in CAP_MODES:
             raise ValueError(f"behaviour_cap_mode must be one of {CAP_MODES}, got {behaviour_cap_mode!r}")
         self.loss_agg, self.behaviour_weight_cap, self.behaviour_cap_mode = loss_agg, behaviour_weight_cap, behaviour_cap_mode
-        # Packing pays off with varlen attention; with sdpa the [N, N] mask makes it about 2x slower
-        # than padded rows on CPU (measured on the tiny model), so it is optional.
-        self.packed = packed
         self.world_size = _world_size()
         self.rank = dist.get_rank() if self.world_size > 1 else 0
         if device is None:
@@ -432,11 +429,15 @@ class Actor:
             else:
                 device = "cpu"
         self.device = torch.device(device)
+        # Packing pays off with varlen attention (on GPUs: no padding, one kernel); on CPU the
+        # sequence-by-sequence attention makes it slower than padded rows on the tiny model, so the
+        # default (None) packs on GPUs only.
+        self.packed = packed if packed is not None else self.device.type == "cuda"
 
         # attn_implementation None/"varlen": lib's varlen attention for packed rows (transformers'
         # sdpa would build an [N, N] block-diagonal mask for them); sdpa for padded rows.
         if attn_implementation in (None, "varlen"):
-            attn_implementation = register_varlen_attention() if packed else None
+            attn_implementation = register_varlen_attention() if self.packed else None
         load_kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **load_kwargs)
         self.model.config.use_cache = False

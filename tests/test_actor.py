@@ -392,14 +392,22 @@ def test_save_hf_writes_a_model_that_transformers_loads_with_the_same_weights(mo
 
 
 def test_actor_runs_packed_micro_batches_with_varlen_attention_and_padded_ones_with_sdpa(model_dir):
-    assert Actor(model_dir).model.config._attn_implementation == VARLEN
+    assert Actor(model_dir, packed=True).model.config._attn_implementation == VARLEN
     assert Actor(model_dir, packed=False).model.config._attn_implementation == "sdpa"
     assert Actor(model_dir, attn_implementation="eager").model.config._attn_implementation == "eager"
 
 
+def test_actor_packs_by_default_on_gpus_only(model_dir):
+    # A GPU run that does not name a config must not inherit the CPU's padded rows (it did, through
+    # the tiny config's pack_sequences: false).
+    actor = Actor(model_dir)
+    assert actor.device.type == "cpu" and not actor.packed
+    assert actor.model.config._attn_implementation == "sdpa"
+
+
 def test_packed_varlen_and_padded_actors_take_the_same_step(model_dir):
     batch = make_batch([6, 3, 5, 4], advantages=[1.0, -0.5, 0.25, -1.0])
-    packed, padded = Actor(model_dir, lr=1e-3), Actor(model_dir, lr=1e-3, packed=False)
+    packed, padded = Actor(model_dir, lr=1e-3, packed=True), Actor(model_dir, lr=1e-3, packed=False)
     assert torch.allclose(packed.compute_logprobs(batch), padded.compute_logprobs(batch), atol=1e-5, rtol=0)
     one, two = packed.update(batch), padded.update(batch)
     assert one["loss"] == pytest.approx(two["loss"], abs=1e-6)
