@@ -3,7 +3,7 @@
 # random weights of their model's shapes (bench/make_random_model.py; no model hub on these machines).
 # What the command line changes: the model path, the data (the bundled synthetic data, in the formats
 # the configs read: a GSM8K-style local dataset dir, a Search-R1-style question dir), the run length
-# (2 steps, 8 prompts a step instead of 32, 16 test questions) and the run dir. Memory settings
+# (2 steps, 8 prompts a step instead of 32, 4 for search, 16 test questions) and the run dir. Memory settings
 # (micro-batch budget, checkpointing, mem_fraction_static, max_tokens), the GPU layout, the mode and
 # the weight sync are the config's. The search configs use a retrieval server on port 8000, started
 # here as the README's recipe says (`python -m lib.retrieval`, BM25 over the bundled corpus).
@@ -11,7 +11,7 @@
 #   OUT=/tmp/out bash bench/gpu_configs.sh [RUNS...]     RUNS: reflect_1.5b search_1.5b search_3b search_7b
 #
 # reflect_1.5b, search_1.5b, search_3b: 2 GPUs each (trainer GPU 0, SGLang GPU 1); with 4 GPUs two
-# lanes run side by side (GPUs 0-1 and 2-3). search_7b needs 4 GPUs and runs its model's shapes on a
+# lanes run side by side: the first run on GPUs 2-3, the others one after another on GPUs 0-1. search_7b needs 4 GPUs and runs its model's shapes on a
 # smaller layout than the config's 6 GPUs: FSDP2 over 3 trainer ranks (torchrun), SGLang tp 1 on GPU 3.
 # Needs: .kit (SGLang 0.5.15, docs/gpu.md); $WHL with the wheels of fire, termcolor, bm25s, datasets,
 # dill, multiprocess, xxhash; $CACHE_TAR, a tar.xz of an $AGENTRL_CACHE holding the tiny model (its
@@ -44,8 +44,9 @@ esac
 
 one() {  # name, gpus, timeout: one config run, then what it measured
   local name=$1 gpus=$2 limit=$3 arch=${1#*_} task=${1%%_*}
+  local batch=8; [ $task = search ] && batch=4  # a random model's search episodes run to max_tokens (8192)
   local common="--config configs/${task}_qwen2.5_$arch.yaml --model_path /tmp/q$arch --run_dir /tmp/runs/$name
-                --max_steps 2 --batch_size 8 --test_size 16 --eval_size 16"
+                --max_steps 2 --batch_size $batch --test_size 16 --eval_size 16"
   local data="--data_dir $WIKI"; [ $task = reflect ] && data="--dataset $GSM"
   local launch="python3"; [ $name = search_7b ] && launch="python3 -m torch.distributed.run --nproc_per_node 3"
   local layout=""; [ $name = search_7b ] && layout="--base_gpu_id 3 --tp_size 1"
@@ -74,13 +75,12 @@ EOF
 }
 lane() {  # gpus, runs...
   local gpus=$1; shift
-  for run in "$@"; do one $run $gpus 420; done
+  for run in "$@"; do one $run $gpus ${RUN_LIMIT_S:-420}; done
 }
 two_gpu=(); for r in $RUNS; do [ $r != search_7b ] && two_gpu+=($r); done
-if [ "$NGPU" -ge 4 ] && [ ${#two_gpu[@]} -ge 2 ]; then  # two lanes side by side
-  half=$(( (${#two_gpu[@]} + 1) / 2 ))
-  lane 0,1 "${two_gpu[@]:0:$half}" > $OUT/lane1.txt 2>&1 &
-  lane 2,3 "${two_gpu[@]:$half}" > $OUT/lane2.txt 2>&1
+if [ "$NGPU" -ge 4 ] && [ ${#two_gpu[@]} -ge 2 ]; then  # two lanes side by side: the first run alone
+  lane 2,3 "${two_gpu[0]}" > $OUT/lane2.txt 2>&1 &
+  lane 0,1 "${two_gpu[@]:1}" > $OUT/lane1.txt 2>&1
   wait; cat $OUT/lane1.txt $OUT/lane2.txt
 elif [ ${#two_gpu[@]} -ge 1 ]; then
   lane 0,1 "${two_gpu[@]}"
