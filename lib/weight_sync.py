@@ -19,6 +19,7 @@ talks to the servers and broadcasts.
 """
 import asyncio
 import os
+import sys
 import time
 from typing import Iterable
 
@@ -223,5 +224,14 @@ class ServerWeightSync:
                                                 flush_cache=flush_cache))
 
     def close(self) -> None:
-        if self.broadcaster is not None:
-            self.run(self.broadcaster.close(), timeout_s=60)  # a server that outlives this run can join a new group
+        """Leave the NCCL group (a server that outlives this run can join a new one). Best effort: it
+        runs while a run ends, often because something failed, and a server that is already gone
+        must not hide that failure behind its own error."""
+        if self.broadcaster is None:
+            return
+        try:
+            self.run(self.broadcaster.close(), timeout_s=60)
+        except Exception as e:  # noqa: BLE001 - reported, not raised: the run is over either way
+            print(f"weight sync: could not close the weight-update group on the servers ({type(e).__name__}: "
+                  f"{str(e)[:300]}); a server that outlives this run needs a restart before a new group",
+                  file=sys.stderr, flush=True)

@@ -205,3 +205,25 @@ def test_released_server_refuses_generation_until_resumed(server):
     assert refused.status == 400 and "resume_memory_occupation" in str(refused)
     assert len(generation.output_ids) == 8
     assert _post(server, "/release_memory_occupation", {"tags": ["gpu"]}).status_code == 400
+
+
+def test_closing_the_broadcast_group_after_the_server_died_warns_instead_of_raising(model_dir, trained_actor,
+                                                                                   tmp_path, capfd):
+    # A run that ends because something failed (a checkpoint write, a dead server) closes the group in
+    # its `finally`: that must not replace the real error by a "cannot connect".
+    from lib.async_rollout import BackgroundLoop
+    from lib.weight_sync import ServerWeightSync
+
+    own_server = launch_cpu_server(model_dir, num_threads=1, random_seed=0, timeout_s=120)
+    bg = BackgroundLoop()
+    client = InferenceClient([own_server.address], max_retries=0)
+    try:
+        sync = ServerWeightSync("nccl", trained_actor, client, bg.run, num_servers=1, disk_dir=str(tmp_path))
+        assert sync.sync(1) >= 0
+        own_server.terminate()
+        sync.close()  # returns
+        assert "could not close the weight-update group" in capfd.readouterr().err
+    finally:
+        own_server.terminate()
+        bg.run(client.close(), timeout_s=30)
+        bg.close()
