@@ -675,6 +675,7 @@ class Actor:
         if self.world_size > 1:
             dist.barrier()
         model_state, optim_state = get_state_dict(self.master_model, self.optimizer)
+        _check_free_space(tmp, {"model": model_state, "optimizer": optim_state})
         with _single_process_dcp_quiet():
             dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp, no_dist=self.world_size == 1)
         if self.rank == 0:
@@ -730,6 +731,31 @@ def _single_process_dcp_quiet():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
+
+
+def _check_free_space(directory: str, state) -> None:
+    """Refuse to start a checkpoint the disk cannot hold: a full disk mid-write fails deep inside
+    torch.save with "unexpected pos" (or worse, silently). Every rank writes its own shard, so this
+    machine's disk takes its ranks' shards (LOCAL_WORLD_SIZE, set by torchrun)."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    needed = sum(getattr(t, "_local_tensor", t).numel() * t.element_size()
+                 for t in _tensors_in(state)) * local_ranks
+    free = shutil.disk_usage(directory).free
+    if free < needed * 1.05 + (64 << 20):
+        raise OSError(f"checkpoint needs about {needed / 1e9:.1f} GB at {directory}, the disk has "
+                      f"{free / 1e9:.1f} GB free (the previous checkpoint is kept until the new one is whole): "
+                      f"free space, move run_dir, or raise checkpoint_every")
+
+
+def _tensors_in(state):
+    if isinstance(state, torch.Tensor):
+        yield state
+    elif isinstance(state, dict):
+        for value in state.values():
+            yield from _tensors_in(value)
+    elif isinstance(state, (list, tuple)):
+        for value in state:
+            yield from _tensors_in(value)
 
 
 def _fresh_tmp(path: str) -> str:

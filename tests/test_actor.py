@@ -380,6 +380,24 @@ def test_checkpoint_restores_weights_optimizer_scheduler_and_extra(model_dir, tm
     assert not (tmp_path / "ckpt.tmp").exists()
 
 
+def test_checkpoint_refuses_a_disk_too_small_with_a_clear_error_and_keeps_the_previous_one(model_dir, tmp_path,
+                                                                                            monkeypatch):
+    import shutil
+
+    import lib.actor
+
+    batch = make_batch([5, 4], advantages=[1.0, -1.0])
+    actor = Actor(model_dir, lr=1e-3)
+    actor.save_checkpoint(str(tmp_path / "ckpt"), extra={"step": 1})
+    actor.update(batch)
+    real = shutil.disk_usage
+    monkeypatch.setattr(lib.actor.shutil, "disk_usage", lambda p: real(p)._replace(free=10 << 20))
+    with pytest.raises(OSError, match=r"checkpoint needs about .* GB free"):
+        actor.save_checkpoint(str(tmp_path / "ckpt"), extra={"step": 2})
+    monkeypatch.undo()
+    assert Actor(model_dir, lr=1e-3).load_checkpoint(str(tmp_path / "ckpt"))["step"] == 1
+
+
 def test_save_hf_writes_a_model_that_transformers_loads_with_the_same_weights(model_dir, tmp_path):
     actor = Actor(model_dir, lr=1e-3)
     actor.update(make_batch([5, 4], advantages=[1.0, -1.0]))
