@@ -740,7 +740,10 @@ def _check_free_space(directory: str, state) -> None:
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     needed = sum(getattr(t, "_local_tensor", t).numel() * t.element_size()
                  for t in _tensors_in(state)) * local_ranks
-    free = shutil.disk_usage(directory).free
+    existing = os.path.abspath(directory)
+    while not os.path.exists(existing):  # another machine's rank: rank 0 made the folder on its disk
+        existing = os.path.dirname(existing)
+    free = shutil.disk_usage(existing).free
     if free < needed * 1.05 + (64 << 20):
         raise OSError(f"checkpoint needs about {needed / 1e9:.1f} GB at {directory}, the disk has "
                       f"{free / 1e9:.1f} GB free (the previous checkpoint is kept until the new one is whole): "
