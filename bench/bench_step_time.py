@@ -7,7 +7,8 @@ communicators) are left out; the rest are summarised by their median.
 Columns: steps timed; median seconds of the whole step and of each phase (in async mode "rollout" is
 the wait for ready groups, the rest of the rollout overlaps the update); steps/s and trained
 episodes/s (1 / median step x episodes per step); generated tokens per step; token staleness max;
-groups dropped as stale (whole run).
+groups dropped as stale (whole run). `--per-step` then lists every step of each run (a slow step after
+the first is a recompile or a stall the median hides).
 """
 import argparse
 import json
@@ -41,6 +42,7 @@ def main():
     p.add_argument("runs", nargs="+", help="LABEL=RUN_DIR (or RUN_DIR)")
     p.add_argument("--skip", type=int, default=1, help="leading steps left out of the medians")
     p.add_argument("--json", default=None, help="also write the summaries here")
+    p.add_argument("--per-step", action="store_true", help="also list every step of each run")
     args = p.parse_args()
     out = {}
     print("| run | steps timed | step s | rollout s | logp s | update s | sync s | steps/s | episodes/s | "
@@ -60,8 +62,28 @@ def main():
               f"{s['update_s']:.2f} | {s['sync_s']:.3f} | {s['steps_per_s']:.3f} | {s['episodes_per_s']:.1f} | "
               f"{s['gen_tokens']:.0f} | {s['trained_tokens_per_s']:.0f} | {s['tool_calls']:.2f} | "
               f"{s['staleness_max']:.0f} | {s['dropped_stale']} | {s['trainer_peak_gb']:.1f} | {s['gpu_free_gb']:.1f} |")
+    if args.per_step:
+        for spec in args.runs:
+            label, _, run_dir = spec.rpartition("=")
+            print_steps(label or run_dir, run_dir)
     if args.json:
         json.dump(out, open(args.json, "w"), indent=1)
+
+
+def print_steps(label: str, run_dir: str) -> None:
+    try:
+        rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")) if line.strip()]
+    except OSError:
+        return
+    print(f"\n{label}: step | step s | rollout s | logp s | update s | sync s | trainer peak GB | tokens/episode | "
+          f"micro-batches | log-prob gap mean")
+    for r in rows:
+        if "perf/step_s" in r:
+            print(f"  {r['step']} | {r['perf/step_s']:.1f} | {r['perf/rollout_s']:.1f} | {r['perf/logp_s']:.1f} | "
+                  f"{r['perf/update_s']:.1f} | {r['perf/sync_s']:.2f} | "
+                  f"{r.get('perf/trainer_peak_mem_gb', float('nan')):.1f} | {r.get('rollout/seq_len', float('nan')):.0f} | "
+                  f"{r.get('loss/num_micro_batches', float('nan')):.0f} | "
+                  f"{r.get('logprob/server_trainer_abs_diff_mean', float('nan')):.3f}")
 
 
 if __name__ == "__main__":

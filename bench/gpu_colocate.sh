@@ -70,12 +70,8 @@ B)
   done
   python3 bench/bench_step_time.py "static split, disk sync, checkpointing=/tmp/runs/reflect_static_split" \
     "sleep mode, tensor sync=/tmp/runs/reflect_sleep" "sync, static split, tensor sync, checkpointing=/tmp/runs/reflect_sync_split" \
-    "async, static split, tensor sync, checkpointing=/tmp/runs/reflect_async" --skip 1 2>&1 | tail -8
+    "async, static split, tensor sync, checkpointing=/tmp/runs/reflect_async" --skip 1 --per-step 2>&1 | tail -40
   grep -h "logprob/server_trainer_abs_diff_max" /tmp/runs/*/metrics.jsonl | python3 -c "import sys, json; print('gap max per step', [round(json.loads(l)['logprob/server_trainer_abs_diff_max'], 3) for l in sys.stdin])"
-  for m in /tmp/runs/reflect_*/metrics.jsonl; do  # per step: a slow step after the first is a recompile?
-    python3 -c "import sys, json; rows = [json.loads(l) for l in open(sys.argv[1]) if 'perf/logp_s' in l]
-print(sys.argv[1].split('/')[3], 'logp/update s per step:', [(round(r['perf/logp_s'], 1), round(r['perf/update_s'], 1)) for r in rows])" $m
-  done
   grep -h -A4 "Recompiling" $OUT/reflect_*.log | head -40
   ;;
 C)

@@ -56,22 +56,8 @@ one() {  # name, gpus, timeout: one config run, then what it measured
   grep -iE "error|Traceback|out of memory" $OUT/$name.log | grep -v "^ *warn" | head -5
   cp /tmp/runs/$name/metrics.jsonl $OUT/$name.metrics.jsonl 2>/dev/null
   tail -c 3000 /tmp/runs/$name/sglang0.log > $OUT/$name.sglang_tail.log 2>/dev/null
-  python3 - /tmp/runs/$name/metrics.jsonl <<'EOF'
-import json, sys
-try:
-    rows = [json.loads(l) for l in open(sys.argv[1])]
-except OSError:
-    sys.exit(print("  no metrics"))
-for r in rows:
-    if "perf/step_s" in r:
-        print(f"  step {r.get('step')}: step {r['perf/step_s']:.1f} s (rollout {r['perf/rollout_s']:.1f}, logp "
-              f"{r['perf/logp_s']:.1f}, update {r['perf/update_s']:.1f}, sync {r['perf/sync_s']:.2f}), "
-              f"trainer peak {r.get('perf/trainer_peak_mem_gb', float('nan')):.1f} GB, GPU free "
-              f"{r.get('perf/gpu_free_gb', float('nan')):.1f} GB, tokens/episode {r.get('rollout/seq_len', float('nan')):.0f}, "
-              f"micro-batches {r.get('loss/num_micro_batches')}, log-prob gap {r.get('logprob/server_trainer_abs_diff_mean', float('nan')):.3f}")
-    elif any(k.startswith("test/") for k in r):
-        print("  test:", {k: round(v, 3) for k, v in r.items() if k.startswith("test/") and isinstance(v, float)})
-EOF
+  python3 bench/bench_step_time.py "$name=/tmp/runs/$name" --skip 0 --per-step | tail -n +3
+  python3 bench/summarize_run.py /tmp/runs/$name/metrics.jsonl 2>/dev/null | grep "| test |"
 }
 lane() {  # gpus, runs...
   local gpus=$1; shift
