@@ -108,6 +108,7 @@ class Config:
     attn_implementation: str | None = None  # trainer attention: None = lib's varlen when packed, else sdpa
     trainer_gradient_checkpointing: bool = False  # recompute activations in backward: ~half the memory, ~20% slower
     trainer_compile: bool | None = None  # torch.compile the decoder layers; None = on with one GPU
+    trainer_offload_optimizer: bool = False  # bf16, one GPU: fp32 master + AdamW state in CPU memory between updates
     weight_sync: str = "disk"  # "disk" (safetensors + /update_weights_from_disk), "nccl" (broadcast; gloo on CPUs)
     # or "tensor" (server on the trainer's GPU/machine: handles of the trainer's tensors, no copy to disk)
     colocate_sleep: bool = False  # sync mode, server on the trainer's GPU: it frees its memory while the trainer works
@@ -638,6 +639,7 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
                   eps_clip_low=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high, loss_agg=cfg.loss_agg,
                   packed=cfg.pack_sequences, attn_implementation=cfg.attn_implementation,
                   gradient_checkpointing=cfg.trainer_gradient_checkpointing, compile_layers=cfg.trainer_compile,
+                  offload_optimizer=cfg.trainer_offload_optimizer,
                   behaviour_weight_cap=cfg.behav_imp_weight_cap or None, behaviour_cap_mode=cfg.behav_imp_weight_mode)
 
     # Weight sync (lib/weight_sync.py): "disk" = safetensors + /update_weights_from_disk; "nccl" = the

@@ -108,6 +108,7 @@ class Config:
     attn_implementation: str | None = None  # trainer attention: None = lib's varlen when packed, else sdpa
     trainer_gradient_checkpointing: bool = False  # recompute activations in backward: ~half the memory, ~20% slower
     trainer_compile: bool | None = None  # torch.compile the decoder layers; None = on with one GPU
+    trainer_offload_optimizer: bool = False  # bf16, one GPU: fp32 master + AdamW state in CPU memory between updates
     weight_sync: str = "disk"  # "disk" (safetensors + /update_weights_from_disk) or "nccl" (broadcast; gloo on CPUs)
     # --- warm start (embedded default only) ---
     warm_start_steps: int = 4000  # SFT steps on tool-calling demonstrations (1200 did not copy answers: dev F1 0.03)
@@ -449,6 +450,7 @@ def main(config: str | None = "configs/langgraph_search_tiny.yaml", **overrides)
                   eps_clip_low=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high, loss_agg=cfg.loss_agg,
                   packed=cfg.pack_sequences, attn_implementation=cfg.attn_implementation,
                   gradient_checkpointing=cfg.trainer_gradient_checkpointing, compile_layers=cfg.trainer_compile,
+                  offload_optimizer=cfg.trainer_offload_optimizer,
                   behaviour_weight_cap=cfg.behav_imp_weight_cap or None, behaviour_cap_mode=cfg.behav_imp_weight_mode)
     weight_sync = ServerWeightSync(cfg.weight_sync, actor, client, run, num_servers=len(addrs), tp_size=cfg.tp_size,
                                    disk_dir=os.path.join(cfg.run_dir, "weights"))

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lib.attention import VARLEN, packed_kwargs, register_varlen_attention
+from lib.offload_adamw import offloaded_adamw_step, pin
 from lib.padding import pack_sequences, sequence_lengths, split_by_token_budget, unpack_sequences
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean")
@@ -393,6 +394,11 @@ class Actor:
     (lib/attention.py: FlashAttention varlen kernel on CUDA, sequence by sequence elsewhere) and
     padded ones with transformers' default (sdpa).
 
+    `offload_optimizer` (bf16, one process): the fp32 master weights and AdamW's moments live in
+    pinned CPU memory and are stepped on the GPU a bucket at a time (lib/offload_adamw.py). Between
+    updates the GPU then holds only the bf16 weights: 2 bytes a parameter instead of 14, for a
+    server that shares the GPU (sleep mode) or a model whose state does not fit beside it.
+
     Under FSDP every rank calls every method (they hold collectives), each with its own shard of
     the batch (or all with the same batch: the result is the same either way).
     """
@@ -406,7 +412,8 @@ class Actor:
                  eps_clip_low: float = 0.2, eps_clip_high: float = 0.28, loss_agg: str = "token-mean",
                  behaviour_weight_cap: float | None = None, behaviour_cap_mode: str = "truncate",
                  logits_chunk_tokens: int = 2048, master_weights: bool = True, compile_layers: bool | None = None,
-                 attn_implementation: str | None = None, packed: bool | None = None):
+                 attn_implementation: str | None = None, packed: bool | None = None,
+                 offload_optimizer: bool = False):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if lr_schedule not in ("constant", "cosine"):
@@ -423,6 +430,11 @@ class Actor:
         self.loss_agg, self.behaviour_weight_cap, self.behaviour_cap_mode = loss_agg, behaviour_weight_cap, behaviour_cap_mode
         self.world_size = _world_size()
         self.rank = dist.get_rank() if self.world_size > 1 else 0
+        if offload_optimizer and (self.world_size > 1 or dtype != "bfloat16" or not master_weights):
+            raise ValueError("offload_optimizer keeps the fp32 master weights and AdamW's moments in CPU memory: it "
+                             "needs dtype='bfloat16' with master_weights=True on one process (under torchrun "
+                             "the optimizer state is sharded over the ranks instead)")
+        self.offload_optimizer = offload_optimizer
         if device is None:
             if torch.cuda.is_available():
                 device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
@@ -447,10 +459,12 @@ class Actor:
         # FSDP2 the sharded fp32 parameters are the master weights and the policy casts them).
         self.master_model = self.model
         if master_weights and self.compute_dtype != torch.float32 and self.world_size == 1:
-            self.master_model = copy.deepcopy(self.model).to(self.device)
+            self.master_model = copy.deepcopy(self.model).to("cpu" if offload_optimizer else self.device)
             self.master_model.requires_grad_(False)
             for master, param in zip(self.master_model.parameters(), self.model.parameters()):
                 master.requires_grad_(param.requires_grad)
+                if offload_optimizer:
+                    master.data = pin(master.data)
             self.model.to(self.compute_dtype)
         if gradient_checkpointing:
             # transformers 5.2x renamed gradient_checkpointing_enable; SGLang's pinned 5.12 has only the old name.
@@ -477,9 +491,11 @@ class Actor:
             self.ref_policy = self._wrap(ref, logits_chunk_tokens).eval()
 
         # fused: one kernel for the whole step on one GPU (FSDP's sharded parameters keep foreach).
+        # Offloaded, this optimizer holds the state (on the CPU) and lib/offload_adamw.py steps it.
         self.optimizer = torch.optim.AdamW(self.master_model.parameters(), lr=lr, betas=tuple(betas),
                                            eps=adam_eps, weight_decay=weight_decay,
-                                           fused=self.device.type == "cuda" and self.world_size == 1)
+                                           fused=self.device.type == "cuda" and self.world_size == 1
+                                           and not offload_optimizer)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: _lr_factor(step, warmup_steps, total_steps, lr_schedule))
 
@@ -600,26 +616,54 @@ class Actor:
             loss_total = torch.tensor(loss_sum, device=self.device)
             dist.all_reduce(loss_total)
             loss_sum = loss_total.item()
-        if self.master_model is not self.model:  # bf16 gradients → the fp32 master's, freed as we go
-            for master, param in zip(self.master_model.parameters(), self.model.parameters()):
-                master.grad = None if param.grad is None else param.grad.float()
-                param.grad = None
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.master_model.parameters(), self.grad_clip)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        grad_norm = float(grad_norm)
-        skipped = not math.isfinite(grad_norm)
-        if not skipped:
-            self.optimizer.step()
-            self._copy_master_to_model()
+        if self.offload_optimizer:
+            grad_norm, skipped = self._offloaded_step()
+        else:
+            if self.master_model is not self.model:  # bf16 gradients → the fp32 master's, freed as we go
+                for master, param in zip(self.master_model.parameters(), self.model.parameters()):
+                    master.grad = None if param.grad is None else param.grad.float()
+                    param.grad = None
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.master_model.parameters(), self.grad_clip)
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()
+            grad_norm = float(grad_norm)
+            skipped = not math.isfinite(grad_norm)
+            if not skipped:
+                self.optimizer.step()
+                self._copy_master_to_model()
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        with warnings.catch_warnings():
+            # torch checks once that optimizer.step() ran first; an offloaded or skipped step does
+            # not call it, and the schedule counts scheduler steps only, so the warning is wrong here.
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            self.scheduler.step()
         return {"loss": loss_sum, "grad_norm": grad_norm, "lr": lr, "num_micro_batches": len(groups),
                 "skipped": float(skipped), **merge_stats(per_mb)}
 
     @torch.no_grad()
+    def _offloaded_step(self) -> tuple[float, bool]:
+        # The bf16 gradients stay on the GPU; the clip is torch's clip_grad_norm_ arithmetic (an fp32
+        # norm, coefficient min(1, clip / (norm + 1e-6))), applied as each bucket casts them up.
+        pairs = [(m, p) for m, p in zip(self.master_model.parameters(), self.model.parameters()) if p.grad is not None]
+        grads = [p.grad for _, p in pairs]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32)
+                                                     for g in grads])) if grads else torch.zeros(())
+        grad_norm = float(norm)
+        skipped = not math.isfinite(grad_norm)
+        if grads and not skipped:
+            coef = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)
+            offloaded_adamw_step(self.optimizer, [m for m, _ in pairs], grads, [p for _, p in pairs],
+                                 device=self.device, grad_scale=coef)
+        for _, param in pairs:
+            param.grad = None
+        return grad_norm, skipped
+
+    @torch.no_grad()
     def _copy_master_to_model(self) -> None:
-        if self.master_model is not self.model:
+        if self.offload_optimizer:  # CPU masters into the GPU's bf16 weights
+            for param, master in zip(self.model.parameters(), self.master_model.parameters()):
+                param.copy_(master)
+        elif self.master_model is not self.model:
             torch._foreach_copy_(list(self.model.parameters()), list(self.master_model.parameters()))
 
     # --- weights out: HF export, weight sync, checkpoints ---

@@ -482,6 +482,48 @@ def test_bfloat16_checkpoint_restores_the_float32_master_weights(model_dir, tmp_
         assert torch.equal(a, b), name
 
 
+def test_offloaded_optimizer_takes_the_same_steps_with_its_state_on_the_cpu(model_dir):
+    batch = make_batch([6, 3, 5, 4], advantages=[1.0, -0.5, 0.25, -1.0])
+    plain = Actor(model_dir, lr=1e-3, dtype="bfloat16", weight_decay=0.01, grad_clip=0.05)
+    offloaded = Actor(model_dir, lr=1e-3, dtype="bfloat16", weight_decay=0.01, grad_clip=0.05, offload_optimizer=True)
+    assert all(m.device.type == "cpu" for m in offloaded.master_model.parameters())
+    for _ in range(3):  # grad_clip 0.05: every step is clipped
+        one, two = plain.update(batch), offloaded.update(batch)
+        assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+        assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5) and one["grad_norm"] > 0.05
+    for (name, a), b in zip(plain.master_model.named_parameters(), offloaded.master_model.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7, msg=name)
+    for master, param in zip(offloaded.master_model.parameters(), offloaded.model.parameters()):
+        assert torch.equal(param, master.to(torch.bfloat16)) and param.grad is None
+    assert {k for s in offloaded.optimizer.state.values() for k in s} == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_a_checkpoint_moves_between_offloaded_and_in_memory_optimizers(model_dir, tmp_path):
+    batch = make_batch([6, 4], advantages=[1.0, -1.0])
+    offloaded = Actor(model_dir, lr=1e-3, dtype="bfloat16", offload_optimizer=True)
+    offloaded.update(batch)
+    offloaded.save_checkpoint(str(tmp_path / "ckpt"), extra={"step": 1})
+    after = offloaded.update(batch)
+    plain = Actor(model_dir, lr=1e-3, dtype="bfloat16")
+    assert plain.load_checkpoint(str(tmp_path / "ckpt")) == {"step": 1}
+    assert plain.update(batch)["loss"] == pytest.approx(after["loss"], rel=1e-5)
+    plain.save_checkpoint(str(tmp_path / "ckpt2"))
+    back = Actor(model_dir, lr=1e-3, dtype="bfloat16", offload_optimizer=True)
+    back.load_checkpoint(str(tmp_path / "ckpt2"))
+    for (name, a), b in zip(plain.master_model.named_parameters(), back.master_model.parameters()):
+        assert torch.equal(a, b), name
+    for a, b in zip(plain.model.parameters(), back.model.parameters()):
+        assert torch.equal(a, b)
+    assert back.update(batch)["loss"] == pytest.approx(plain.update(batch)["loss"], rel=1e-5)
+
+
+def test_offloading_the_optimizer_needs_bf16_master_weights_on_one_process(model_dir):
+    with pytest.raises(ValueError, match="offload_optimizer.*bfloat16"):
+        Actor(model_dir, dtype="float32", offload_optimizer=True)
+    with pytest.raises(ValueError, match="offload_optimizer"):
+        Actor(model_dir, dtype="bfloat16", master_weights=False, offload_optimizer=True)
+
+
 def test_bfloat16_autocast_path_without_master_copy_still_trains(model_dir):
     batch = make_batch([6, 4], advantages=[1.0, -1.0])
     actor = Actor(model_dir, lr=1e-3, dtype="bfloat16", master_weights=False)

@@ -110,6 +110,31 @@ def test_fast_path_logprobs_and_step_match_the_fp32_path_within_bf16_noise(head_
     assert torch.nn.functional.cosine_similarity(*steps, dim=0) > 0.9
 
 
+def test_offloaded_optimizer_on_a_gpu_steps_like_the_in_memory_one_and_holds_only_bf16_weights(head_dim_64_model):
+    batch = _random_batch([200, 37, 150, 90])
+    batch["logprobs"] = torch.full(batch["input_ids"].shape, -7.0) * batch["loss_mask"]
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    plain = Actor(head_dim_64_model, lr=1e-3, dtype="bfloat16", device="cuda:0")
+    plain.update(batch)
+    plain_bytes = torch.cuda.memory_allocated() - base
+    offloaded = Actor(head_dim_64_model, lr=1e-3, dtype="bfloat16", device="cuda:0", offload_optimizer=True)
+    start = torch.cuda.memory_allocated()
+    offloaded.update(batch)
+    offloaded_bytes = torch.cuda.memory_allocated() - start
+    num_params = sum(p.numel() for p in offloaded.model.parameters())
+    # in memory: bf16 weights + fp32 master + two fp32 moments stay; offloaded, the step's GPU copies
+    # are gone after it (allowing for workspaces a first step may keep)
+    assert plain_bytes >= 14 * num_params
+    assert offloaded_bytes < 2 * num_params
+    assert all(m.is_pinned() for m in offloaded.master_model.parameters())
+    assert all(s["exp_avg"].is_pinned() and s["step"].device.type == "cpu" for s in offloaded.optimizer.state.values())
+    for (name, a), b in zip(plain.master_model.named_parameters(), offloaded.master_model.parameters()):
+        torch.testing.assert_close(b.cuda(), a, rtol=1e-4, atol=1e-6, msg=name)
+    for master, param in zip(offloaded.master_model.parameters(), offloaded.model.parameters()):
+        assert torch.equal(param, master.cuda().to(torch.bfloat16))
+
+
 def test_cpu_server_on_cuda_logprobs_match_forward(model_dir):
     from transformers import AutoModelForCausalLM
 

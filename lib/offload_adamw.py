@@ -1,0 +1,81 @@
+"""AdamW with its state off the GPU: the fp32 master weights and both moments live in (pinned) CPU
+memory and visit the GPU one bucket at a time for the step itself.
+
+Why: with master weights a bf16 model costs 2 (bf16) + 4 (fp32 master) + 8 (two fp32 moments) = 14
+bytes per parameter on the GPU, all the time. Offloaded, the GPU holds 2 bytes per parameter between
+updates (plus the bf16 gradients during one), so a server sharing the GPU gets the rest while it
+generates, and a 7B model (98 GB of weights and state) trains on one 80 GB GPU. The price is the
+copies: the master and the moments cross PCIe twice per step (12 bytes per parameter each way).
+
+The step is torch's own AdamW kernel (fused on CUDA) on the bucket's copies, and the state is kept
+under the optimizer's own keys (`step`, `exp_avg`, `exp_avg_sq`), so checkpoints are the same as
+without offloading and a run may resume with it on or off.
+"""
+import torch
+from torch.optim.adamw import adamw
+
+
+def pin(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` in page-locked CPU memory when a GPU is there to copy to (asynchronous copies need
+    it), else as it is."""
+    return tensor.pin_memory() if torch.cuda.is_available() and not tensor.is_pinned() else tensor
+
+
+def _to(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    # Always a copy (even on the same device): the step works on it, the original is written back.
+    return torch.empty_like(tensor, device=device, dtype=dtype).copy_(tensor, non_blocking=True)
+
+
+def buckets(sizes: list[int], bucket_numel: int) -> list[list[int]]:
+    """Consecutive index runs whose sizes add up to at most `bucket_numel` (one larger tensor is a
+    bucket of its own)."""
+    out, current, total = [], [], 0
+    for i, size in enumerate(sizes):
+        if current and total + size > bucket_numel:
+            out.append(current)
+            current, total = [], 0
+        current.append(i)
+        total += size
+    if current:
+        out.append(current)
+    return out
+
+
+@torch.no_grad()
+def offloaded_adamw_step(optimizer: torch.optim.AdamW, masters: list[torch.Tensor], grads: list[torch.Tensor],
+                         models: list[torch.Tensor], *, device: torch.device, grad_scale: float | torch.Tensor = 1.0,
+                         bucket_numel: int = 128 * 2**20) -> None:
+    """One AdamW step of the CPU-resident `masters` (parameters of `optimizer`'s single group) with
+    `grads` (on `device`, any float dtype; multiplied by `grad_scale`, e.g. a clip coefficient),
+    run on `device` bucket by bucket. The new masters are written back to the CPU and, cast, into
+    `models` (the parameters the forward uses, on `device`). Returns when all copies are done."""
+    group = optimizer.param_groups[0]
+    beta1, beta2 = group["betas"]
+    for bucket in buckets([m.numel() for m in masters], bucket_numel):
+        params, exp_avgs, exp_avg_sqs, steps, bucket_grads = [], [], [], [], []
+        for i in bucket:
+            state = optimizer.state[masters[i]]
+            if not state:  # what AdamW creates at a parameter's first step
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(masters[i], memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(masters[i], memory_format=torch.preserve_format)
+            # pinned here also after a checkpoint load, which makes plain CPU tensors
+            state["exp_avg"], state["exp_avg_sq"] = pin(state["exp_avg"]), pin(state["exp_avg_sq"])
+            params.append(_to(masters[i], device))
+            exp_avgs.append(_to(state["exp_avg"], device))
+            exp_avg_sqs.append(_to(state["exp_avg_sq"], device))
+            steps.append(_to(state["step"], device))
+            # the same arithmetic as casting the gradient to fp32 and clipping it in place
+            bucket_grads.append(grads[i].to(torch.float32).mul_(grad_scale))
+        adamw(params, bucket_grads, exp_avgs, exp_avg_sqs, [], steps, fused=device.type == "cuda" or None,
+              amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+              eps=group["eps"], maximize=False)
+        for j, i in enumerate(bucket):
+            state = optimizer.state[masters[i]]
+            masters[i].copy_(params[j], non_blocking=True)
+            state["exp_avg"].copy_(exp_avgs[j], non_blocking=True)
+            state["exp_avg_sq"].copy_(exp_avg_sqs[j], non_blocking=True)
+            state["step"].copy_(steps[j], non_blocking=True)
+            models[i].copy_(params[j])
+    if device.type == "cuda":  # the CPU copies are asynchronous: done before anyone reads them
+        torch.cuda.synchronize(device)

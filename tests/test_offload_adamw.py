@@ -1,0 +1,55 @@
+import copy
+
+import pytest
+import torch
+
+from lib.offload_adamw import buckets, offloaded_adamw_step
+
+
+def test_buckets_are_consecutive_runs_within_the_budget_and_a_large_tensor_stands_alone():
+    assert buckets([3, 3, 3, 10, 1, 1], 6) == [[0, 1], [2], [3], [4, 5]]
+    assert buckets([], 6) == []
+    assert sum(buckets(list(range(1, 20)), 25), []) == list(range(19))
+
+
+@pytest.mark.parametrize("bucket_numel", [7, 64, 10_000])
+def test_offloaded_step_is_torch_adamw_step_bit_for_bit(bucket_numel):
+    torch.manual_seed(0)
+    shapes = [(4, 5), (30,), (3, 3, 3), (1,), (50, 2)]  # (50, 2) alone exceeds the smallest bucket
+    reference = [torch.randn(s) for s in shapes]
+    masters = [p.clone() for p in reference]
+    models = [p.to(torch.bfloat16) for p in reference]
+    kwargs = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
+    torch_adamw = torch.optim.AdamW(reference, **kwargs)
+    offloaded = torch.optim.AdamW(masters, **kwargs)
+    for step in range(4):
+        grads = [torch.randn(s).to(torch.bfloat16) for s in shapes]
+        scale = torch.tensor(0.5 + 0.25 * step)
+        for p, g in zip(reference, grads):
+            p.grad = g.float() * scale
+        torch_adamw.step()
+        offloaded_adamw_step(offloaded, masters, grads, models, device=torch.device("cpu"), grad_scale=scale,
+                             bucket_numel=bucket_numel)
+        for group in (torch_adamw.param_groups[0], offloaded.param_groups[0]):
+            group["lr"] *= 0.5  # a schedule: the step reads the group's current lr
+    for ref, master, model in zip(reference, masters, models):
+        assert torch.equal(master, ref)
+        assert torch.equal(model, ref.to(torch.bfloat16))
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(offloaded.state[master][key], torch_adamw.state[ref][key]), key
+
+
+def test_offloaded_step_state_loads_into_a_plain_adamw_and_steps_the_same():
+    torch.manual_seed(1)
+    masters = [torch.randn(6, 4)]
+    offloaded = torch.optim.AdamW(masters, lr=1e-2)
+    offloaded_adamw_step(offloaded, masters, [torch.randn(6, 4)], [torch.empty(6, 4)], device=torch.device("cpu"))
+    plain_params = [masters[0].clone()]
+    plain = torch.optim.AdamW(plain_params, lr=1e-2)
+    plain.load_state_dict(copy.deepcopy(offloaded.state_dict()))  # load shares tensors
+    grad = torch.randn(6, 4)
+    plain_params[0].grad = grad.clone()
+    plain.step()
+    offloaded_adamw_step(offloaded, masters, [grad], [torch.empty(6, 4)], device=torch.device("cpu"))
+    assert torch.equal(plain_params[0], masters[0])
+    assert float(plain.state[plain_params[0]]["step"]) == 2.0
