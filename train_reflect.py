@@ -817,8 +817,10 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
                     "perf/trained_tokens_per_s": gen_tokens / max(step_s, 1e-6),
                     **{f"loss/{k}": v for k, v in stats.items()},  # rank 0's rows under FSDP
                 }
-                if actor.device.type == "cuda":  # this step's trainer high-water mark; the GPU's free memory now
+                if actor.device.type == "cuda":  # the trainer's high-water mark this step and what it holds now
+                    # (while the server generates), and the GPU's free memory now
                     metrics["perf/trainer_peak_mem_gb"] = torch.cuda.max_memory_allocated(actor.device) / 1e9
+                    metrics["perf/trainer_mem_gb"] = torch.cuda.memory_allocated(actor.device) / 1e9
                     metrics["perf/gpu_free_gb"] = torch.cuda.mem_get_info(actor.device)[0] / 1e9
                     torch.cuda.reset_peak_memory_stats(actor.device)
                 if cfg.eval_every and step % cfg.eval_every == 0:

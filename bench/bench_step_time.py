@@ -7,7 +7,8 @@ communicators) are left out; the rest are summarised by their median.
 Columns: steps timed; median seconds of the whole step and of each phase (in async mode "rollout" is
 the wait for ready groups, the rest of the rollout overlaps the update); steps/s and trained
 episodes/s (1 / median step x episodes per step); generated tokens per step; token staleness max;
-groups dropped as stale (whole run). `--per-step` then lists every step of each run (a slow step after
+groups dropped as stale (whole run); on GPUs the trainer's peak memory, what it holds between updates
+(while the server generates) and the GPU's least free memory. `--per-step` then lists every step of each run (a slow step after
 the first is a recompile or a stall the median hides).
 """
 import argparse
@@ -34,6 +35,7 @@ def summarize(run_dir: str, skip: int) -> dict:
         # GPU runs: the trainer's high-water mark (max over timed steps) and the GPU's least free memory
         "trainer_peak_gb": max(r.get("perf/trainer_peak_mem_gb", float("nan")) for r in timed),
         "gpu_free_gb": min(r.get("perf/gpu_free_gb", float("nan")) for r in timed),
+        "trainer_between_gb": max(r.get("perf/trainer_mem_gb", float("nan")) for r in timed),
     }
 
 
@@ -47,8 +49,8 @@ def main():
     out = {}
     print("| run | steps timed | step s | rollout s | logp s | update s | sync s | steps/s | episodes/s | "
           "gen tokens/step | trained tokens/s | tool calls/episode | staleness max | dropped stale groups | "
-          "trainer peak GB | GPU free GB (least) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "trainer peak GB | trainer GB between updates | GPU free GB (least) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for spec in args.runs:
         label, _, run_dir = spec.rpartition("=")
         label = label or run_dir
@@ -61,7 +63,7 @@ def main():
         print(f"| {label} | {s['steps']} | {s['step_s']:.2f} | {s['rollout_s']:.2f} | {s['logp_s']:.2f} | "
               f"{s['update_s']:.2f} | {s['sync_s']:.3f} | {s['steps_per_s']:.3f} | {s['episodes_per_s']:.1f} | "
               f"{s['gen_tokens']:.0f} | {s['trained_tokens_per_s']:.0f} | {s['tool_calls']:.2f} | "
-              f"{s['staleness_max']:.0f} | {s['dropped_stale']} | {s['trainer_peak_gb']:.1f} | {s['gpu_free_gb']:.1f} |")
+              f"{s['staleness_max']:.0f} | {s['dropped_stale']} | {s['trainer_peak_gb']:.1f} | {s['trainer_between_gb']:.1f} | {s['gpu_free_gb']:.1f} |")
     if args.per_step:
         for spec in args.runs:
             label, _, run_dir = spec.rpartition("=")

@@ -8,9 +8,12 @@
 #      sync), and, both with the static split 0.3, tensor sync and checkpointing, sync_split (sync mode)
 #      against async (in_place pause); $RUNS picks runs, $STEPS their length (default 4);
 #   C: train_search.py with 1 s of tool latency per search, tiny warm-started search model, 8 steps
-#      each, $RUNS of: sync (static split), sync_sleep, async_in_place, async_abort.
+#      each, $RUNS of: sync (static split), sync_sleep, async_in_place, async_abort;
+#   D: how large a model one GPU trains: B's sleep-mode run with the optimizer state offloaded to CPU
+#      memory (trainer_offload_optimizer) at Qwen2.5-1.5B, 3B and 7B shapes; $RUNS of 1.5b_sleep (not
+#      offloaded), 1.5b_offload, 3b_offload, 7b_offload, 3b_sleep (not offloaded).
 #
-#   OUT=/tmp/out bash bench/gpu_colocate.sh A|B|C
+#   OUT=/tmp/out bash bench/gpu_colocate.sh A|B|C|D
 # Needs SGLang 0.5.15 from the offline kit in .kit (docs/gpu.md); for B and C the wheels of fire,
 # termcolor, bm25s (for B also datasets, dill, multiprocess, xxhash) in $WHL (default .gpu_carry/whl;
 # the machine lacks them); for B and C $SEARCH_CACHE_TAR, a tar.xz of an $AGENTRL_CACHE holding the
@@ -98,6 +101,25 @@ print('embedded model and data:', ts.embedded_model_and_data(load_config(ts.Conf
   python3 bench/bench_step_time.py "sync=/tmp/runs/search_sync" "sync, sleep mode=/tmp/runs/search_sync_sleep" \
     "async, in_place pause=/tmp/runs/search_async_in_place" "async, abort pause=/tmp/runs/search_async_abort" --skip 1 2>&1 | tail -10
   mkdir -p $OUT/model && cp $MODEL/* $OUT/model/ 2>/dev/null
+  ;;
+D)
+  df -h /tmp | tail -1; free -g | head -2
+  GSM=/tmp/gsm_style; mkdir -p $GSM; cp $AGENTRL_CACHE/math-data-v2-seed0/{train,test}.jsonl $GSM/
+  C="--config configs/reflect_qwen2.5_1.5b.yaml --mode sync --dataset $GSM --base_gpu_id 0 --batch_size 8 --group_size 8 --max_turns 2 --max_new_tokens_per_turn 256 --max_steps ${STEPS:-4} --eval_every 0 --test_size 16 --checkpoint_every 0 --tensorboard False --trace_every 0 --colocate_sleep True --weight_sync tensor --max_tokens_per_mb 16384"
+  SCRIPT=train_reflect.py
+  first=300  # the first SGLang start on a fresh machine compiles its kernels (~150 s)
+  labels=()
+  for run in ${RUNS:-1.5b_sleep 1.5b_offload 3b_offload 7b_offload}; do
+    arch=${run%%_*}; model=/tmp/q$arch; [ $arch = 1.5b ] && model=/tmp/q15
+    [ -f $model/config.json ] || { ts "random $arch"; python3 bench/make_random_model.py --arch qwen2.5-$arch --out $model > /dev/null 2>&1; }
+    ckpt=""; [ $arch != 1.5b ] && ckpt="--trainer_gradient_checkpointing True"
+    offload=""; case $run in *_offload) offload="--trainer_offload_optimizer True" ;; esac
+    limit=$(( first + 120 )); [ $arch = 7b ] && limit=$(( first + 250 ))
+    one reflect_$run $limit --model_path $model --mem_fraction_static 0.55 $ckpt $offload
+    labels+=("$run=/tmp/runs/reflect_$run"); first=200
+    free -g | sed -n 2p
+  done
+  python3 bench/bench_step_time.py "${labels[@]}" --skip 1 --per-step 2>&1 | tail -40
   ;;
 esac
 ts done
