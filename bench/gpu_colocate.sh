@@ -114,7 +114,7 @@ D)
     [ -f $model/config.json ] || { ts "random $arch"; python3 bench/make_random_model.py --arch qwen2.5-$arch --out $model > /dev/null 2>&1; }
     ckpt=""; [ $arch != 1.5b ] && ckpt="--trainer_gradient_checkpointing True"
     offload=""; case $run in *_offload) offload="--trainer_offload_optimizer True" ;; esac
-    limit=$(( first + 120 )); [ $arch = 7b ] && limit=$(( first + 250 ))
+    limit=$(( first + 120 )); [ $arch = 7b ] && limit=$(( first + 280 ))
     one reflect_$run $limit --model_path $model --mem_fraction_static 0.55 $ckpt $offload
     labels+=("$run=/tmp/runs/reflect_$run"); first=200
     free -g | sed -n 2p

@@ -11,14 +11,44 @@ The step is torch's own AdamW kernel (fused on CUDA) on the bucket's copies, and
 under the optimizer's own keys (`step`, `exp_avg`, `exp_avg_sq`), so checkpoints are the same as
 without offloading and a run may resume with it on or off.
 """
+import math
+
 import torch
 from torch.optim.adamw import adamw
 
 
-def pin(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` in page-locked CPU memory when a GPU is there to copy to (asynchronous copies need
-    it), else as it is."""
-    return tensor.pin_memory() if torch.cuda.is_available() and not tensor.is_pinned() else tensor
+class HostBuffer:
+    """One flat fp32 CPU buffer, page-locked in place (cudaHostRegister) while this object lives when
+    a GPU is there (asynchronous copies need page-locked memory). Not torch's pinned allocator
+    (`pin_memory()`): it rounds every block up to a power of two, which at 7B shapes made the 84 GB
+    of master weights and moments ~165 GB, and the run was killed for memory. Keep this object
+    alive as long as the views `views()` hands out are used."""
+
+    def __init__(self, numel: int):
+        self.tensor = torch.zeros(numel, dtype=torch.float32)
+        self._registered = None
+        if torch.cuda.is_available() and numel:
+            nbytes = numel * self.tensor.element_size()
+            err = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0))
+            if err:
+                raise RuntimeError(f"cudaHostRegister of {nbytes / 1e9:.1f} GB of CPU memory failed (CUDA error "
+                                   f"{err}); is the machine short of memory? offload_optimizer needs 12 bytes "
+                                   f"per parameter of CPU memory")
+            self._registered = self.tensor.data_ptr()
+
+    def views(self, shapes: list[torch.Size]) -> list[torch.Tensor]:
+        """Consecutive tensors of `shapes` inside the buffer."""
+        out, offset = [], 0
+        for shape in shapes:
+            n = math.prod(shape)
+            out.append(self.tensor[offset:offset + n].view(shape))
+            offset += n
+        return out
+
+    def __del__(self):
+        if self._registered is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._registered)
+            self._registered = None
 
 
 def _to(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -45,7 +75,8 @@ def buckets(sizes: list[int], bucket_numel: int) -> list[list[int]]:
 def offloaded_adamw_step(optimizer: torch.optim.AdamW, masters: list[torch.Tensor], grads: list[torch.Tensor],
                          models: list[torch.Tensor], *, device: torch.device, grad_scale: float | torch.Tensor = 1.0,
                          bucket_numel: int = 128 * 2**20) -> None:
-    """One AdamW step of the CPU-resident `masters` (parameters of `optimizer`'s single group) with
+    """One AdamW step of the CPU-resident `masters` (parameters of `optimizer`'s single group; their
+    state, where it exists, is stepped in place: keep it in a HostBuffer for fast copies) with
     `grads` (on `device`, any float dtype; multiplied by `grad_scale`, e.g. a clip coefficient),
     run on `device` bucket by bucket. The new masters are written back to the CPU and, cast, into
     `models` (the parameters the forward uses, on `device`). Returns when all copies are done."""
@@ -59,8 +90,6 @@ def offloaded_adamw_step(optimizer: torch.optim.AdamW, masters: list[torch.Tenso
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
                 state["exp_avg"] = torch.zeros_like(masters[i], memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(masters[i], memory_format=torch.preserve_format)
-            # pinned here also after a checkpoint load, which makes plain CPU tensors
-            state["exp_avg"], state["exp_avg_sq"] = pin(state["exp_avg"]), pin(state["exp_avg_sq"])
             params.append(_to(masters[i], device))
             exp_avgs.append(_to(state["exp_avg"], device))
             exp_avg_sqs.append(_to(state["exp_avg_sq"], device))

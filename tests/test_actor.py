@@ -514,6 +514,10 @@ def test_a_checkpoint_moves_between_offloaded_and_in_memory_optimizers(model_dir
         assert torch.equal(a, b), name
     for a, b in zip(plain.model.parameters(), back.model.parameters()):
         assert torch.equal(a, b)
+    for master in back.master_model.parameters():  # loaded into the page-locked buffers, not beside them
+        buffers = {b.tensor.untyped_storage().data_ptr() for b in back._host_buffers}
+        assert master.untyped_storage().data_ptr() in buffers
+        assert {back.optimizer.state[master][k].untyped_storage().data_ptr() for k in ("exp_avg", "exp_avg_sq")} <= buffers
     assert back.update(batch)["loss"] == pytest.approx(plain.update(batch)["loss"], rel=1e-5)
 
 

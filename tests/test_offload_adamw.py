@@ -3,7 +3,7 @@ import copy
 import pytest
 import torch
 
-from lib.offload_adamw import buckets, offloaded_adamw_step
+from lib.offload_adamw import HostBuffer, buckets, offloaded_adamw_step
 
 
 def test_buckets_are_consecutive_runs_within_the_budget_and_a_large_tensor_stands_alone():
@@ -53,3 +53,12 @@ def test_offloaded_step_state_loads_into_a_plain_adamw_and_steps_the_same():
     offloaded_adamw_step(offloaded, masters, [grad], [torch.empty(6, 4)], device=torch.device("cpu"))
     assert torch.equal(plain_params[0], masters[0])
     assert float(plain.state[plain_params[0]]["step"]) == 2.0
+
+
+def test_host_buffer_views_are_consecutive_tensors_of_one_buffer():
+    buffer = HostBuffer(4 * 5 + 3 + 2 * 2)
+    a, b, c = buffer.views([torch.Size([4, 5]), torch.Size([3]), torch.Size([2, 2])])
+    assert (a.shape, b.shape, c.shape) == ((4, 5), (3,), (2, 2))
+    assert all(v.untyped_storage().data_ptr() == buffer.tensor.untyped_storage().data_ptr() for v in (a, b, c))
+    c.fill_(7.0)
+    assert buffer.tensor[-4:].tolist() == [7.0] * 4 and buffer.tensor[:-4].eq(0).all()
