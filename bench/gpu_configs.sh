@@ -52,7 +52,7 @@ one() {  # name, gpus, timeout: one config run, then what it measured
   local layout=""; [ $name = search_7b ] && layout="--base_gpu_id 3 --tp_size 1"
   ts "start $name on GPUs $gpus"
   CUDA_VISIBLE_DEVICES=$gpus timeout $limit $launch train_$task.py $common $data $layout > $OUT/$name.log 2>&1
-  ts "end $name rc=$?"
+  ts "end $name rc=$?; disk: $(df -h /tmp | tail -1 | awk '{print $4 " free of " $2}'), run dir $(du -sh /tmp/runs/$name 2>/dev/null | cut -f1)"
   grep -iE "error|Traceback|out of memory" $OUT/$name.log | grep -v "^ *warn" | head -5
   cp /tmp/runs/$name/metrics.jsonl $OUT/$name.metrics.jsonl 2>/dev/null
   tail -c 3000 /tmp/runs/$name/sglang0.log > $OUT/$name.sglang_tail.log 2>/dev/null
