@@ -47,7 +47,10 @@ class HostBuffer:
 
     def __del__(self):
         if self._registered is not None:
-            torch.cuda.cudart().cudaHostUnregister(self._registered)
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self._registered)
+            except Exception:  # at interpreter exit the CUDA runtime may be gone first; the OS frees it all
+                pass
             self._registered = None
 
 
