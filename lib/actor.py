@@ -465,7 +465,7 @@ class Actor:
                 master.requires_grad_(param.requires_grad)
             if offload_optimizer:  # the masters move into one page-locked buffer, freeing their copies as they go
                 masters = list(self.master_model.parameters())
-                self._host_buffers = [HostBuffer(sum(m.numel() for m in masters))]
+                self._host_buffers = [HostBuffer(sum(m.numel() for m in masters), page_locked=self.device.type == "cuda")]
                 with torch.no_grad():
                     for master, view in zip(masters, self._host_buffers[0].views([m.shape for m in masters])):
                         view.copy_(master)
@@ -504,7 +504,8 @@ class Actor:
         self._offloaded_moments = {}
         if offload_optimizer:  # AdamW's moments, made up front (as its first step would) in page-locked buffers
             trained = [m for m in self.master_model.parameters() if m.requires_grad]
-            moments = [HostBuffer(sum(m.numel() for m in trained)) for _ in range(2)]
+            moments = [HostBuffer(sum(m.numel() for m in trained), page_locked=self.device.type == "cuda")
+                       for _ in range(2)]
             self._host_buffers += moments
             for master, exp_avg, exp_avg_sq in zip(trained, *(b.views([m.shape for m in trained]) for b in moments)):
                 self.optimizer.state[master] = {"step": torch.tensor(0.0), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
@@ -655,12 +656,15 @@ class Actor:
 
     @torch.no_grad()
     def _offloaded_step(self) -> tuple[float, bool]:
-        # The bf16 gradients stay on the GPU; the clip is torch's clip_grad_norm_ arithmetic (an fp32
-        # norm, coefficient min(1, clip / (norm + 1e-6))), applied as each bucket casts them up.
+        # The bf16 gradients stay on the GPU; the clip is torch's clip_grad_norm_ arithmetic on their
+        # fp32 casts, one tensor at a time (its kernels: _foreach_norm on CUDA, vector_norm on CPU,
+        # so the norm is the in-memory path's to the bit), coefficient min(1, clip / (norm + 1e-6)),
+        # applied as each bucket casts them up.
         pairs = [(m, p) for m, p in zip(self.master_model.parameters(), self.model.parameters()) if p.grad is not None]
         grads = [p.grad for _, p in pairs]
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32)
-                                                     for g in grads])) if grads else torch.zeros(())
+        per_tensor = [torch._foreach_norm([g.float()])[0] if g.is_cuda else torch.linalg.vector_norm(g.float())
+                      for g in grads]
+        norm = torch.linalg.vector_norm(torch.stack(per_tensor)) if grads else torch.zeros(())
         grad_norm = float(norm)
         skipped = not math.isfinite(grad_norm)
         if grads and not skipped:
@@ -731,7 +735,11 @@ class Actor:
         tmp = _fresh_tmp(path) if self.rank == 0 else path + ".tmp"
         if self.world_size > 1:
             dist.barrier()
+        fresh = not self.optimizer.state
         model_state, optim_state = get_state_dict(self.master_model, self.optimizer)
+        if fresh:  # get_state_dict made the state by a zero-gradient step: count it back to 0, or the first
+            for state in self.optimizer.state.values():  # real update's bias correction would be step 2's
+                state["step"].zero_()
         _check_free_space(tmp, {"model": model_state, "optimizer": optim_state})
         with _single_process_dcp_quiet():
             dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp, no_dist=self.world_size == 1)

@@ -18,18 +18,19 @@ from torch.optim.adamw import adamw
 
 
 class HostBuffer:
-    """One flat fp32 CPU buffer, page-locked in place (cudaHostRegister) while this object lives when
-    a GPU is there (asynchronous copies need page-locked memory). Not torch's pinned allocator
+    """One flat fp32 CPU buffer, page-locked in place (cudaHostRegister) while this object lives, when
+    `page_locked` and a GPU is there (asynchronous copies need page-locked memory). Not torch's pinned allocator
     (`pin_memory()`): it rounds every block up to a power of two, which at 7B shapes made the 84 GB
     of master weights and moments ~165 GB, and the run was killed for memory. Keep this object
     alive as long as the views `views()` hands out are used."""
 
-    def __init__(self, numel: int):
+    def __init__(self, numel: int, page_locked: bool = True):
         self.tensor = torch.zeros(numel, dtype=torch.float32)
         self._registered = None
-        if torch.cuda.is_available() and numel:
+        if page_locked and torch.cuda.is_available() and numel:
             nbytes = numel * self.tensor.element_size()
-            err = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0))
+            # flag 1 = cudaHostRegisterPortable: page-locked for every GPU of the process, not only the current one
+            err = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 1))
             if err:
                 raise RuntimeError(f"cudaHostRegister of {nbytes / 1e9:.1f} GB of CPU memory failed (CUDA error "
                                    f"{err}); is the machine short of memory? offload_optimizer needs 12 bytes "
@@ -96,9 +97,11 @@ def offloaded_adamw_step(optimizer: torch.optim.AdamW, masters: list[torch.Tenso
             params.append(_to(masters[i], device))
             exp_avgs.append(_to(state["exp_avg"], device))
             exp_avg_sqs.append(_to(state["exp_avg_sq"], device))
-            steps.append(_to(state["step"], device))
-            # the same arithmetic as casting the gradient to fp32 and clipping it in place
-            bucket_grads.append(grads[i].to(torch.float32).mul_(grad_scale))
+            # made on the device from the CPU count (no copy, no wait); counted again on the CPU below
+            steps.append(torch.full((), float(state["step"]), dtype=torch.float32, device=device))
+            # the same arithmetic as casting the gradient to fp32 and clipping it in place (a copy:
+            # the caller's gradients stay as they were)
+            bucket_grads.append(grads[i].to(torch.float32, copy=True).mul_(grad_scale))
         adamw(params, bucket_grads, exp_avgs, exp_avg_sqs, [], steps, fused=device.type == "cuda" or None,
               amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
               eps=group["eps"], maximize=False)
@@ -107,7 +110,7 @@ def offloaded_adamw_step(optimizer: torch.optim.AdamW, masters: list[torch.Tenso
             masters[i].copy_(params[j], non_blocking=True)
             state["exp_avg"].copy_(exp_avgs[j], non_blocking=True)
             state["exp_avg_sq"].copy_(exp_avg_sqs[j], non_blocking=True)
-            state["step"].copy_(steps[j], non_blocking=True)
+            state["step"] += 1  # what the kernel did to its copy
             models[i].copy_(params[j])
     if device.type == "cuda":  # the CPU copies are asynchronous: done before anyone reads them
         torch.cuda.synchronize(device)

@@ -521,6 +521,19 @@ def test_a_checkpoint_moves_between_offloaded_and_in_memory_optimizers(model_dir
     assert back.update(batch)["loss"] == pytest.approx(plain.update(batch)["loss"], rel=1e-5)
 
 
+def test_a_checkpoint_before_the_first_update_changes_no_step(model_dir, tmp_path):
+    # torch's get_state_dict makes a missing optimizer state by one zero-gradient step; left counted,
+    # the first real update would use step 2's bias correction (an update ~26% smaller)
+    batch = make_batch([6, 4], advantages=[1.0, -1.0])
+    never_saved, saved = Actor(model_dir, lr=1e-3), Actor(model_dir, lr=1e-3)
+    saved.save_checkpoint(str(tmp_path / "ckpt"))
+    resumed = Actor(model_dir, lr=1e-3)
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    never_saved.update(batch), saved.update(batch), resumed.update(batch)
+    for (name, a), b, c in zip(never_saved.model.named_parameters(), saved.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b) and torch.equal(a, c), name
+
+
 def test_offloading_the_optimizer_needs_bf16_master_weights_on_one_process(model_dir):
     with pytest.raises(ValueError, match="offload_optimizer.*bfloat16"):
         Actor(model_dir, dtype="float32", offload_optimizer=True)

@@ -110,18 +110,38 @@ def test_fast_path_logprobs_and_step_match_the_fp32_path_within_bf16_noise(head_
     assert torch.nn.functional.cosine_similarity(*steps, dim=0) > 0.9
 
 
-def test_offloaded_optimizer_on_a_gpu_steps_like_the_in_memory_one_and_holds_only_bf16_weights(head_dim_64_model):
+@pytest.fixture(scope="module")
+def tied_head_dim_64_model(tmp_path_factory):
+    """head_dim_64_model with tied input and output embeddings (as Qwen2.5-1.5B and 3B)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(1)
+    path = str(tmp_path_factory.mktemp("tied") / "model")
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2,
+                                 tie_word_embeddings=True)).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_offloaded_optimizer_on_a_gpu_takes_the_in_memory_steps_bit_for_bit_and_holds_only_bf16_weights(
+        tied, head_dim_64_model, tied_head_dim_64_model):
+    path = tied_head_dim_64_model if tied else head_dim_64_model
     batch = _random_batch([200, 37, 150, 90])
     batch["logprobs"] = torch.full(batch["input_ids"].shape, -7.0) * batch["loss_mask"]
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
-    plain = Actor(head_dim_64_model, lr=1e-3, dtype="bfloat16", device="cuda:0")
-    plain.update(batch)
+    plain = Actor(path, lr=1e-3, dtype="bfloat16", device="cuda:0", weight_decay=0.01, grad_clip=0.5)
+    plain_stats = [plain.update(batch)]
     plain_bytes = torch.cuda.memory_allocated() - base
-    offloaded = Actor(head_dim_64_model, lr=1e-3, dtype="bfloat16", device="cuda:0", offload_optimizer=True)
+    offloaded = Actor(path, lr=1e-3, dtype="bfloat16", device="cuda:0", weight_decay=0.01, grad_clip=0.5,
+                      offload_optimizer=True)
     start = torch.cuda.memory_allocated()
-    offloaded.update(batch)
+    offloaded_stats = [offloaded.update(batch)]
     offloaded_bytes = torch.cuda.memory_allocated() - start
+    for _ in range(2):
+        plain_stats.append(plain.update(batch))
+        offloaded_stats.append(offloaded.update(batch))
     num_params = sum(p.numel() for p in offloaded.model.parameters())
     # in memory: bf16 weights + fp32 master + two fp32 moments stay; offloaded, the step's GPU copies
     # are gone after it (allowing for workspaces a first step may keep)
@@ -129,8 +149,9 @@ def test_offloaded_optimizer_on_a_gpu_steps_like_the_in_memory_one_and_holds_onl
     assert offloaded_bytes < 2 * num_params
     assert all(m.is_pinned() for m in offloaded.master_model.parameters())
     assert all(s["exp_avg"].is_pinned() and s["step"].device.type == "cpu" for s in offloaded.optimizer.state.values())
+    assert [s["grad_norm"] for s in offloaded_stats] == [s["grad_norm"] for s in plain_stats]
     for (name, a), b in zip(plain.master_model.named_parameters(), offloaded.master_model.parameters()):
-        torch.testing.assert_close(b.cuda(), a, rtol=1e-4, atol=1e-6, msg=name)
+        assert torch.equal(b.cuda(), a), name
     for master, param in zip(offloaded.master_model.parameters(), offloaded.model.parameters()):
         assert torch.equal(param, master.cuda().to(torch.bfloat16))
 

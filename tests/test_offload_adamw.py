@@ -48,12 +48,13 @@ def test_offloaded_step_state_loads_into_a_plain_adamw_and_steps_the_same():
     plain = torch.optim.AdamW(plain_params, lr=1e-2)
     plain.load_state_dict(copy.deepcopy(offloaded.state_dict()))  # load shares tensors
     grad = torch.randn(6, 4)
-    plain_params[0].grad = grad.clone()
+    plain_params[0].grad = grad * 0.5
     plain.step()
-    offloaded_adamw_step(offloaded, masters, [grad], [torch.empty(6, 4)], device=torch.device("cpu"))
+    before = grad.clone()
+    offloaded_adamw_step(offloaded, masters, [grad], [torch.empty(6, 4)], device=torch.device("cpu"), grad_scale=0.5)
+    assert torch.equal(grad, before)  # an fp32 gradient is scaled on a copy, not in place
     assert torch.equal(plain_params[0], masters[0])
-    assert float(plain.state[plain_params[0]]["step"]) == 2.0
-
+    assert float(plain.state[plain_params[0]]["step"]) == float(offloaded.state[masters[0]]["step"]) == 2.0
 
 def test_host_buffer_views_are_consecutive_tensors_of_one_buffer():
     buffer = HostBuffer(4 * 5 + 3 + 2 * 2)
