@@ -11,6 +11,7 @@ The step is torch's own AdamW kernel (fused on CUDA) on the bucket's copies, and
 under the optimizer's own keys (`step`, `exp_avg`, `exp_avg_sq`), so checkpoints are the same as
 without offloading and a run may resume with it on or off.
 """
+import contextlib
 import math
 
 import torch
@@ -78,39 +79,67 @@ def buckets(sizes: list[int], bucket_numel: int) -> list[list[int]]:
 @torch.no_grad()
 def offloaded_adamw_step(optimizer: torch.optim.AdamW, masters: list[torch.Tensor], grads: list[torch.Tensor],
                          models: list[torch.Tensor], *, device: torch.device, grad_scale: float | torch.Tensor = 1.0,
-                         bucket_numel: int = 128 * 2**20) -> None:
+                         bucket_numel: int = 128 * 2**20, overlap: bool = True) -> None:
     """One AdamW step of the CPU-resident `masters` (parameters of `optimizer`'s single group; their
     state, where it exists, is stepped in place: keep it in a HostBuffer for fast copies) with
     `grads` (on `device`, any float dtype; multiplied by `grad_scale`, e.g. a clip coefficient),
     run on `device` bucket by bucket. The new masters are written back to the CPU and, cast, into
-    `models` (the parameters the forward uses, on `device`). Returns when all copies are done."""
+    `models` (the parameters the forward uses, on `device`). Returns when all copies are done.
+
+    On CUDA with `overlap`, the next bucket's copy in and the last one's copy out run on streams of
+    their own while a bucket steps (PCIe carries both directions at once); `overlap=False` runs
+    everything on the current stream, one after the other (for comparison)."""
     group = optimizer.param_groups[0]
     beta1, beta2 = group["betas"]
-    for bucket in buckets([m.numel() for m in masters], bucket_numel):
-        params, exp_avgs, exp_avg_sqs, steps, bucket_grads = [], [], [], [], []
+    streams = device.type == "cuda" and overlap
+    compute = torch.cuda.current_stream(device) if streams else None
+    copy_in = torch.cuda.Stream(device) if streams else None
+    copy_out = torch.cuda.Stream(device) if streams else None
+
+    def load(bucket: list[int]):  # the bucket's masters and moments on the device, and when they are there
         for i in bucket:
             state = optimizer.state[masters[i]]
             if not state:  # what AdamW creates at a parameter's first step
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
                 state["exp_avg"] = torch.zeros_like(masters[i], memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(masters[i], memory_format=torch.preserve_format)
-            params.append(_to(masters[i], device))
-            exp_avgs.append(_to(state["exp_avg"], device))
-            exp_avg_sqs.append(_to(state["exp_avg_sq"], device))
-            # made on the device from the CPU count (no copy, no wait); counted again on the CPU below
-            steps.append(torch.full((), float(state["step"]), dtype=torch.float32, device=device))
-            # the same arithmetic as casting the gradient to fp32 and clipping it in place (a copy:
-            # the caller's gradients stay as they were)
-            bucket_grads.append(grads[i].to(torch.float32, copy=True).mul_(grad_scale))
+        with torch.cuda.stream(copy_in) if streams else contextlib.nullcontext():
+            loaded = [[_to(masters[i], device) for i in bucket],
+                      [_to(optimizer.state[masters[i]]["exp_avg"], device) for i in bucket],
+                      [_to(optimizer.state[masters[i]]["exp_avg_sq"], device) for i in bucket]]
+        return loaded, copy_in.record_event() if streams else None
+
+    plan = buckets([m.numel() for m in masters], bucket_numel)
+    upcoming = load(plan[0]) if plan else None
+    for k, bucket in enumerate(plan):
+        (params, exp_avgs, exp_avg_sqs), ready = upcoming
+        if k + 1 < len(plan):
+            upcoming = load(plan[k + 1])
+        if streams:
+            compute.wait_event(ready)
+        # made on the device from the CPU count (no copy, no wait); counted again on the CPU below
+        steps = [torch.full((), float(optimizer.state[masters[i]]["step"]), dtype=torch.float32, device=device)
+                 for i in bucket]
+        # the same arithmetic as casting the gradient to fp32 and clipping it in place (a copy: the
+        # caller's gradients stay as they were)
+        bucket_grads = [grads[i].to(torch.float32, copy=True).mul_(grad_scale) for i in bucket]
         adamw(params, bucket_grads, exp_avgs, exp_avg_sqs, [], steps, fused=device.type == "cuda" or None,
               amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
               eps=group["eps"], maximize=False)
         for j, i in enumerate(bucket):
-            state = optimizer.state[masters[i]]
-            masters[i].copy_(params[j], non_blocking=True)
-            state["exp_avg"].copy_(exp_avgs[j], non_blocking=True)
-            state["exp_avg_sq"].copy_(exp_avg_sqs[j], non_blocking=True)
-            state["step"] += 1  # what the kernel did to its copy
             models[i].copy_(params[j])
+            optimizer.state[masters[i]]["step"] += 1  # what the kernel did to its copy
+        if streams:
+            copy_out.wait_stream(compute)
+        with torch.cuda.stream(copy_out) if streams else contextlib.nullcontext():
+            for j, i in enumerate(bucket):
+                state = optimizer.state[masters[i]]
+                masters[i].copy_(params[j], non_blocking=True)
+                state["exp_avg"].copy_(exp_avgs[j], non_blocking=True)
+                state["exp_avg_sq"].copy_(exp_avg_sqs[j], non_blocking=True)
+        if streams:  # made on copy_in, used on the other two: not reused before they are done
+            for t in params + exp_avgs + exp_avg_sqs:
+                t.record_stream(compute)
+                t.record_stream(copy_out)
     if device.type == "cuda":  # the CPU copies are asynchronous: done before anyone reads them
         torch.cuda.synchronize(device)

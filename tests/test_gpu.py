@@ -110,6 +110,33 @@ def test_fast_path_logprobs_and_step_match_the_fp32_path_within_bf16_noise(head_
     assert torch.nn.functional.cosine_similarity(*steps, dim=0) > 0.9
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_offloaded_adamw_step_on_cuda_is_fused_adamw_bit_for_bit_over_many_buckets(overlap):
+    from lib.offload_adamw import HostBuffer, offloaded_adamw_step
+
+    torch.manual_seed(0)
+    shapes = [torch.Size(s) for s in [(1000, 300), (4096,), (513, 7), (300, 1000), (10,)] * 3]
+    reference = [torch.randn(s, device="cuda") for s in shapes]
+    buffer = HostBuffer(sum(s.numel() for s in shapes))
+    masters = buffer.views(shapes)
+    for master, ref in zip(masters, reference):
+        master.copy_(ref)
+    models = [ref.to(torch.bfloat16) for ref in reference]
+    kwargs = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
+    fused = torch.optim.AdamW(reference, fused=True, **kwargs)
+    offloaded = torch.optim.AdamW(masters, **kwargs)
+    for _ in range(3):
+        grads = [torch.randn(s, device="cuda").to(torch.bfloat16) for s in shapes]
+        for ref, g in zip(reference, grads):
+            ref.grad = g.float() * 0.5
+        fused.step()
+        offloaded_adamw_step(offloaded, masters, grads, models, device=torch.device("cuda"), grad_scale=0.5,
+                             bucket_numel=400_000, overlap=overlap)  # 10 buckets
+    for ref, master, model in zip(reference, masters, models):
+        assert torch.equal(master.cuda(), ref) and torch.equal(model, ref.to(torch.bfloat16))
+        assert torch.equal(offloaded.state[master]["exp_avg_sq"].cuda(), fused.state[ref]["exp_avg_sq"])
+
+
 @pytest.fixture(scope="module")
 def tied_head_dim_64_model(tmp_path_factory):
     """head_dim_64_model with tied input and output embeddings (as Qwen2.5-1.5B and 3B)."""
