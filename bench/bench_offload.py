@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.make_random_model import ARCHS  # noqa: E402
-from lib.offload_adamw import HostBuffer, offloaded_adamw_step  # noqa: E402
+from lib.offload_adamw import into_host_buffers, offloaded_adamw_step  # noqa: E402
 
 
 def param_shapes(arch: str) -> list[torch.Size]:
@@ -75,11 +75,9 @@ def main():
         del in_memory, masters_gpu
         torch.cuda.empty_cache()
 
-        buffers = [HostBuffer(numel) for _ in range(3)]
-        masters = buffers[0].views(shapes)
+        masters = [torch.zeros(s, requires_grad=True) for s in shapes]  # trained: their moments are made too
         offloaded = torch.optim.AdamW(masters, lr=1e-5)
-        for master, exp_avg, exp_avg_sq in zip(masters, buffers[1].views(shapes), buffers[2].views(shapes)):
-            offloaded.state[master] = {"step": torch.tensor(0.0), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+        buffers = into_host_buffers(offloaded)  # as Actor(offload_optimizer=True) holds them
         seq_s = timed(lambda: offloaded_adamw_step(offloaded, masters, grads, models, device=device, overlap=False),
                       args.steps)
         torch.cuda.reset_peak_memory_stats()

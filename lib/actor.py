@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lib.attention import VARLEN, packed_kwargs, register_varlen_attention
-from lib.offload_adamw import HostBuffer, offloaded_adamw_step
+from lib.offload_adamw import into_host_buffers, offloaded_adamw_step
 from lib.padding import pack_sequences, sequence_lengths, split_by_token_budget, unpack_sequences
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean")
@@ -463,13 +463,6 @@ class Actor:
             self.master_model.requires_grad_(False)
             for master, param in zip(self.master_model.parameters(), self.model.parameters()):
                 master.requires_grad_(param.requires_grad)
-            if offload_optimizer:  # the masters move into one page-locked buffer, freeing their copies as they go
-                masters = list(self.master_model.parameters())
-                self._host_buffers = [HostBuffer(sum(m.numel() for m in masters), page_locked=self.device.type == "cuda")]
-                with torch.no_grad():
-                    for master, view in zip(masters, self._host_buffers[0].views([m.shape for m in masters])):
-                        view.copy_(master)
-                        master.data = view
             self.model.to(self.compute_dtype)
         if gradient_checkpointing:
             # transformers 5.2x renamed gradient_checkpointing_enable; SGLang's pinned 5.12 has only the old name.
@@ -501,15 +494,8 @@ class Actor:
                                            eps=adam_eps, weight_decay=weight_decay,
                                            fused=self.device.type == "cuda" and self.world_size == 1
                                            and not offload_optimizer)
-        self._offloaded_moments = {}
-        if offload_optimizer:  # AdamW's moments, made up front (as its first step would) in page-locked buffers
-            trained = [m for m in self.master_model.parameters() if m.requires_grad]
-            moments = [HostBuffer(sum(m.numel() for m in trained), page_locked=self.device.type == "cuda")
-                       for _ in range(2)]
-            self._host_buffers += moments
-            for master, exp_avg, exp_avg_sq in zip(trained, *(b.views([m.shape for m in trained]) for b in moments)):
-                self.optimizer.state[master] = {"step": torch.tensor(0.0), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-                self._offloaded_moments[master] = (exp_avg, exp_avg_sq)
+        if offload_optimizer:  # masters and AdamW's state (made up front) in page-locked CPU buffers
+            self._host_buffers = into_host_buffers(self.optimizer, page_locked=self.device.type == "cuda")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: _lr_factor(step, warmup_steps, total_steps, lr_schedule))
 
@@ -768,13 +754,8 @@ class Actor:
             dcp.load(state, checkpoint_id=path, no_dist=self.world_size == 1)
         set_state_dict(self.master_model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
-        for master, views in self._offloaded_moments.items():  # loaded moments back into the page-locked buffers
-            opt_state = self.optimizer.state[master]
-            for key, view in zip(("exp_avg", "exp_avg_sq"), views):
-                if key in opt_state and opt_state[key] is not view:
-                    with torch.no_grad():
-                        view.copy_(opt_state[key])
-                    opt_state[key] = view
+        if self.offload_optimizer:  # the loaded state back into the page-locked buffers
+            into_host_buffers(self.optimizer, self._host_buffers)
         self._copy_master_to_model()
         # Holds the caller's extra (RNG states, tuples): not a weights-only file.
         trainer_state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)

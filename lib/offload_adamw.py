@@ -56,6 +56,37 @@ class HostBuffer:
             self._registered = None
 
 
+def into_host_buffers(optimizer: torch.optim.AdamW, buffers: list[HostBuffer] | None = None,
+                      page_locked: bool = True) -> list[HostBuffer]:
+    """Puts `optimizer`'s parameters (fp32 masters on the CPU) and its AdamW state into three
+    HostBuffers, so that every copy of the offloaded step is from page-locked memory: the masters
+    move into the first (their old storage is freed as they go), the moments of those that train
+    into the other two; a parameter with no state yet gets what AdamW's first step would make (zero
+    moments, step 0). Made here unless `buffers` are given: call it again with them after loading a
+    state dict, which leaves tensors of its own. Keep the buffers alive with the optimizer."""
+    masters = optimizer.param_groups[0]["params"]
+    trained = [m for m in masters if m.requires_grad]
+    if buffers is None:  # the moments' buffers after the masters moved: the CPU never holds both copies and them
+        buffers = [HostBuffer(sum(m.numel() for m in masters), page_locked)]
+    with torch.no_grad():
+        for master, view in zip(masters, buffers[0].views([m.shape for m in masters])):
+            if master.data_ptr() != view.data_ptr():
+                view.copy_(master)
+                master.data = view
+        if len(buffers) == 1:
+            buffers += [HostBuffer(sum(m.numel() for m in trained), page_locked) for _ in range(2)]
+        shapes = [m.shape for m in trained]
+        for master, exp_avg, exp_avg_sq in zip(trained, buffers[1].views(shapes), buffers[2].views(shapes)):
+            state = optimizer.state[master]
+            if not state:
+                state.update(step=torch.tensor(0.0), exp_avg=exp_avg.zero_(), exp_avg_sq=exp_avg_sq.zero_())
+            for key, view in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+                if state[key] is not view:
+                    view.copy_(state[key])
+                    state[key] = view
+    return buffers
+
+
 def _to(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     # Always a copy (even on the same device): the step works on it, the original is written back.
     return torch.empty_like(tensor, device=device, dtype=dtype).copy_(tensor, non_blocking=True)

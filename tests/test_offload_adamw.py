@@ -3,7 +3,7 @@ import copy
 import pytest
 import torch
 
-from lib.offload_adamw import HostBuffer, buckets, offloaded_adamw_step
+from lib.offload_adamw import HostBuffer, buckets, into_host_buffers, offloaded_adamw_step
 
 
 def test_buckets_are_consecutive_runs_within_the_budget_and_a_large_tensor_stands_alone():
@@ -63,3 +63,29 @@ def test_host_buffer_views_are_consecutive_tensors_of_one_buffer():
     assert all(v.untyped_storage().data_ptr() == buffer.tensor.untyped_storage().data_ptr() for v in (a, b, c))
     c.fill_(7.0)
     assert buffer.tensor[-4:].tolist() == [7.0] * 4 and buffer.tensor[:-4].eq(0).all()
+
+
+def test_into_host_buffers_holds_masters_and_fresh_state_and_takes_loaded_state_back():
+    torch.manual_seed(2)
+    masters = [torch.randn(3, 4, requires_grad=True), torch.randn(5), torch.randn(2, 2, requires_grad=True)]
+    # masters[1] is frozen (requires_grad False): no optimizer state
+    values = [m.clone() for m in masters]
+    optimizer = torch.optim.AdamW(masters, lr=1e-2)
+    buffers = into_host_buffers(optimizer)
+    storages = [b.tensor.untyped_storage().data_ptr() for b in buffers]
+    assert [torch.equal(m, v) for m, v in zip(masters, values)] == [True] * 3
+    assert all(m.untyped_storage().data_ptr() == storages[0] for m in masters)
+    assert masters[1] not in optimizer.state
+    for m in (masters[0], masters[2]):
+        state = optimizer.state[m]
+        assert float(state["step"]) == 0 and not state["exp_avg"].any() and not state["exp_avg_sq"].any()
+        assert (state["exp_avg"].untyped_storage().data_ptr(), state["exp_avg_sq"].untyped_storage().data_ptr()) == \
+            tuple(storages[1:])
+    saved = copy.deepcopy(optimizer.state_dict())
+    for group_state in saved["state"].values():
+        group_state["exp_avg"].fill_(0.25)
+    optimizer.load_state_dict(saved)  # tensors of its own
+    assert into_host_buffers(optimizer, buffers) is buffers
+    for m in (masters[0], masters[2]):
+        assert optimizer.state[m]["exp_avg"].untyped_storage().data_ptr() == storages[1]
+        assert optimizer.state[m]["exp_avg"].eq(0.25).all()
