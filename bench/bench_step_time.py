@@ -17,9 +17,13 @@ import os
 import statistics
 
 
-def summarize(run_dir: str, skip: int) -> dict:
+def read_steps(run_dir: str) -> list[dict]:
+    """The per-step rows of a run's metrics.jsonl (evaluation rows left out)."""
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")) if line.strip()]
-    steps = [r for r in rows if "perf/step_s" in r]
+    return [r for r in rows if "perf/step_s" in r]
+
+
+def summarize(steps: list[dict], skip: int) -> dict:
     timed = steps[skip:] or steps
     # train_reflect.py logs no episodes / tool calls: those columns read nan for its runs
     med = lambda key: statistics.median(r.get(key, float("nan")) for r in timed)  # noqa: E731
@@ -51,11 +55,13 @@ def main():
           "gen tokens/step | trained tokens/s | tool calls/episode | staleness max | dropped stale groups | "
           "trainer peak GB | trainer GB between updates | GPU free GB (least) |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    steps_of = {}
     for spec in args.runs:
         label, _, run_dir = spec.rpartition("=")
         label = label or run_dir
         try:
-            s = summarize(run_dir, args.skip)
+            steps_of[label] = read_steps(run_dir)
+            s = summarize(steps_of[label], args.skip)
         except (OSError, KeyError, ValueError, statistics.StatisticsError) as e:
             print(f"| {label} | no steps ({type(e).__name__}: {e}) |")
             continue
@@ -65,27 +71,21 @@ def main():
               f"{s['gen_tokens']:.0f} | {s['trained_tokens_per_s']:.0f} | {s['tool_calls']:.2f} | "
               f"{s['staleness_max']:.0f} | {s['dropped_stale']} | {s['trainer_peak_gb']:.1f} | {s['trainer_between_gb']:.1f} | {s['gpu_free_gb']:.1f} |")
     if args.per_step:
-        for spec in args.runs:
-            label, _, run_dir = spec.rpartition("=")
-            print_steps(label or run_dir, run_dir)
+        for label, steps in steps_of.items():
+            print_steps(label, steps)
     if args.json:
         json.dump(out, open(args.json, "w"), indent=1)
 
 
-def print_steps(label: str, run_dir: str) -> None:
-    try:
-        rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")) if line.strip()]
-    except OSError:
-        return
+def print_steps(label: str, steps: list[dict]) -> None:
     print(f"\n{label}: step | step s | rollout s | logp s | update s | sync s | trainer peak GB | tokens/episode | "
           f"micro-batches | log-prob gap mean")
-    for r in rows:
-        if "perf/step_s" in r:
-            print(f"  {r['step']} | {r['perf/step_s']:.1f} | {r['perf/rollout_s']:.1f} | {r['perf/logp_s']:.1f} | "
-                  f"{r['perf/update_s']:.1f} | {r['perf/sync_s']:.2f} | "
-                  f"{r.get('perf/trainer_peak_mem_gb', float('nan')):.1f} | {r.get('rollout/seq_len', float('nan')):.0f} | "
-                  f"{r.get('loss/num_micro_batches', float('nan')):.0f} | "
-                  f"{r.get('logprob/server_trainer_abs_diff_mean', float('nan')):.3f}")
+    for r in steps:
+        print(f"  {r['step']} | {r['perf/step_s']:.1f} | {r['perf/rollout_s']:.1f} | {r['perf/logp_s']:.1f} | "
+              f"{r['perf/update_s']:.1f} | {r['perf/sync_s']:.2f} | "
+              f"{r.get('perf/trainer_peak_mem_gb', float('nan')):.1f} | {r.get('rollout/seq_len', float('nan')):.0f} | "
+              f"{r.get('loss/num_micro_batches', float('nan')):.0f} | "
+              f"{r.get('logprob/server_trainer_abs_diff_mean', float('nan')):.3f}")
 
 
 if __name__ == "__main__":
