@@ -36,6 +36,7 @@ from lib.client import InferenceClient, model_eos_ids
 from lib.config import load_config, to_dict
 from lib.launch import launch_cpu_server, launch_sglang
 from lib.metrics import MetricsLogger, continue_jsonl
+from lib.model_names import resolve_model_path
 from lib.padding import concat_padded_tensors
 from lib.ranks import server_seed
 from lib.reward_pool import RewardPool
@@ -103,6 +104,7 @@ class Config:
     eval_every: int = 10  # steps; 0 = only at the end
     eval_size: int = 200  # dev questions per evaluation
     test_size: int = 500  # test questions at the end
+    test_at_start: bool = False  # also the test split before the first step (a learning curve's starting point)
     trace_every: int = 1  # write trajectories (traces.jsonl, token by token) every N steps; 0 = never
     trace_groups: int = 1  # groups traced per traced step (group_size episodes each)
     trace_backend: str = "jsonl"  # "jsonl", or "mlflow": metrics and traces also go to MLflow (run_dir/mlflow.db)
@@ -390,7 +392,7 @@ def main(config: str | None = "configs/calc_tiny.yaml", **overrides):
     os.makedirs(cfg.run_dir, exist_ok=True)
     from transformers import AutoTokenizer
 
-    model_path = cfg.model_path or embedded_model(cfg)
+    model_path = resolve_model_path(cfg.model_path) or embedded_model(cfg)  # a known name: built once, cached
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if not cfg.stop_token_ids:  # a turn ends on any of the model's EOS ids (Qwen2.5: <|im_end|> and <|endoftext|>)
         cfg = dataclasses.replace(cfg, stop_token_ids=model_eos_ids(model_path, tokenizer))
@@ -468,6 +470,10 @@ def main(config: str | None = "configs/calc_tiny.yaml", **overrides):
             metrics = run(evaluate(*episode_args, dev_items))
             logger.log(0, {f"eval/{k}": v for k, v in metrics.items()})
             print(f"step 0 dev: {metrics}")
+        if step == 0 and cfg.test_at_start:
+            metrics = run(evaluate(*episode_args, test_items))
+            logger.log(0, {f"test/{k}": v for k, v in metrics.items()})
+            print(f"test before training: {metrics}")
         progress = tqdm(total=cfg.max_steps, initial=step, desc="GRPO")
         while step < cfg.max_steps:
             t0 = time.time()

