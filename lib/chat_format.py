@@ -3,6 +3,7 @@
     render_ids(tokenizer, messages, tools)          # prompt tokens of a conversation, generation prompt added
     continuation_ids(tokenizer, history, messages, tools)   # only the tokens that follow `history`'s last assistant turn
     parse_tool_calls(text)                          # Qwen2.5 / Hermes `<tool_call>{json}</tool_call>` -> OpenAI tool_calls
+    template_renders_tools(tokenizer)               # False: pass tools_as_text=True to the two renderers above
 
 Messages arrive in OpenAI's shape (content as a string, a list of text parts or null; assistant
 `tool_calls` with `arguments` as a JSON string) and are rendered in the shape HF chat templates
@@ -15,6 +16,12 @@ templates often re-render a turn, e.g. tool calls as reformatted JSON). Only wha
 is new: the template's rendering of `messages` must begin with its rendering of `history` up to the
 end-of-turn token that closes the last assistant turn; the rest of the text is tokenized on its
 own. Special tokens split BPE, so that text gets the ids it has inside the whole rendering.
+
+Templates without a tools section (SmolLM2's ChatML renders only `content`) get the tools as text
+(`tools_as_text`), in the layout Qwen2.5 and lib.tiny_model.TOOLS_CHAT_TEMPLATE use: the tool list
+and how to call them in the system turn, calls as `<tool_call>` blocks in the assistant's text,
+results as a user turn of `<tool_response>` blocks. It is a rewrite of the messages before the
+template renders them, so the prefix rule above holds for it as for any template.
 """
 import json
 import re
@@ -99,7 +106,9 @@ def message_key(msg: dict) -> str:
 
 
 def render_text(tokenizer, messages: list[dict], tools=None, *, add_generation_prompt: bool,
-                chat_template: str | None = None) -> str:
+                chat_template: str | None = None, tools_as_text: bool = False) -> str:
+    if tools_as_text:
+        messages, tools = with_tools_as_text(messages, tools), None
     try:
         return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                              add_generation_prompt=add_generation_prompt, chat_template=chat_template)
@@ -118,10 +127,11 @@ def encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def render_ids(tokenizer, messages: list[dict], tools=None, chat_template: str | None = None) -> list[int]:
+def render_ids(tokenizer, messages: list[dict], tools=None, chat_template: str | None = None, *,
+               tools_as_text: bool = False) -> list[int]:
     """The prompt of a conversation: the template's text with the generation prompt, tokenized."""
     return encode(tokenizer, render_text(tokenizer, messages, tools, add_generation_prompt=True,
-                                         chat_template=chat_template))
+                                         chat_template=chat_template, tools_as_text=tools_as_text))
 
 
 def end_of_turn_token(tokenizer, chat_template: str | None = None) -> tuple[str, int]:
@@ -140,12 +150,14 @@ def end_of_turn_token(tokenizer, chat_template: str | None = None) -> tuple[str,
 
 
 def continuation_ids(tokenizer, history: list[dict], messages: list[dict], tools=None, *, end_of_turn: str,
-                     chat_template: str | None = None) -> list[int] | None:
+                     chat_template: str | None = None, tools_as_text: bool = False) -> list[int] | None:
     """The tokens of `messages` (with the generation prompt) that follow the end-of-turn token of
     `history`'s last message, an assistant turn; `history` must be a prefix of `messages`. None when
     the template renders `history` differently inside `messages` (then the caller starts over)."""
-    before = render_text(tokenizer, history, tools, add_generation_prompt=False, chat_template=chat_template)
-    after = render_text(tokenizer, messages, tools, add_generation_prompt=True, chat_template=chat_template)
+    before = render_text(tokenizer, history, tools, add_generation_prompt=False, chat_template=chat_template,
+                         tools_as_text=tools_as_text)
+    after = render_text(tokenizer, messages, tools, add_generation_prompt=True, chat_template=chat_template,
+                        tools_as_text=tools_as_text)
     cut = before.rfind(end_of_turn)
     if cut < 0:
         return None
@@ -153,6 +165,68 @@ def continuation_ids(tokenizer, history: list[dict], messages: list[dict], tools
     if not after.startswith(before[:cut]):
         return None
     return encode(tokenizer, after[cut:])
+
+
+# --- tools for a template without a tools section ---
+TOOLS_INSTRUCTION = 'Call a tool with <tool_call>{"name": ..., "arguments": {...}}</tool_call>'
+
+
+def template_renders_tools(tokenizer, chat_template: str | None = None) -> bool:
+    """Whether the template shows the model a `tools` list and assistant `tool_calls`; if not, the
+    caller renders with tools_as_text. A probe conversation (ids of nine letters and digits, as
+    Mistral's templates demand) must show both names; a template that cannot render it has no
+    usable tools section either."""
+    tool = {"type": "function", "function": {"name": "probe_tool_7f3a", "description": "probe",
+                                             "parameters": {"type": "object", "properties": {}}}}
+    call = {"id": "call7f3a0", "type": "function", "function": {"name": "probe_call_7f3a", "arguments": {}}}
+    try:
+        listed = render_text(tokenizer, [{"role": "user", "content": "hi"}], [tool], add_generation_prompt=True,
+                             chat_template=chat_template)
+        called = render_text(tokenizer, [{"role": "user", "content": "hi"},
+                                         {"role": "assistant", "content": "", "tool_calls": [call]}], [tool],
+                             add_generation_prompt=False, chat_template=chat_template)
+    except ChatFormatError:
+        return False
+    return "probe_tool_7f3a" in listed and "probe_call_7f3a" in called
+
+
+def _call_text(call: dict) -> str:
+    fn = call["function"]
+    return (f'<tool_call>{{"name": {json.dumps(fn["name"], ensure_ascii=False)}, '
+            f'"arguments": {json.dumps(fn["arguments"], ensure_ascii=False)}}}</tool_call>')
+
+
+def with_tools_as_text(messages: list[dict], tools=None) -> list[dict]:
+    """Template messages with tools written into their text, for a template that renders only
+    roles and content; on ChatML it gives exactly what lib.tiny_model.TOOLS_CHAT_TEMPLATE renders.
+    The tool list (one function schema as JSON a line) and TOOLS_INSTRUCTION close the system
+    message (a new one first if there is none), assistant tool calls follow the assistant's text as
+    `<tool_call>` blocks (the format parse_tool_calls reads back), and each run of tool results is
+    one user turn of `<tool_response>` blocks (ChatML templates would give role tool a turn the
+    model never saw in training, or drop it)."""
+    out = []
+    if tools:
+        listing = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
+        block = f"# Tools\n<tools>\n{listing}\n</tools>\n{TOOLS_INSTRUCTION}"
+        if messages and messages[0]["role"] == "system":
+            out.append({"role": "system", "content": messages[0]["content"] + "\n\n" + block})
+            messages = messages[1:]
+        else:
+            out.append({"role": "system", "content": block})
+    previous = None
+    for m in messages:
+        if m["role"] == "tool":
+            response = f"<tool_response>\n{m['content']}\n</tool_response>"
+            if previous == "tool":
+                out[-1]["content"] += "\n" + response
+            else:
+                out.append({"role": "user", "content": response})
+        elif m["role"] == "assistant" and m.get("tool_calls"):
+            out.append({"role": "assistant", "content": m["content"] + "".join(_call_text(c) for c in m["tool_calls"])})
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+        previous = m["role"]
+    return out
 
 
 # --- the model's tool calls ---

@@ -34,7 +34,7 @@ import torch
 from aiohttp import web
 
 from lib.chat_format import (ChatFormatError, continuation_ids, end_of_turn_token, message_key, parse_tool_calls,
-                             render_ids, to_template_messages)
+                             render_ids, template_renders_tools, to_template_messages)
 from lib.client import GenerationAborted, InferenceServerError
 from lib.http_body import BadRequest, body_too_large, parse_json_body, read_body
 
@@ -136,7 +136,8 @@ class OpenAIProxy:
         """`stop_token_ids`: ids that end a turn (the model's EOS set, lib.client.model_eos_ids).
         `max_context_tokens`: a session's prompt + reply budget; a request past it gets OpenAI's
         400 `context_length_exceeded` and `max_tokens` is cut to what is left. `chat_template`
-        overrides the tokenizer's."""
+        overrides the tokenizer's; one without a tools section gets tools written into the messages'
+        text (lib/chat_format.py, with_tools_as_text)."""
         # The proxy tokenizes on the event loop, between requests; the Rust tokenizer's thread pool would
         # only compete with the trainer and a CPU server for cores (docs/benchmarks.md).
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -146,6 +147,7 @@ class OpenAIProxy:
         self.default_max_tokens = default_max_tokens
         self.chat_template = chat_template
         self.end_of_turn, self.end_of_turn_id = end_of_turn_token(tokenizer, chat_template)
+        self.tools_as_text = not template_renders_tools(tokenizer, chat_template)
         self.stop_token_ids = sorted(set(stop_token_ids or []) | {self.end_of_turn_id})
         self.host, self.port = host, port
         self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
@@ -369,9 +371,6 @@ class OpenAIProxy:
                     and isinstance(t["function"].get("name"), str) for t in tools):
                 raise _Refused(400, "tools must be a list of {\"type\": \"function\", \"function\": {\"name\": ...}}",
                                param="tools")
-        if tools and "tools" not in str(self.chat_template or self.tokenizer.chat_template or ""):
-            raise _Refused(400, "the model's chat template does not render tools; give the proxy a chat_template "
-                                "that does (Qwen2.5's layout: lib.tiny_model.TOOLS_CHAT_TEMPLATE)", param="tools")
         tool_choice = body.get("tool_choice")
         if tool_choice not in (None, "auto", "none"):
             raise _Refused(400, "tool_choice must be \"auto\" or \"none\": the proxy cannot force a tool call",
@@ -407,13 +406,15 @@ class OpenAIProxy:
         if best is not None:
             segment, index, (state_keys, _, length, closed) = best
             delta = continuation_ids(self.tokenizer, messages[:len(state_keys)], messages, tools,
-                                     end_of_turn=self.end_of_turn, chat_template=self.chat_template)
+                                     end_of_turn=self.end_of_turn, chat_template=self.chat_template,
+                                     tools_as_text=self.tools_as_text)
             if delta is not None:
                 closing = [] if closed else [self.end_of_turn_id]  # a turn cut by length or a stop string
                 plan.update(segment=segment, in_place=index == len(segment.states) - 1 and not segment.busy,
                             prefix=length, delta=closing + delta, prompt=segment.ids[:length] + closing + delta)
         if plan["segment"] is None:
-            plan["prompt"] = render_ids(self.tokenizer, messages, tools, self.chat_template)
+            plan["prompt"] = render_ids(self.tokenizer, messages, tools, self.chat_template,
+                                        tools_as_text=self.tools_as_text)
         max_new_tokens = params["max_tokens"]
         if self.max_context_tokens is not None:
             room = self.max_context_tokens - len(plan["prompt"])

@@ -10,7 +10,8 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from lib.chat_format import parse_tool_calls  # noqa: E402
+from lib.chat_format import (parse_tool_calls, render_ids, render_text, template_renders_tools,  # noqa: E402
+                             to_template_messages)
 from lib.client import InferenceClient  # noqa: E402
 from lib.openai_proxy import OpenAIProxy, SessionFailed  # noqa: E402
 from lib.scripted_server import Reply, ScriptedServer  # noqa: E402
@@ -388,15 +389,91 @@ def test_tool_calls_go_out_as_openai_tool_calls_and_tool_results_come_back_rende
     assert episode["tool_calls"] == 1
 
 
-def test_tools_with_a_chat_template_that_cannot_render_them_are_refused(tokenizer):
+# --- tools for a chat template without a tools section (SmolLM2's ChatML, the tiny model's plain one) ---
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    from transformers import AutoTokenizer
+
+    from lib.model_names import resolve_model_path
+
+    return AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m-instruct"))  # built once, then cached
+
+
+def test_a_template_renders_tools_only_if_it_shows_both_the_tool_list_and_the_calls(tokenizer):
+    from lib.tiny_model import CHAT_TEMPLATE
+
+    assert template_renders_tools(tokenizer, TOOLS_CHAT_TEMPLATE)
+    assert not template_renders_tools(tokenizer, CHAT_TEMPLATE)
+    lists_only = TOOLS_CHAT_TEMPLATE.replace("fn['name']", "'?'")  # shows the tools, writes calls without a name
+    assert not template_renders_tools(tokenizer, lists_only)
+
+
+@pytest.mark.slow
+def test_smollm2s_template_does_not_render_tools(smollm2_tokenizer):
+    assert not template_renders_tools(smollm2_tokenizer)
+
+
+@pytest.mark.parametrize("system", [True, False])
+@pytest.mark.parametrize("tools", [[SEARCH_TOOL], None])
+def test_tools_as_text_on_plain_chatml_gives_the_ids_the_tools_template_gives(tokenizer, system, tools):
+    from lib.tiny_model import CHAT_TEMPLATE
+
+    call = lambda i, q: {"id": i, "type": "function",  # noqa: E731
+                         "function": {"name": "search", "arguments": json.dumps({"query": q})}}
+    messages = to_template_messages([{"role": "system", "content": "Be brief."}] * system + [
+        user("Who founded the Ostrel Guild?"),
+        {"role": "assistant", "content": "Let me look.", "tool_calls": [call("a", "Ostrel Guild"), call("b", "Pem")]},
+        {"role": "tool", "tool_call_id": "a", "content": "Pem Varo founded it."},  # two results: one user turn
+        {"role": "tool", "tool_call_id": "b", "content": "Pem Varo, a smith."},
+        {"role": "assistant", "content": None, "tool_calls": [call("c", "Varo")]},
+        {"role": "tool", "tool_call_id": "c", "content": "nothing"}, user("So?")])
+    assert (render_ids(tokenizer, messages, tools, CHAT_TEMPLATE, tools_as_text=True)
+            == render_ids(tokenizer, messages, tools, TOOLS_CHAT_TEMPLATE))
+
+
+def tool_rounds():
+    """An agent that calls tools until the model answers: each call answered with a result."""
     async def agent(proxy):
         key = proxy.new_session()
+        messages, calls = [user("Who founded the Ostrel Guild?")], []
         async with sdk(proxy, key) as llm:
-            with pytest.raises(openai.BadRequestError, match="does not render tools"):
-                await llm.chat.completions.create(model="policy", messages=[user("Q")], tools=[SEARCH_TOOL])
-        return proxy.end_session(key)
-    episode, server = run_agent(tokenizer, [Reply("x", eos=True)], agent, chat_template=None)
-    assert server.requests == [] and episode["requests"] == 0
+            while True:
+                reply = await llm.chat.completions.create(model="policy", messages=messages, tools=[SEARCH_TOOL])
+                message = reply.choices[0].message
+                messages.append(message.model_dump(exclude_none=True))
+                if not message.tool_calls:
+                    break
+                assert reply.choices[0].finish_reason == "tool_calls"
+                for call in message.tool_calls:
+                    calls.append((call.function.name, json.loads(call.function.arguments)))
+                    messages.append({"role": "tool", "tool_call_id": call.id, "content": f"result {len(calls)}"})
+        return calls, messages, proxy.end_session(key)
+    return agent
+
+
+@pytest.mark.parametrize("model", ["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
+def test_two_rounds_of_tool_calls_through_a_template_without_tools_are_one_segment_trained_once(
+        request, tokenizer, model):
+    from lib.tiny_model import CHAT_TEMPLATE
+
+    tok, template = (tokenizer, CHAT_TEMPLATE) if model == "tiny" else (request.getfixturevalue("smollm2_tokenizer"), None)
+    queries = ["Ostrel Guild", "Pem Varo"]
+    script = [Reply(f'<tool_call>{{"name": "search", "arguments": {{"query": "{q}"}}}}</tool_call>', eos=True)
+              for q in queries] + [Reply("Pem Varo.", eos=True)]
+    (calls, messages, episode), server = run_agent(tok, script, tool_rounds(), chat_template=template)
+    assert calls == [("search", {"query": q}) for q in queries] and messages[-1]["content"] == "Pem Varo."
+    [segment] = episode["segments"]
+    assert_trained_once([segment], server)
+    ids = segment["input_ids"][0].tolist()
+    for body in server.requests:  # each request continued the record, token for token
+        assert ids[:len(body["input_ids"])] == body["input_ids"]
+    # what the model saw is the documented text: tools in the system turn, calls and results as text
+    seen = tok.decode(ids)
+    assert seen == render_text(tok, to_template_messages(messages), [SEARCH_TOOL], add_generation_prompt=False,
+                               chat_template=template, tools_as_text=True).rstrip("\n")
+    assert seen.startswith('<|im_start|>system\n# Tools\n<tools>\n{"name": "search", ')
+    assert "<|im_start|>user\n<tool_response>\nresult 2\n</tool_response><|im_end|>" in seen
+    assert episode["tool_calls"] == 2 and episode["tool_call_parse_failures"] == 0
 
 
 # --- sampling fields, budget, failures, reward ---
