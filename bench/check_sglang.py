@@ -30,6 +30,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa
 
 from lib.client import GenerationAborted, InferenceClient, InferenceServerError  # noqa: E402
 from lib.launch import launch_cpu_server, launch_sglang  # noqa: E402
+from lib.model_names import resolve_model_path  # noqa: E402
 
 SGLANG_KIT_ARGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none"]
 PROMPTS = ["The capital of France is", "Question: who founded the Ostrel Guild?\nAnswer:",
@@ -256,9 +257,8 @@ class Checks:
         return f"model_type {model_info.get('model_type')}, server version {server_info.get('version')}"
 
 
-async def run_checks(args, address: str, model_path: str, out_dir: str, dtype: str) -> list[dict]:
+async def run_checks(address: str, model_path: str, out_dir: str, dtype: str, context: int) -> list[dict]:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    context = args.context_length or min(getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", 4096), 4096)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     client = RecordingClient([address], request_timeout_s=300.0, max_retries=1, retry_backoff_s=0.5)
     checks = Checks(client, tokenizer, model_path, context, dtype, device, out_dir)
@@ -289,21 +289,23 @@ def main():
     args = parse_args()
     out_dir = os.path.abspath(os.environ.get("OUT") or "check_sglang_out")
     os.makedirs(out_dir, exist_ok=True)
-    model_path = args.model_path or build_tiny(out_dir)
+    model_path = resolve_model_path(args.model_path) or build_tiny(out_dir)  # a known name: lib/model_names.py
     dtype = args.dtype or ("bfloat16" if args.server == "sglang" else "float32")
     log_path = os.path.join(out_dir, f"{args.server}_server.log")
+    # The server gets the context the checks assume (a model's own may be longer: SmolLM2's is 8192).
+    context = args.context_length or min(getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", 4096), 4096)
     t0 = time.monotonic()
     if args.server == "sglang":
         server = launch_sglang(model_path, base_gpu_id=args.base_gpu_id, mem_fraction_static=args.mem_fraction_static,
-                               context_length=args.context_length, dtype=dtype, random_seed=0,
+                               context_length=context, dtype=dtype, random_seed=0,
                                extra_args=args.extra_args.split(), log_path=log_path, timeout_s=args.timeout_s)
     else:
-        server = launch_cpu_server(model_path, dtype=dtype, context_length=args.context_length, random_seed=0,
+        server = launch_cpu_server(model_path, dtype=dtype, context_length=context, random_seed=0,
                                    log_path=log_path, timeout_s=args.timeout_s)
     start_s = time.monotonic() - t0
     print(f"{args.server} server up at {server.address} in {start_s:.1f} s (log {log_path})", flush=True)
     try:
-        results = asyncio.run(run_checks(args, server.address, model_path, out_dir, dtype))
+        results = asyncio.run(run_checks(server.address, model_path, out_dir, dtype, context))
     finally:
         server.terminate()
     width = max(len(r["check"]) for r in results)

@@ -1,0 +1,109 @@
+#!/bin/bash
+# SmolLM2-135M-Instruct, a real pretrained model, on the lent GPU machines (no network, no SGLang).
+# Stages, each one device call; the machine keeps /tmp only between calls made ~30 s apart:
+#   kit      carry .kit and .whl: unpack SGLang's kit and the wheels (fire, bm25s, datasets, trl, gguf, ...)
+#   part     carry .gp1 (the first half of the model's GGUF file, `split -b 50000000`): keep it in /tmp/parts
+#   learn    carry .gp2 (the second half): join, build the model by name (lib.model_names --from), build
+#            the bundled data, then start the learning runs in the background (setsid: they outlive the call)
+#   compare  agentrl vs TRL, single turn, each alone on a GPU; search; check_sglang
+#   wait S   sleep up to S seconds while runs go on, printing their progress
+#   collect  the runs' metrics, logs, traces (heads) and the TRL result into $OUT/smollm2_runs.tgz
+# One run per GPU (two SGLang servers on one GPU trip SGLang's memory check); with fewer GPUs
+# than runs, a GPU's runs go one after another.
+#   OUT=$OUT bash bench/gpu_smollm2.sh kit|part|learn|compare|wait 540|collect
+set -u
+T0=$(date +%s); ts() { echo "[t=$(( $(date +%s) - T0 ))s] $*"; }
+OUT=${OUT:-/tmp/smollm2_out}; mkdir -p "$OUT"
+R=/tmp/runs; mkdir -p $R
+export AGENTRL_CACHE=/tmp/agentrl_cache PYTHONUNBUFFERED=1 NCCL_CUMEM_ENABLE=0 TOKENIZERS_PARALLELISM=false
+STEPS=${STEPS:-30}
+MODEL=smollm2-135m-instruct
+
+env_kit() {  # SGLang's kit first (its transformers 5.12.1), then the wheels
+  eval "$(bash /tmp/kitc/install.sh)"; export PYTHONPATH=$PWD:$PYTHONPATH:/tmp/site
+}
+env_trl() {  # TRL on the machine's own transformers (5.17), as its users would run it
+  export PYTHONPATH=$PWD:/tmp/site
+}
+lane() {  # GPU, then commands run one after another on that GPU, in the background, outliving this call
+  local gpu=$1; shift
+  local script=$R/lane$gpu.sh
+  echo "export CUDA_VISIBLE_DEVICES=$gpu" > $script
+  for c in "$@"; do echo "$c" >> $script; done
+  setsid nohup bash $script > $R/lane$gpu.log 2>&1 < /dev/null &
+  ts "lane $gpu: $*"
+}
+run() {  # name script args...: a training command line, logged to $R/name.log, timed
+  local name=$1 script=$2; shift 2
+  echo "s=\$(date +%s); python3 $script --run_dir $R/$name --tensorboard False $* > $R/$name.log 2>&1; echo \"$name rc=\$? wall_s=\$(( \$(date +%s) - s ))\" >> $R/done.txt"
+}
+ngpu() { nvidia-smi --query-gpu=index --format=csv,noheader | wc -l; }
+
+case "${1:-}" in
+kit)
+  nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
+  mkdir -p /tmp/kitc && cp -r .kit/install.sh .kit/stubs /tmp/kitc/ && cp .kit/site-*.txz /tmp/kitc/
+  eval "$(bash /tmp/kitc/install.sh)"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | grep -v WARN
+  rm -f /tmp/kitc/site-*.txz
+  python3 -c "import sglang, torch, transformers; print('sglang', sglang.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+  ts "kit ready"
+  ;;
+part)
+  mkdir -p /tmp/parts && cp .gp1/part_* /tmp/parts/ && ls -la /tmp/parts && ts "part kept"
+  ;;
+learn)
+  [ -f /tmp/parts/part_aa ] || { echo "no /tmp/parts/part_aa: the machine went back; carry .kit+.whl, then .gp1 again"; exit 1; }
+  cp .gp2/part_* /tmp/parts/ && cat /tmp/parts/part_* > /tmp/model.gguf && ls -la /tmp/model.gguf
+  env_kit
+  ts "build the model by name from the carried GGUF"
+  python3 -m lib.model_names $MODEL --from /tmp/model.gguf 2>&1 | grep -v "it/s\]" | tail -3
+  ts "bundled data"
+  python3 -c "from lib.math_data import default_math_dir; from lib.wiki_data import default_wiki_dir; print(default_math_dir(seed=0), default_wiki_dir(seed=0))"
+  ts "start runs"
+  G=$(ngpu)
+  runs=("$(run calc_s0 train_calc.py --config configs/calc_smollm2.yaml --seed 0 --max_steps $STEPS)"
+        "$(run calc_s1 train_calc.py --config configs/calc_smollm2.yaml --seed 1 --max_steps $STEPS)"
+        "$(run reflect_s0 train_reflect.py --config configs/reflect_smollm2.yaml --seed 0 --max_steps $STEPS)"
+        "$(run reflect_s1 train_reflect.py --config configs/reflect_smollm2.yaml --seed 1 --max_steps $STEPS)")
+  for g in $(seq 0 $((G - 1))); do
+    mine=(); for i in "${!runs[@]}"; do [ $((i % G)) -eq $g ] && mine+=("${runs[$i]}"); done
+    [ ${#mine[@]} -gt 0 ] && lane $g "${mine[@]}"
+  done
+  ;;
+compare)
+  env_kit
+  G=$(ngpu)
+  # The same single-turn task on both sides: train_reflect's first attempt (max_turns 1), its
+  # prompt in SmolLM2's chat template, its reward; batch x group, lengths, lr, clip as in the config.
+  SINGLE="--config configs/reflect_smollm2.yaml --max_turns 1 --max_steps $STEPS --eval_every 0 --checkpoint_every 0 --test_size 500 --test_at_start True --seed 0"
+  ours="$(run single_ours train_reflect.py $SINGLE)"
+  trl="s=\$(date +%s); PYTHONPATH=$PWD:/tmp/site python3 bench/bench_trl_reward.py --config configs/reflect_smollm2.yaml --model-path $MODEL --steps $STEPS --seed 0 --test-size 500 --trl-jsonl $R/single_trl.jsonl > $R/single_trl.log 2>&1; echo \"single_trl rc=\$? wall_s=\$(( \$(date +%s) - s ))\" >> $R/done.txt"
+  search="$(run search_s0 train_search.py --model_path $MODEL --server sglang --base_gpu_id 0 --mem_fraction_static 0.3 --trainer_dtype bfloat16 --max_steps 20 --batch_size 16 --group_size 8 --lr 1e-5 --max_turns 4 --max_tokens 2048 --max_new_tokens_per_turn 256 --eval_every 10 --eval_size 100 --test_size 300 --test_at_start True --seed 0)"
+  check="OUT=$R/check_sglang python3 bench/check_sglang.py --model-path $MODEL --base-gpu-id 0 > $R/check_sglang.log 2>&1; echo \"check_sglang rc=\$?\" >> $R/done.txt"
+  if [ "$G" -ge 4 ]; then lane 0 "$ours"; lane 1 "$trl"; lane 2 "$search"; lane 3 "$check"
+  elif [ "$G" -ge 2 ]; then lane 0 "$ours" "$search"; lane 1 "$trl" "$check"
+  else lane 0 "$ours" "$trl" "$check" "$search"; fi
+  ;;
+wait)
+  limit=${2:-540}
+  while [ $(( $(date +%s) - T0 )) -lt $limit ]; do
+    sleep 30
+    ts "$(cat $R/done.txt 2>/dev/null | tr '\n' ' ')"
+    for f in $R/*.log; do
+      case $f in *lane*) continue;; esac
+      echo "  $(basename $f): $(tr '\r' '\n' < $f | grep -E 'GRPO|step [0-9]+ dev|test |TRL step|Error|error' | tail -1 | cut -c1-160)"
+    done
+    pgrep -f "train_|bench_trl|check_sglang" > /dev/null || { ts "nothing running"; break; }
+  done
+  nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
+  ;;
+collect)
+  for d in $R/*/; do [ -f $d/traces.jsonl ] && { head -n 3 $d/traces.jsonl; tail -n 3 $d/traces.jsonl; } > $d/traces_ends.jsonl; done
+  cd $R && tar czf "$OUT/smollm2_runs.tgz" --exclude='*.safetensors' --exclude='checkpoints' --exclude='weights' \
+    --exclude='final' --exclude='traces.jsonl' $(ls) 2>/dev/null
+  ls -la "$OUT"; cat $R/done.txt 2>/dev/null
+  ;;
+*)
+  echo "usage: bash bench/gpu_smollm2.sh kit|part|learn|compare|wait SECONDS|collect"; exit 2;;
+esac
