@@ -87,3 +87,37 @@ def test_smollm2_builds_once_into_a_loadable_hf_dir_with_its_chat_template_and_e
     assert tokenizer.decode(ids["input_ids"][0]).startswith("<|im_start|>system\n")
     out = model.generate(**ids, max_new_tokens=12, do_sample=False)
     assert "Paris" in tokenizer.decode(out[0, ids["input_ids"].shape[1]:])
+
+
+@pytest.mark.slow
+def test_two_grpo_steps_of_train_calc_on_smollm2_by_name(tmp_path):
+    """The real-model path on CPU, as CI runs it: the name resolves to the cached directory, prompts are
+    rendered in SmolLM2's own chat template, a turn ends on any of its EOS ids, and trainer and server
+    agree on every sampled token's log-prob."""
+    import json
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run_dir = str(tmp_path / "run")
+    args = [sys.executable, "train_calc.py", "--model_path", NAME, "--run_dir", run_dir, "--max_steps", "2",
+            "--batch_size", "2", "--group_size", "2", "--max_turns", "2", "--max_new_tokens_per_turn", "24",
+            "--max_tokens", "144", "--eval_every", "0", "--test_size", "2", "--checkpoint_every", "0",
+            "--lr", "1e-5", "--tensorboard", "False"]
+    done = subprocess.run(args, cwd=repo, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    train_rows = [r for r in rows if "rollout/reward" in r]
+    assert [r["step"] for r in train_rows] == [1, 2]
+    for r in train_rows:
+        assert r["logprob/server_trainer_abs_diff_max"] < 1e-3 and r["rollout/failed_groups"] == 0
+    traces = [json.loads(line) for line in open(os.path.join(run_dir, "traces.jsonl"))]
+    assert traces and all(t["prompt"].startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+                          for t in traces)
+    # A model turn stops at the first of SmolLM2's EOS ids (<|endoftext|> 0, <|im_end|> 2), never past it.
+    for t in traces:
+        for turn in (x for x in t["turns"] if x["role"] == "model"):
+            ids = t["tokens"]["id"][turn["start"]:turn["end"]]
+            assert not {0, 2} & set(ids[:-1]), ids
+    assert any("test/accuracy" in r for r in rows)
+    assert os.path.isfile(os.path.join(run_dir, "final", "model.safetensors"))
