@@ -134,6 +134,12 @@ def build_model_dir(name: str, out: str, source: str | None = None) -> str:
         folder, file = os.path.dirname(path), os.path.basename(path)
         print(f"dequantizing {file} into {out} (once; about a minute on 2 cores)", flush=True)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+        # The special tokens as the GGUF file names them: transformers 5.12 read SmolLM2's EOS as
+        # <|im_start|> (5.24 reads <|im_end|>), so they are set from the file, not left to the version.
+        special = _gguf_special_ids(path)
+        for role in ("bos", "eos", "pad", "unk"):
+            if role in special:
+                setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(special[role]))
         config = AutoConfig.from_pretrained(folder, gguf_file=file)
         loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
         # The GGUF-loaded model refuses save_pretrained; its weights copied into a fresh model of the
@@ -160,6 +166,19 @@ def build_model_dir(name: str, out: str, source: str | None = None) -> str:
         for file_name in os.listdir(tmp):
             os.chmod(os.path.join(tmp, file_name), 0o644)
     print(f"{name} ready in {time.time() - t0:.0f} s: {out}", flush=True)
+    return out
+
+
+def _gguf_special_ids(path: str) -> dict:
+    from gguf import GGUFReader
+
+    fields = GGUFReader(path).fields
+    out = {}
+    for role, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("pad", "padding_token_id"),
+                      ("unk", "unknown_token_id")):
+        field = fields.get(f"tokenizer.ggml.{key}")
+        if field is not None and field.data:
+            out[role] = int(field.parts[field.data[0]][0])
     return out
 
 
