@@ -34,6 +34,9 @@ KNOWN_MODELS = {
 }
 
 
+BUILD = 2  # 2: special tokens from the GGUF's own fields
+
+
 class ModelNotAvailable(RuntimeError):
     pass
 
@@ -44,7 +47,8 @@ def is_model_name(model_path: str) -> bool:
 
 def model_cache_dir(name: str) -> str:
     spec = KNOWN_MODELS[name.strip().lower()]
-    return os.path.join(cache_root(), "models", f"{name.strip().lower()}-{spec['version']}")
+    # BUILD bumps when the conversion changes, so a folder an older conversion wrote is not reused.
+    return os.path.join(cache_root(), "models", f"{name.strip().lower()}-{spec['version']}-b{BUILD}")
 
 
 def resolve_model_path(model_path: str) -> str:
