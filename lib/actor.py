@@ -22,7 +22,7 @@ from lib.attention import VARLEN, packed_kwargs, register_varlen_attention
 from lib.offload_adamw import into_host_buffers, offloaded_adamw_step
 from lib.padding import pack_sequences, sequence_lengths, split_by_token_budget, unpack_sequences
 
-LOSS_AGGS = ("token-mean", "seq-mean-token-mean")
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 CAP_MODES = ("truncate", "mask")
 
 
@@ -272,7 +272,8 @@ def ppo_loss(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, behaviour_
              advantages: torch.Tensor, loss_mask: torch.Tensor, *, eps_clip_low: float = 0.2,
              eps_clip_high: float = 0.28, agg: str = "token-mean", behaviour_weight_cap: float | None = None,
              behaviour_cap_mode: str = "truncate", ref_logprobs: torch.Tensor | None = None, kl_coef: float = 0.0, entropy: torch.Tensor | None = None,
-             total_loss_tokens: float | None = None, total_loss_seqs: float | None = None):
+             total_loss_tokens: float | None = None, total_loss_seqs: float | None = None,
+             norm_tokens: float | None = None):
     """Decoupled PPO-clip loss (AReaL's form): returns `(loss scalar, stats dict of floats)`.
 
     All token tensors are `[B, T]`; `advantages` is `[B]` (one per sequence) or `[B, T]`.
@@ -286,10 +287,13 @@ def ppo_loss(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, behaviour_
     were masked). When proximal == behaviour this is plain PPO. With
     `ref_logprobs` and `kl_coef`, adds kl_coef · k3(current ‖ ref) per token.
 
-    Aggregation: "token-mean" = Σ over tokens / `total_loss_tokens`; "seq-mean-token-mean" =
-    Σ over sequences of (that sequence's token mean) / `total_loss_seqs`. Both denominators default
-    to this batch's; pass the whole batch's counts when it is split into micro-batches so that the
-    accumulated gradient equals the one-big-batch gradient exactly.
+    Aggregation, by the names the literature uses: "token-mean" (DAPO) = Σ over tokens /
+    `total_loss_tokens`; "seq-mean-token-mean" (the original GRPO) = Σ over sequences of (that
+    sequence's token mean) / `total_loss_seqs`; "seq-mean-token-sum-norm" (Dr. GRPO) = Σ over tokens /
+    (`total_loss_seqs` × `norm_tokens`), a constant per sequence (the context budget), so that neither
+    a sequence's length nor the batch's token count scales its tokens' gradient. The denominators
+    default to this batch's; pass the whole batch's counts when it is split into micro-batches so that
+    the accumulated gradient equals the one-big-batch gradient exactly.
     """
     if agg not in LOSS_AGGS:
         raise ValueError(f"agg must be one of {LOSS_AGGS}, got {agg!r}")
@@ -318,16 +322,23 @@ def ppo_loss(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, behaviour_
     if ref_logprobs is not None and kl_coef:
         ref_log_ratio = (ref_logprobs - logprobs) * mask
         kl_ref = torch.exp(ref_log_ratio) - ref_log_ratio - 1.0  # k3: unbiased, always >= 0
-        per_token = per_token + kl_coef * kl_ref
+        # A token masked out for its behaviour weight is out of the KL term too: it is not trained on.
+        per_token = per_token + kl_coef * (kl_ref * kept if behaviour_cap_mode == "mask" else kl_ref)
 
     if agg == "token-mean":
         denom = mask.sum() if total_loss_tokens is None else total_loss_tokens
         loss = (per_token * mask).sum() / max(float(denom), 1.0)
-    else:
+    elif agg == "seq-mean-token-mean":
         tokens_per_seq = mask.sum(dim=1)
         seq_means = (per_token * mask).sum(dim=1) / tokens_per_seq.clamp(min=1.0)
         denom = (tokens_per_seq > 0).sum() if total_loss_seqs is None else total_loss_seqs
         loss = seq_means.sum() / max(float(denom), 1.0)
+    else:
+        if not norm_tokens:
+            raise ValueError("seq-mean-token-sum-norm needs norm_tokens, the constant token count per sequence "
+                             "(e.g. the episode's context budget, max_tokens)")
+        seqs = (mask.sum(dim=1) > 0).sum() if total_loss_seqs is None else total_loss_seqs
+        loss = (per_token * mask).sum() / (max(float(seqs), 1.0) * float(norm_tokens))
 
     with torch.no_grad():
         on = mask.bool()
@@ -413,13 +424,17 @@ class Actor:
                  behaviour_weight_cap: float | None = None, behaviour_cap_mode: str = "truncate",
                  logits_chunk_tokens: int = 2048, master_weights: bool = True, compile_layers: bool | None = None,
                  attn_implementation: str | None = None, packed: bool | None = None,
-                 offload_optimizer: bool = False):
+                 offload_optimizer: bool = False, loss_norm_tokens: int | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if lr_schedule not in ("constant", "cosine"):
             raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {lr_schedule!r}")
         if loss_agg not in LOSS_AGGS:
             raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r}")
+        if loss_agg == "seq-mean-token-sum-norm" and not loss_norm_tokens:
+            raise ValueError("loss_agg 'seq-mean-token-sum-norm' (Dr. GRPO) divides by a constant: pass "
+                             "loss_norm_tokens, e.g. the episode's context budget (the scripts pass max_tokens)")
+        self.loss_norm_tokens = loss_norm_tokens
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
         self.compute_dtype = getattr(torch, dtype)
@@ -607,7 +622,8 @@ class Actor:
                 agg=self.loss_agg, behaviour_weight_cap=self.behaviour_weight_cap,
                 behaviour_cap_mode=self.behaviour_cap_mode,
                 ref_logprobs=mb["ref_logprobs"].float() if "ref_logprobs" in mb else None, kl_coef=self.kl_coef,
-                entropy=entropy, total_loss_tokens=total_tokens, total_loss_seqs=total_seqs)
+                entropy=entropy, total_loss_tokens=total_tokens, total_loss_seqs=total_seqs,
+                norm_tokens=self.loss_norm_tokens)
             if rows is None:  # a padding micro-batch under FSDP: run the collectives, add nothing
                 loss = loss * 0.0
             else:

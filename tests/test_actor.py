@@ -281,6 +281,35 @@ def test_ppo_loss_adds_k3_kl_to_the_reference():
     assert loss.item() == pytest.approx(0.1 * (1 - math.log(2)))
 
 
+def test_seq_mean_token_sum_norm_divides_by_a_constant_per_sequence_as_dr_grpo_does():
+    # the same rows as below; Dr. GRPO: the token sum over (2 sequences x the constant 8)
+    lp = torch.zeros(2, 4)
+    mask = torch.tensor([[0, 1, 0, 0], [0, 1, 1, 1]])
+    adv = torch.tensor([1.0, -1.0])
+    loss, _ = ppo_loss(lp, lp, lp, adv, mask, agg="seq-mean-token-sum-norm", norm_tokens=8)
+    assert loss.item() == pytest.approx((-1 + 3) / (2 * 8))
+    longer, _ = ppo_loss(torch.zeros(2, 6), torch.zeros(2, 6), torch.zeros(2, 6), adv,
+                         torch.tensor([[0, 1, 0, 0, 0, 0], [0, 1, 1, 1, 1, 1]]), agg="seq-mean-token-sum-norm",
+                         norm_tokens=8)
+    assert longer.item() == pytest.approx((-1 + 5) / (2 * 8))  # a longer answer: more tokens, same weight each
+    with pytest.raises(ValueError, match="norm_tokens"):
+        ppo_loss(lp, lp, lp, adv, mask, agg="seq-mean-token-sum-norm")
+
+
+def test_in_mask_mode_a_token_over_the_cap_is_out_of_the_kl_term_too():
+    proximal = torch.tensor([[0.0, -1.0, -1.0]])
+    behaviour = torch.tensor([[0.0, -1.0, -3.0]])  # the last token's behaviour weight e^2 > cap 2
+    ref = proximal + math.log(2.0)
+    mask = torch.tensor([[0, 1, 1]])
+    masked, _ = ppo_loss(proximal.clone(), proximal, behaviour, torch.tensor([0.0]), mask, ref_logprobs=ref,
+                         kl_coef=0.1, behaviour_weight_cap=2.0, behaviour_cap_mode="mask")
+    truncated, _ = ppo_loss(proximal.clone(), proximal, behaviour, torch.tensor([0.0]), mask, ref_logprobs=ref,
+                            kl_coef=0.1, behaviour_weight_cap=2.0, behaviour_cap_mode="truncate")
+    k3 = 1 - math.log(2)
+    assert masked.item() == pytest.approx(0.1 * k3 / 2)  # one kept token's KL over the 2 loss tokens
+    assert truncated.item() == pytest.approx(0.1 * k3)
+
+
 def test_seq_mean_token_mean_weights_each_sequence_equally():
     # row 0: one token with per-token loss -A = -1; row 1: three tokens with -A = +1 each.
     lp = torch.zeros(2, 4)
@@ -292,7 +321,7 @@ def test_seq_mean_token_mean_weights_each_sequence_equally():
     assert seq_mean.item() == pytest.approx((-1 + 1) / 2)
 
 
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_micro_batch_gradients_accumulate_to_the_full_batch_gradient(model_dir, agg):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     batch = make_batch([6, 3, 5, 4], advantages=[1.0, -0.5, 0.25, -1.0])
@@ -301,7 +330,7 @@ def test_micro_batch_gradients_accumulate_to_the_full_batch_gradient(model_dir, 
     def loss_of(rows, **totals):
         lp = compute_logprobs(model, batch["input_ids"][rows], batch["attention_mask"][rows])
         return ppo_loss(lp, proximal[rows], batch["logprobs"][rows], batch["advantages"][rows],
-                        batch["loss_mask"][rows], agg=agg, **totals)[0]
+                        batch["loss_mask"][rows], agg=agg, norm_tokens=16, **totals)[0]
 
     model.zero_grad()
     loss_of([0, 1, 2, 3]).backward()
