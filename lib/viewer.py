@@ -12,20 +12,34 @@ dir (metrics.jsonl, traces.jsonl), so a run copied from another machine is shown
 import argparse
 import functools
 import html
+import ipaddress
 import math
+import operator
 import os
+import re
 import threading
 import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from itertools import compress
 
 import jinja2
 
-from lib.viewer_data import PANELS, TraceIndex, filter_entries, is_mismatch, metric_series, read_jsonl_rows
+from lib.viewer_data import (PANELS, TraceIndex, filter_entries, is_mismatch, is_number, metric_series,
+                              read_metrics)
 
 RUN_COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
 DASHES = ["solid", "dash", "dot", "dashdot", "longdash"]
 MAX_EPISODES_SHOWN = 64  # a filter over every step can match thousands
+# A token is ~130 bytes of HTML: 2,000 tokens × 64 episodes keeps the worst page near 18 MB; the
+# rest of an episode is a link away (?tokens_from=N pages through it).
+MAX_TOKENS_SHOWN = 2000
+# A browser sends its request at once, even through ssh -L: a connection silent this long (idle,
+# or a half-sent request) is closed. Writes are 64 KiB pieces, each within it.
+SOCKET_TIMEOUT_S = 5
+# Served at once, a thread and a file descriptor each (macOS allows a process 256 by default); more
+# wait in the listen queue, at most SOCKET_TIMEOUT_S per round of silent ones ahead of them.
+MAX_CONNECTIONS = 128
 
 
 @functools.cache
@@ -44,6 +58,12 @@ def template() -> jinja2.Template:
 
 
 # --- plots ---
+def plotly_text(text: str) -> str:
+    """Plotly draws titles, legend names and hover text as a subset of HTML (<b>, <span style>,
+    <a href>): metric names and run dir names are anyone's, so they go in as text."""
+    return html.escape(text, quote=False)
+
+
 def figures(runs: list[dict]) -> list[dict]:
     """Plotly figures (plain dicts for Plotly.newPlot): one per panel that any run has data for; a
     run is a colour, a metric of the panel a dash style. Metrics no panel names go to `extra`."""
@@ -62,16 +82,17 @@ def figures(runs: list[dict]) -> list[dict]:
                 steps, values = run["series"][key]
                 # the legend names each metric once (its dash style); the page header names the run colours
                 data.append({"type": "scatter", "mode": "lines+markers" if len(steps) < 30 else "lines",
-                             "x": steps, "y": [v if math.isfinite(v) else None for v in values],
-                             "name": key, "legendgroup": key, "showlegend": key not in named_keys,
-                             "hovertemplate": f"{run['name']}<br>{key}<br>step %{{x}}: %{{y}}<extra></extra>",
+                             "x": steps, "y": values,  # None (a gap) where not finite
+                             "name": plotly_text(key), "legendgroup": key, "showlegend": key not in named_keys,
+                             "hovertemplate": f"{plotly_text(run['name'])}<br>{plotly_text(key)}<br>"
+                                              "step %{x}: %{y}<extra></extra>",
                              "line": {"color": RUN_COLOURS[i % len(RUN_COLOURS)],
                                       "dash": DASHES[keys.index(key) % len(DASHES)]},
                              "marker": {"size": 4}})
                 named_keys.add(key)
         if data:
             out.append({"id": f"plot{len(out)}", "title": title, "extra": title in extra_keys, "data": data,
-                        "layout": {"title": {"text": title, "font": {"size": 13}}, "height": 230,
+                        "layout": {"title": {"text": plotly_text(title), "font": {"size": 13}}, "height": 230,
                                    "margin": {"l": 45, "r": 10, "t": 28, "b": 20}, "showlegend": True,
                                    "xaxis": {"dtick": 1} if max_step <= 10 else {},
                                    "legend": {"font": {"size": 9}, "orientation": "h", "y": -0.15}}})
@@ -92,18 +113,22 @@ def token_colour(mode: str, lp: float, tlp: float | None, masked: bool) -> str:
         return "#e8e8e8"
     if mode == "gap":
         return _mix((150, 60, 200), abs(tlp - lp) / 0.5) if tlp is not None else "#ffffff"
-    return _mix((230, 60, 60), 1.0 - math.exp(lp))
+    return _mix((230, 60, 60), 1.0 - math.exp(min(lp, 0.0)))  # a log-prob above 0 (a bad record) overflows exp
 
 
-def episode_view(record: dict, colour_by: str) -> dict:
-    """What the template shows of one trace record: its turns and, per token, text, colour and a
-    tooltip. Handles records written before per-token traces (turns only)."""
+def episode_view(record: dict, colour_by: str, tokens_from: int = 0) -> dict:
+    """What the template shows of one trace record (one that passed `trace_problem`): its turns and,
+    per token of `MAX_TOKENS_SHOWN` from `tokens_from`, text, colour and a tooltip. Handles records
+    written before per-token traces (turns only)."""
     tokens = record.get("tokens")
     toks = []
+    num_tokens = len(tokens["id"]) if tokens else 0
+    shown = range(min(tokens_from, num_tokens), min(tokens_from + MAX_TOKENS_SHOWN, num_tokens))
     if tokens:
-        tlps = tokens.get("tlp") or [None] * len(tokens["id"])
-        for i, (tid, text, m, lp, tlp, ver) in enumerate(zip(tokens["id"], tokens["text"], tokens["mask"],
-                                                            tokens["lp"], tlps, tokens["ver"])):
+        tlps = tokens.get("tlp") or [None] * num_tokens
+        for i in shown:
+            tid, text, m, lp, tlp, ver = (tokens["id"][i], tokens["text"][i], tokens["mask"][i], tokens["lp"][i],
+                                          tlps[i], tokens["ver"][i])
             tip = f"#{i} id {tid} · " + (f"server {lp:.4f} · trainer {tlp:.4f} · Δ {tlp - lp:+.4f} · v{ver}"
                                          if m and tlp is not None else
                                          f"server {lp:.4f} · v{ver}" if m else "loss mask 0 (not trained)")
@@ -116,16 +141,18 @@ def episode_view(record: dict, colour_by: str) -> dict:
             turns.append({"role": turn[0], "text": turn[1]})
         else:  # earlier format of the reflect task: model texts only
             turns.append({"role": "model", "text": str(turn)})
-    gen = [lp for lp, m in zip(tokens["lp"], tokens["mask"]) if m] if tokens else []
-    gaps = ([abs(t - lp) for t, lp, m in zip(tokens["tlp"], tokens["lp"], tokens["mask"]) if m]
+    # Over every token, not only those shown; compress/map keep a 1M-token episode at C speed.
+    gen = list(compress(tokens["lp"], tokens["mask"])) if tokens else []
+    gaps = (list(map(abs, map(operator.sub, compress(tokens["tlp"], tokens["mask"]), gen)))
             if tokens and tokens.get("tlp") else [])
-    versions = sorted({v for v, m in zip(tokens["ver"], tokens["mask"]) if m}) if tokens else []
+    versions = sorted(set(compress(tokens["ver"], tokens["mask"]))) if tokens else []
     return {
         "index": record.get("index", 0), "reward": record.get("reward"), "advantage": record.get("advantage"),
         "finish": record.get("finish"), "answer": record.get("answer"), "gold": record.get("gold"),
         "correct": record.get("correct"), "tool_failures": record.get("tool_failures") or 0,
         "mismatch": is_mismatch(record), "stats": record.get("stats", {}),
-        "prompt": record.get("prompt", ""), "turns": turns, "tokens": toks,
+        "prompt": record.get("prompt", ""), "turns": turns, "tokens": toks, "num_tokens": num_tokens,
+        "tokens_from": shown.start, "tokens_after": num_tokens - shown.stop,
         "gen_tokens": len(gen), "mean_lp": sum(gen) / len(gen) if gen else None,
         "max_gap": max(gaps) if gaps else None, "versions": versions,
     }
@@ -133,75 +160,167 @@ def episode_view(record: dict, colour_by: str) -> dict:
 
 # --- the page ---
 def load_run(run_dir: str, indexes: dict) -> dict:
-    index = indexes.setdefault(run_dir, TraceIndex(os.path.join(run_dir, "traces.jsonl")))
-    index.refresh()
-    rows = read_jsonl_rows(os.path.join(run_dir, "metrics.jsonl"))
+    # setdefault is atomic: two first requests for a run share one index
+    index = indexes.setdefault(run_dir, TraceIndex(os.path.join(run_dir, "traces.jsonl"))).refresh()
+    rows, bad_rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     series = metric_series(rows)
     last_step = max((r["step"] for r in rows if "rollout/reward" in r), default=None)
     tests = {k[len("test/"):]: v for r in rows for k, v in r.items() if k.startswith("test/")}
     return {"dir": run_dir, "name": os.path.basename(os.path.abspath(run_dir)), "series": series, "index": index,
-            "last_step": last_step, "tests": tests}
+            "entries": index.entries, "bad": bad_rows + index.bad, "last_step": last_step,
+            "tests": {k: v if is_number(v) or isinstance(v, str) else str(v) for k, v in tests.items()}}
 
 
-def _number(value: str):
-    try:
-        return float(value) if value not in ("", None) else None
-    except ValueError:
-        return None
+class BadQuery(ValueError):
+    """A URL parameter the page cannot use; the server answers 400 with this message."""
+
+
+def parse_query(query: dict) -> dict:
+    """The page's URL parameters (from parse_qs), checked: integers where an integer is meant,
+    finite numbers for the reward bounds; a BadQuery names the parameter otherwise."""
+    q = lambda k: query.get(k, [""])[0]  # noqa: E731
+
+    def integer(key: str, default=None):
+        try:
+            return int(q(key)) if q(key) != "" else default
+        except ValueError:  # also "nan", "1e309", "1.5" and past 4,300 digits
+            raise BadQuery(f"{key} must be an integer, got {q(key)[:40]!r}") from None
+
+    def number(key: str):
+        try:
+            value = float(q(key)) if q(key) != "" else None
+        except ValueError:
+            raise BadQuery(f"{key} must be a number, got {q(key)[:40]!r}") from None
+        if value is not None and not math.isfinite(value):
+            raise BadQuery(f"{key} must be a finite number, got {q(key)[:40]!r}")
+        return value
+
+    tokens_from = integer("tokens_from", 0)
+    if tokens_from < 0:
+        raise BadQuery(f"tokens_from must be 0 or more, got {tokens_from}")
+    return {"run": integer("run", 0), "step": "all" if q("step") == "all" else integer("step"),
+            "group": integer("group"), "episode": integer("episode"), "tokens_from": tokens_from,
+            "finish": q("finish"), "min_reward": number("min_reward"), "max_reward": number("max_reward"),
+            "tool_failures": q("failures") == "1", "mismatch": q("mismatch") == "1",
+            "colour": "gap" if q("colour") == "gap" else "lp"}
 
 
 def render_page(run_dirs: list[str], query: dict, indexes: dict, plotly_inline: bool = False) -> str:
-    """The whole page for `query` (the URL's parameters: run, step, finish, min_reward, max_reward,
-    failures, mismatch, colour)."""
+    """The whole page for `query` (the URL's parameters: run, step, group, episode, tokens_from, finish,
+    min_reward, max_reward, failures, mismatch, colour). BadQuery for a parameter it cannot use."""
+    params = parse_query(query)
     runs = [load_run(d, indexes) for d in run_dirs]
-    q = lambda k, default="": query.get(k, [default])[0]  # noqa: E731
-    run_i = min(max(int(_number(q("run", "0")) or 0), 0), len(runs) - 1)
+    run_i = min(max(params["run"], 0), len(runs) - 1)
     run = runs[run_i]
-    steps = run["index"].steps()
-    step_arg = q("step", "")
-    step = None if step_arg == "all" else int(_number(step_arg)) if _number(step_arg) is not None else (
+    steps = sorted({e["step"] for e in run["entries"]})
+    step = None if params["step"] == "all" else params["step"] if params["step"] is not None else (
         steps[-1] if steps else None)
-    filters = {"finish": q("finish"), "min_reward": _number(q("min_reward")), "max_reward": _number(q("max_reward")),
-               "tool_failures": q("failures") == "1", "mismatch": q("mismatch") == "1"}
-    colour_by = "gap" if q("colour") == "gap" else "lp"
-    matching = filter_entries(run["index"].entries, step=step, **filters)
+    filters = {k: params[k] for k in ("finish", "min_reward", "max_reward", "tool_failures", "mismatch")}
+    colour_by = params["colour"]
+    matching = filter_entries(run["entries"], step=step, group=params["group"], index=params["episode"], **filters)
     shown = matching[:MAX_EPISODES_SHOWN]
     groups = {}
     for entry, record in zip(shown, run["index"].load(shown)):
+        if record is None:  # the file was replaced since it was indexed
+            run["bad"].append(f"traces.jsonl: the episode at byte {entry['offset']} changed while it was read")
+            continue
         key = (entry["step"], entry["group"])
         if key not in groups:
             groups[key] = {"step": entry["step"], "group": entry["group"], "question": record.get("question"),
                            "gold": record.get("gold"), "episodes": []}
-        groups[key]["episodes"].append(episode_view(record, colour_by))
+        view = episode_view(record, colour_by, params["tokens_from"])
+        link = {"run": run_i, "step": entry["step"], "group": entry["group"], "episode": entry["index"],
+                "colour": colour_by}
+        href = lambda start: "?" + urllib.parse.urlencode({**link, "tokens_from": start})  # noqa: E731
+        view["earlier_href"] = href(max(view["tokens_from"] - MAX_TOKENS_SHOWN, 0))
+        view["more_href"] = href(view["tokens_from"] + MAX_TOKENS_SHOWN)
+        groups[key]["episodes"].append(view)
     for g in groups.values():
         rewards = [e["reward"] for e in g["episodes"] if e["reward"] is not None]
         g["mean_reward"] = sum(rewards) / len(rewards) if rewards else None
-    finishes = sorted({e["finish"] for e in run["index"].entries if e["finish"]})
+    finishes = sorted({e["finish"] for e in run["entries"] if e["finish"]})
     return template().render(
         runs=[{"name": r["name"], "dir": r["dir"], "colour": RUN_COLOURS[i % len(RUN_COLOURS)],
-               "last_step": r["last_step"], "traced": len(r["index"].steps()), "tests": r["tests"]}
+               "last_step": r["last_step"], "traced": len({e["step"] for e in r["entries"]}), "tests": r["tests"],
+               "bad": r["bad"]}
               for i, r in enumerate(runs)],
-        figures=figures(runs), run_i=run_i, steps=steps, step=step_arg if step_arg == "all" else step,
+        figures=figures(runs), run_i=run_i, steps=steps, step="all" if params["step"] == "all" else step,
         finishes=finishes, filters=filters, colour_by=colour_by, groups=list(groups.values()),
-        test_keys=sorted({k for r in runs for k in r["tests"]}), num_matching=len(matching), num_shown=len(shown), generated=time.strftime("%Y-%m-%d %H:%M:%S"),
+        test_keys=sorted({k for r in runs for k in r["tests"]}), num_matching=len(matching), num_shown=len(shown),
+        max_tokens_shown=MAX_TOKENS_SHOWN, generated=time.strftime("%Y-%m-%d %H:%M:%S"),
         plotly_js=plotly_js() if plotly_inline else None)
 
 
 # --- the server ---
-def make_server(run_dirs: list[str], host: str = "127.0.0.1", port: int = 8765) -> ThreadingHTTPServer:
-    indexes, lock = {}, threading.Lock()
+HOST_HEADER = re.compile(r"(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+)(?::([0-9]{1,5}))?")
+
+
+def host_allowed(host_header: str | None, bound_host: str, port: int) -> bool:
+    """Against DNS rebinding (a page of another site whose name it made resolve to 127.0.0.1 reads
+    ours under that name): the Host must be an IP address, localhost or the --host name, with our port.
+    An IP address cannot be rebound, so any is fine."""
+    match = HOST_HEADER.fullmatch(host_header or "")
+    if not match or int(match.group(2) or 80) != port:
+        return False
+    name = match.group(1).lower()
+    if name in ("localhost", bound_host.lower()):
+        return True
+    try:
+        ipaddress.ip_address(name.strip("[]"))
+        return True
+    except ValueError:
+        return False
+
+
+class BoundedThreadingHTTPServer(ThreadingHTTPServer):
+    """A thread per connection, at most `max_connections` at once: past that, accepting waits for a
+    thread to finish (each is bounded by the handler's socket timeout), so a flood of idle
+    connections costs queue slots, not threads."""
+    request_queue_size = 256  # waiting connections queue here (the default 5 drops SYNs: 1 s retries)
+
+    def __init__(self, address, handler, max_connections: int):
+        super().__init__(address, handler)
+        self.slots = threading.BoundedSemaphore(max_connections)
+
+    def process_request(self, request, client_address):
+        self.slots.acquire()
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
+def make_server(run_dirs: list[str], host: str = "127.0.0.1", port: int = 8765, timeout_s: float = SOCKET_TIMEOUT_S,
+                max_connections: int = MAX_CONNECTIONS) -> ThreadingHTTPServer:
+    indexes = {}  # run dir -> TraceIndex; each refreshes under its own lock, pages render in parallel
 
     class Handler(BaseHTTPRequestHandler):
+        timeout = timeout_s  # set on the socket: a client silent this long is dropped (http.server closes it)
+
         def do_GET(self):
+            bound_port = self.server.server_address[1]
+            if not host_allowed(self.headers.get("Host"), host, bound_port):
+                message = (f"Host {self.headers.get('Host', '')[:100]!r} is not this viewer's: open "
+                           f"http://127.0.0.1:{bound_port}/ (other names are refused against DNS rebinding)")
+                return self._send(421, message.encode(), "text/plain; charset=utf-8")
             url = urllib.parse.urlparse(self.path)
             if url.path == "/plotly.min.js":
                 self._send(200, plotly_js().encode(), "application/javascript", cache=True)
             elif url.path == "/":
                 try:
-                    with lock:  # the trace indexes are shared between requests
-                        page = render_page(run_dirs, urllib.parse.parse_qs(url.query), indexes)
-                    self._send(200, page.encode(), "text/html; charset=utf-8")
-                except Exception as e:  # a bad file or query: say so on the page, keep serving
+                    page = render_page(run_dirs, urllib.parse.parse_qs(url.query), indexes)
+                    # errors="replace": a lone surrogate in a record (valid JSON) is a "?", not a 500
+                    self._send(200, page.encode("utf-8", errors="replace"), "text/html; charset=utf-8")
+                except BadQuery as e:
+                    self._send(400, f"<pre>bad query: {html.escape(str(e))}</pre>".encode(), "text/html; charset=utf-8")
+                except Exception as e:  # a bug: say so on the page, keep serving
                     self._send(500, f"<pre>viewer error: {html.escape(repr(e))}</pre>".encode(), "text/html")
             else:
                 self._send(404, b"not found", "text/plain")
@@ -212,12 +331,20 @@ def make_server(run_dirs: list[str], host: str = "127.0.0.1", port: int = 8765) 
             self.send_header("Content-Length", str(len(body)))
             self.send_header("Cache-Control", "max-age=86400" if cache else "no-store")
             self.end_headers()
-            self.wfile.write(body)
+            # In pieces: the socket timeout bounds one sendall as a whole, and a big page through a
+            # slow ssh -L tunnel must not be cut for taking longer than that.
+            for start in range(0, len(body), 1 << 16):
+                self.wfile.write(body[start:start + (1 << 16)])
 
-        def log_message(self, format, *args):  # quiet: one line per request is noise here
+        def send_error(self, code, message=None, explain=None):
+            # http.server answers a method it has no do_X for with 501: here it is a client's error
+            code, message = (405, f"only GET is served, not {self.command[:20]!r}") if code == 501 else (code, message)
+            super().send_error(code, message, explain)
+
+        def log_message(self, format, *args):  # quiet: one line per request (or per timeout) is noise here
             pass
 
-    return ThreadingHTTPServer((host, port), Handler)
+    return BoundedThreadingHTTPServer((host, port), Handler, max_connections)
 
 
 def main(argv=None):
@@ -233,7 +360,7 @@ def main(argv=None):
         if not os.path.exists(d):  # a run about to start: shown once it writes there
             print(f"{d} does not exist yet; it is shown once a run writes metrics.jsonl or traces.jsonl there")
     if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
+        with open(args.out, "w", encoding="utf-8", errors="replace") as f:  # a lone surrogate: "?"
             f.write(render_page(args.run_dirs, {}, {}, plotly_inline=True))
         print(f"wrote {args.out}")
         return

@@ -2,7 +2,10 @@
 index of episodes (read again as the files grow, so a live run shows its new steps) and the filters
 of the trajectory browser."""
 import json
+import math
 import os
+import sys
+import threading
 
 # Plots, in the order a researcher looks: (title, metric names); a panel shows the names a run has.
 PANELS = [
@@ -23,77 +26,160 @@ PANELS = [
 ]
 
 
-def read_jsonl_rows(path: str) -> list[dict]:
-    """Rows of a JSONL file; a last line cut mid-write by a running trainer is skipped."""
-    rows = []
+def decode_line(line: bytes):
+    """One JSON line, or None. errors="replace": a byte that is not UTF-8 becomes U+FFFD and costs
+    nothing else; RecursionError: a line nested thousands deep is not a record either."""
+    try:
+        return json.loads(line.decode("utf-8", errors="replace"))
+    except (ValueError, RecursionError):
+        return None
+
+
+MAX_FLOAT_INT = int(sys.float_info.max)
+
+
+def is_number(value) -> bool:
+    """A JSON number that converts to a float (an integer literal can have any number of digits)."""
+    return type(value) is float or (type(value) in (int, bool) and -MAX_FLOAT_INT <= value <= MAX_FLOAT_INT)
+
+
+def read_metrics(path: str) -> tuple[list[dict], list[str]]:
+    """Rows of metrics.jsonl (JSON objects with an integer step), and why each other line was
+    skipped. A last line cut mid-write by a running trainer is neither."""
+    rows, bad = [], []
     if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                try:
-                    rows.append(json.loads(line))
-                except ValueError:
+        with open(path, "rb") as f:
+            for number, line in enumerate(f, 1):
+                row = decode_line(line)
+                if not line.strip() or (row is None and not line.endswith(b"\n")):
                     continue
-    return rows
+                if not isinstance(row, dict):
+                    bad.append(f"metrics.jsonl line {number}: not a JSON object")
+                elif type(row.get("step")) is not int:
+                    bad.append(f"metrics.jsonl line {number}: step is not an integer")
+                else:
+                    rows.append(row)
+    return rows, bad
 
 
 def metric_series(rows: list[dict]) -> dict[str, tuple[list, list]]:
-    """{metric name: (steps, values)} over the rows of metrics.jsonl (numbers only; `test/*` rows too)."""
+    """{metric name: (steps, values)} over the rows of metrics.jsonl (numbers only; `test/*` rows too).
+    A value that is not a finite float (NaN, inf, an integer past float's range) is a gap (None)."""
     series = {}
     for row in rows:
         for key, value in row.items():
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if key != "step" and type(value) in (int, float):
                 steps, values = series.setdefault(key, ([], []))
                 steps.append(row["step"])
-                values.append(value)
+                values.append(float(value) if is_number(value) and math.isfinite(value) else None)
     return series
+
+
+NUMBER, INT, STR = {int, float, bool}, {int, bool}, {str}
+TOKEN_COLUMNS = {"id": INT, "text": STR, "mask": INT, "lp": NUMBER, "ver": INT}  # and tlp: NUMBER, or null
+
+
+def _column_ok(values: list, types: set) -> bool:
+    # map and set run at C speed: a 1M-token column is checked in tens of ms (a loop: seconds)
+    if not set(map(type, values)) <= types:
+        return False
+    if types is NUMBER:
+        try:
+            list(map(float, values))  # an integer past float's range would break the arithmetic
+        except OverflowError:
+            return False
+    return True
+
+
+def _is_turn(turn) -> bool:  # {role, text}; or earlier formats: [role, text], a model text
+    return (isinstance(turn, dict) and isinstance(turn.get("role"), str) and isinstance(turn.get("text"), str)) or (
+        isinstance(turn, list) and len(turn) == 2 and isinstance(turn[0], str)) or isinstance(turn, str)
+
+
+def trace_problem(record) -> str | None:
+    """Why the viewer cannot show a trace record, or None: every field it reads must have the type
+    docs/traces.md gives it. Records written before per-token traces (turns only) are fine."""
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    for key in ("step", "group", "index", "tool_failures"):
+        if (key == "step" or record.get(key) is not None) and type(record.get(key)) is not int:
+            return f"{key} is not an integer"
+    for key in ("reward", "advantage", "correct"):
+        if record.get(key) is not None and not is_number(record[key]):
+            return f"{key} is not a number"
+    if not isinstance(record.get("finish") or "", str):
+        return "finish is not a string"
+    turns = record.get("turns", [])
+    if not isinstance(turns, list) or not all(map(_is_turn, turns)):
+        return "a turn is not {role, text}"
+    tokens = record.get("tokens")
+    if tokens:
+        if not isinstance(tokens, dict):
+            return "tokens is not an object"
+        columns = dict(TOKEN_COLUMNS, **({"tlp": NUMBER} if tokens.get("tlp") is not None else {}))
+        if not all(isinstance(tokens.get(k), list) for k in columns) or len({len(tokens[k]) for k in columns}) > 1:
+            return "tokens: " + "/".join(columns) + " are not lists of one length"
+        for key, types in columns.items():
+            if not _column_ok(tokens[key], types):
+                return f"tokens.{key} holds a value of another type than docs/traces.md gives"
+    return None
 
 
 class TraceIndex:
     """Where each episode of a traces.jsonl is (byte offset and length) with the few fields the
-    filters need. `refresh()` reads only what was appended since the last call, and starts over when
-    the file was replaced or cut (a resumed run drops the steps after its checkpoint)."""
+    filters need, and why each line that is not a record the viewer can show was skipped. `refresh()`
+    reads only what was appended since the last call, and starts over when the file was replaced or
+    cut (a resumed run drops the steps after its checkpoint). `entries` and `bad` are replaced, never
+    changed in place, so a page reads them without a lock while another request refreshes."""
 
     def __init__(self, path: str):
         self.path = path
         self.entries: list[dict] = []
-        self._read_to = 0
+        self.bad: list[str] = []
+        self._read_to = self._lines = 0
         self._inode = None
+        self._lock = threading.Lock()  # one refresh at a time
 
     def refresh(self):
-        if not os.path.exists(self.path):
-            self.entries, self._read_to, self._inode = [], 0, None
-            return self
-        st = os.stat(self.path)
-        if st.st_ino != self._inode or st.st_size < self._read_to:
-            self.entries, self._read_to, self._inode = [], 0, st.st_ino
-        with open(self.path, "rb") as f:
-            f.seek(self._read_to)
-            offset = self._read_to
-            for line in f:
-                if not line.endswith(b"\n"):  # being written: read it next time
-                    break
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    record = None
-                if isinstance(record, dict) and "step" in record:
-                    self.entries.append(_summary(record, offset, len(line), self.entries))
-                offset += len(line)
-            self._read_to = offset
+        with self._lock:
+            if not os.path.exists(self.path):
+                self.entries, self.bad, self._read_to, self._lines, self._inode = [], [], 0, 0, None
+                return self
+            st = os.stat(self.path)
+            if st.st_ino != self._inode or st.st_size < self._read_to:
+                self.entries, self.bad, self._read_to, self._lines, self._inode = [], [], 0, 0, st.st_ino
+            entries, bad = list(self.entries), list(self.bad)
+            with open(self.path, "rb") as f:
+                f.seek(self._read_to)
+                offset = self._read_to
+                for line in f:
+                    if not line.endswith(b"\n"):  # being written: read it next time
+                        break
+                    self._lines += 1
+                    record = decode_line(line)
+                    problem = trace_problem(record) if line.strip() else None
+                    if problem:
+                        bad.append(f"traces.jsonl line {self._lines}: {problem}")
+                    elif line.strip():
+                        entries.append(_summary(record, offset, len(line), entries))
+                    offset += len(line)
+            self.entries, self.bad, self._read_to = entries, bad, offset
         return self
 
     def steps(self) -> list[int]:
         return sorted({e["step"] for e in self.entries})
 
-    def load(self, entries: list[dict]) -> list[dict]:
-        """The full records of `entries` (from `self.entries`)."""
+    def load(self, entries: list[dict]) -> list[dict | None]:
+        """The full records of `entries` (from `self.entries`); None for one that is no longer there
+        as indexed (the file was replaced since)."""
         records = []
         if not entries:
             return records
         with open(self.path, "rb") as f:
             for e in entries:
                 f.seek(e["offset"])
-                records.append(json.loads(f.read(e["length"])))
+                record = decode_line(f.read(e["length"]))
+                records.append(None if trace_problem(record) or record["step"] != e["step"] else record)
         return records
 
 
@@ -118,12 +204,13 @@ def is_mismatch(entry: dict) -> bool:
     return (correct > 0 and reward <= 0) or (correct <= 0 and reward > 0)
 
 
-def filter_entries(entries: list[dict], *, step=None, finish: str = "", min_reward=None, max_reward=None,
-                   tool_failures: bool = False, mismatch: bool = False) -> list[dict]:
+def filter_entries(entries: list[dict], *, step=None, group=None, index=None, finish: str = "", min_reward=None,
+                   max_reward=None, tool_failures: bool = False, mismatch: bool = False) -> list[dict]:
     """The entries that pass every filter that is set; `step` None = every step."""
     out = []
     for e in entries:
-        if step is not None and e["step"] != step:
+        if (step is not None and e["step"] != step) or (group is not None and e["group"] != group) or (
+                index is not None and e["index"] != index):
             continue
         if finish and e["finish"] != finish:
             continue
