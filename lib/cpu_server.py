@@ -46,8 +46,13 @@ Where it differs from SGLang (docs/sglang_contract.md has SGLang's side):
   also accepts those names).
 - Stricter than SGLang on hostile input, all refused with a 400 before anything runs:
   sampling numbers out of range (`top_k` beyond the vocabulary, `temperature` above
-  MAX_TEMPERATURE, seeds outside int64, ...), NaN/Infinity literals, `rank_offset` 0 (the server
-  would become the broadcast source), non-float dtypes, and names or shapes the model lacks.
+  MAX_TEMPERATURE, seeds outside int64, ...), more than MAX_STOP_STRINGS stop strings or
+  MAX_STOP_CHARS characters of them, strings holding a lone surrogate (`"\ud800"`), NaN/Infinity
+  literals, `rank_offset` 0 (the server would become the broadcast source), non-float dtypes, and
+  names or shapes the model lacks. One group join or distributed receive at a time: another one
+  meanwhile is a 409.
+- `sampling_seed` is hashed (all 64 bits) into the request's generator seed, so a seed gives other
+  samples than SGLang's for the same seed (as every sample here does).
 
 Hostile input (limits are the constants below and the flags): a request body must arrive within
 --body-timeout-s (else 408) and fit --max-body-mb (else 413); a `text` longer than the context could
@@ -62,18 +67,21 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import math
 import os
+import re
 import reprlib
 import stat
+import threading
 import time
 import uuid
 
 import torch
 from aiohttp import web
 
-from lib.http_body import BadRequest, read_json_body
+from lib.http_body import BadRequest, parse_json_body, read_body
 
 logger = logging.getLogger("cpu_server")
 
@@ -86,6 +94,11 @@ MAX_TEMPERATURE = 100.0  # far above any useful value; bounded so logits / tempe
 MAX_NEW_TOKENS = 2**31 - 1  # int32, as SGLang's tensors; the context length bounds it further
 SGLANG_TOP_K_ALL = 1 << 30  # SGLang's default top_k, meaning the whole vocabulary, as -1 does
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+# Every running row's stop strings are checked after every step, on the one thread all rows share:
+# bounded so that one request cannot slow its batch-mates (3M stop strings made a 16-token request
+# beside it take 4 s instead of 0.07 s).
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024  # all of one request's stop strings together
 MAX_WORLD_SIZE = 2**16
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16", "float64")  # what a weight update may send
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's /release_memory_occupation tags
@@ -202,13 +215,21 @@ def parse_sampling_params(raw, vocab_size: int) -> SamplingParams:
             _check_type(name, value, bool)
         elif name == "stop":
             value = [value] if isinstance(value, str) else value
+            if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
+                raise BadRequest(f"sampling_params.stop holds {len(value)} stop strings; at most {MAX_STOP_STRINGS}")
             if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
                 raise BadRequest("sampling_params.stop must be a string or a list of strings")
+            chars = sum(map(len, value))
+            if chars > MAX_STOP_CHARS:
+                raise BadRequest(f"sampling_params.stop holds {chars} characters; at most {MAX_STOP_CHARS} in all "
+                                 f"its strings")
             value = [s for s in value if s]
         elif name == "stop_token_ids":
             value = [value] if isinstance(value, int) and not isinstance(value, bool) else value
             if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
                 raise BadRequest("sampling_params.stop_token_ids must be a list of integers")
+            # A set, looked up once a step; ids outside the vocabulary can never be sampled.
+            value = {t for t in value if 0 <= t < vocab_size}
         setattr(params, name, value)
     if params.min_new_tokens > params.max_new_tokens:
         raise BadRequest(f"sampling_params.min_new_tokens must be in [0, max_new_tokens={params.max_new_tokens}], "
@@ -510,9 +531,9 @@ class Runner:
             return {"type": "length", "length": r.max_new_tokens}
         token = r.output_ids[-1]
         if r.params.stop:
-            # A stop string of n characters spans at most n tokens (each token decodes to >= 1
-            # byte, 4 per character at most); decoding only that tail keeps the check O(1) per step.
-            tail_tokens = 4 * max(len(s) for s in r.params.stop) + 2
+            # A stop string of n UTF-8 bytes spans at most n tokens (each token decodes to >= 1
+            # byte); decoding only that tail keeps the check O(1) per step.
+            tail_tokens = max(len(s.encode()) for s in r.params.stop) + 2
             tail = self.decode(r.output_ids[-tail_tokens:], r.params)
             for stop in r.params.stop:
                 if stop in tail:
@@ -618,6 +639,43 @@ def _read_regular_file(path: str) -> bytes:
         return f.read()
 
 
+def _on_daemon_thread(fn) -> asyncio.Future:
+    """fn() on a new daemon thread, as a future of the running loop. For a call that may never
+    return: torch's TCPStore client waits for the store's first reply with no timeout (torch 2.13),
+    so a join to a listener that never answers would hold an executor's thread, and the process's
+    exit, for good. Such a thread is left behind instead (one per --weight-sync-timeout-s at most,
+    since joins go one at a time) until the listener closes its connection."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result, error):
+        if future.done():
+            return
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+
+    def run():
+        try:
+            result, error = fn(), None
+        except Exception as e:
+            result, error = None, e
+        with contextlib.suppress(RuntimeError):  # the loop has closed meanwhile
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="weight-group-join", daemon=True).start()
+    return future
+
+
+def _generator_seed(sampling_seed: int) -> int:
+    """A 64-bit generator seed that depends on every bit of the int64 `sampling_seed`: torch's CPU
+    generator (mt19937) keeps only the low 32 bits of its seed, so 1, 2**32 + 1 and -2**63 + 1 would
+    sample alike. Distinct seeds now collide only by chance (2**-32 for a pair, on CPU)."""
+    digest = hashlib.blake2b(sampling_seed.to_bytes(8, "little", signed=True), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
 def _resolve_dtype(dtype: str, device: str) -> torch.dtype:
     if dtype == "auto":
         # float32 on CPU: bf16 matmuls there are slow and their log-probs drift from the trainer's.
@@ -641,6 +699,11 @@ class Server:
         self.runner = Runner(args)
         self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model")
         self.tokenizer_worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        # Group joins and receives wait on the trainer: one at a time, never on the default executor,
+        # which reads checkpoints (six joins to a listener that never answered once left
+        # /update_weights_from_disk unanswered for 600 s). Receives run here; joins on their own thread.
+        self.group_worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weight-group")
+        self.group_op: str | None = None  # the one running, e.g. "joining group 'g' at host:port"
         self.weight_version = args.weight_version
         self.model_path = args.model_path
         self.waiting: list[Request] = []
@@ -656,6 +719,20 @@ class Server:
 
     async def run_on_worker(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
+
+    @contextlib.asynccontextmanager
+    async def one_group_op(self, what: str):
+        """Run the block as the only group operation (join or receive); a second one is refused
+        with a 409 instead of waiting behind a trainer that may never come."""
+        if self.group_op is not None:
+            raise BadRequest(f"the server is already {self.group_op}; one weight-group operation at a time: "
+                             f"retry when it ends (it gives up after --weight-sync-timeout-s "
+                             f"{self.args.weight_sync_timeout_s} s)", 409)
+        self.group_op = what
+        try:
+            yield
+        finally:
+            self.group_op = None
 
     # -- scheduler --
     async def scheduler(self):
@@ -818,7 +895,7 @@ class Server:
                           return_text_in_logprobs=flags["return_text_in_logprobs"], max_new_tokens=max_new,
                           created_s=now, deadline_s=now + self.args.request_timeout_s, future=loop.create_future())
             if p.sampling_seed is not None:
-                req.generator = torch.Generator(self.runner.device).manual_seed(p.sampling_seed)
+                req.generator = torch.Generator(self.runner.device).manual_seed(_generator_seed(p.sampling_seed))
             requests.append(req)
         return requests, is_batch
 
@@ -894,12 +971,36 @@ def _refuse_constant(name: str):
     raise BadRequest(f"{name} is not a JSON number; send finite numbers")
 
 
+# UTF-8 cannot carry a surrogate, so only a JSON escape (\ud800) can put one into a string.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _check_unicode(value, field: str = ""):
+    """A 400 naming the field of the first string that holds a lone surrogate (an escape not part of
+    a pair): not text, it cannot be encoded to UTF-8, and the tokenizer raised on it (a 500)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise BadRequest(f"{field or 'the body'} holds a lone UTF-16 surrogate ({value[e.start]!r} at character "
+                             f"{e.start}); send valid Unicode text")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_unicode(item, f"{field}[{i}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key, f"a field name in {field or 'the body'}")
+            _check_unicode(item, f"{field}.{key}" if field else key)
+
+
 async def _json_body(request: web.Request, allow_empty: bool = True):
-    body = await read_json_body(request, max_body_bytes=request.app[MAX_BODY_BYTES],
-                                timeout_s=request.app[BODY_TIMEOUT_S], too_large_hint="raise the server's --max-body-mb",
-                                allow_empty=allow_empty, parse_constant=_refuse_constant)
+    raw = await read_body(request, max_body_bytes=request.app[MAX_BODY_BYTES], timeout_s=request.app[BODY_TIMEOUT_S],
+                          too_large_hint="raise the server's --max-body-mb")
+    body = parse_json_body(raw, allow_empty=allow_empty, parse_constant=_refuse_constant)
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw):  # walked only then: a body of millions of token ids costs nothing extra
+        _check_unicode(body)
     return body
 
 
@@ -1071,16 +1172,27 @@ def build_app(server: Server) -> web.Application:
                                       f"destroy it first"}, status=400)
         if backend == "nccl" and runner.device.type == "cpu":
             backend = "gloo"  # NCCL cannot move CPU tensors; a CPU server always takes part over gloo.
-        from lib.process_group import init_custom_process_group
+        from lib.process_group import destroy_custom_process_group, init_custom_process_group
 
-        def join():
-            return init_custom_process_group(backend, f"tcp://{addr}:{port}", world_size, rank_offset, group_name,
-                                             timeout_s=server.args.weight_sync_timeout_s)
-        try:  # blocks until the trainer joins: off the event loop and off the model thread
-            server.groups[group_name] = await asyncio.get_running_loop().run_in_executor(None, join)
-        except Exception as e:
-            return web.json_response({"success": False,
-                                      "message": f"Failed to initialize custom process group: {e}."}, status=400)
+        timeout_s = server.args.weight_sync_timeout_s
+        async with server.one_group_op(f"joining group {group_name!r} at {addr}:{port}"):
+            # Blocks until the trainer joins, off the event loop and off the model thread. torch's own
+            # timeout does not cover the store's first reply, so the wait is bounded here too.
+            joined = _on_daemon_thread(lambda: init_custom_process_group(
+                backend, f"tcp://{addr}:{port}", world_size, rank_offset, group_name, timeout_s=timeout_s))
+            try:
+                server.groups[group_name] = await asyncio.wait_for(asyncio.shield(joined), timeout_s)
+            except asyncio.TimeoutError:
+                def leave_late_group(done):  # a join that succeeds after we answered must not stay
+                    if done.exception() is None:
+                        destroy_custom_process_group(done.result())
+                joined.add_done_callback(leave_late_group)
+                return web.json_response({"success": False, "message": f"Failed to initialize custom process group: "
+                                          f"nothing at {addr}:{port} answered as the trainer's store within "
+                                          f"--weight-sync-timeout-s {timeout_s} s."}, status=400)
+            except Exception as e:
+                return web.json_response({"success": False,
+                                          "message": f"Failed to initialize custom process group: {e}."}, status=400)
         return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
 
     async def update_weights_from_distributed(request):
@@ -1128,15 +1240,16 @@ def build_app(server: Server) -> web.Application:
             for h in handles:
                 h.wait()
             return list(zip(names, tensors))
-        try:
-            async with server.exclusive_update(abort_all):
-                # Received off the model thread (paused in-place rows and the event loop carry on),
-                # then copied in one go between steps: no forward ever sees half-updated weights.
-                named = await asyncio.get_running_loop().run_in_executor(None, receive)
-                await server.run_on_worker(runner.copy_named_tensors, named)
-        except Exception as e:
-            return web.json_response({"success": False, "message": f"Failed to update parameter online: {e}."},
-                                     status=400)
+        async with server.one_group_op(f"receiving {len(names)} tensors on group {group_name!r}"):
+            try:
+                async with server.exclusive_update(abort_all):
+                    # Received off the model thread (paused in-place rows and the event loop carry on),
+                    # then copied in one go between steps: no forward ever sees half-updated weights.
+                    named = await asyncio.get_running_loop().run_in_executor(server.group_worker, receive)
+                    await server.run_on_worker(runner.copy_named_tensors, named)
+            except Exception as e:
+                return web.json_response({"success": False, "message": f"Failed to update parameter online: {e}."},
+                                         status=400)
         if version is not None:
             server.weight_version = version
         return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
@@ -1220,8 +1333,8 @@ def build_app(server: Server) -> web.Application:
 
     async def on_cleanup(app):
         app[SCHEDULER_TASK].cancel()
-        server.worker.shutdown(wait=False, cancel_futures=True)
-        server.tokenizer_worker.shutdown(wait=False, cancel_futures=True)
+        for executor in (server.worker, server.tokenizer_worker, server.group_worker):
+            executor.shutdown(wait=False, cancel_futures=True)
 
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)

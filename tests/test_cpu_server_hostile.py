@@ -481,3 +481,128 @@ def test_any_weight_update_body_gets_a_2xx_or_4xx_and_leaves_the_weights_as_they
     event(f"{path} HTTP {r.status_code}")
     assert r.status_code < 500, r.text[:500]
     assert fingerprint(server) == baseline  # every body is refused, or an update of nothing
+
+
+# --- 9. round 2: lone surrogates, silent trainers, stop-string floods, 64-bit seeds ---
+
+def _has_lone_surrogate(text: str) -> bool:
+    """What the server sees after JSON: adjacent high and low surrogates are one character again."""
+    try:
+        json.loads(json.dumps(text)).encode("utf-8")
+        return False
+    except UnicodeEncodeError:
+        return True
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/generate", {"text": "\ud800"}, "text"),
+    ("/generate", {"text": ["ok", "a\udfffb"]}, "text[1]"),
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"stop": "\ud800"}}, "sampling_params.stop"),
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"stop": ["x", "\udc00"]}}, "sampling_params.stop[1]"),
+    ("/generate", {"input_ids": [1, 2], "rid": "r\ud800"}, "rid"),
+    ("/update_weight_version", {"new_version": "\ud800"}, "new_version"),
+    ("/update_weights_from_disk", {"model_path": "/tmp", "weight_version": "v\ud800"}, "weight_version"),
+])
+def test_a_lone_surrogate_in_a_string_is_a_400_naming_the_field(server, baseline, path, body, field):
+    r = post(server, path, body)
+    assert r.status_code == 400 and field in message(r) and "surrogate" in message(r), r.text[:300]
+    assert fingerprint(server) == baseline
+
+
+@PROPERTY
+@given(field=st.sampled_from(["text", "text[1]", "sampling_params.stop", "sampling_params.stop[1]", "rid"]),
+       text=st.text(st.one_of(st.characters(categories=["Cs"]), st.characters(max_codepoint=0x1F600)), max_size=6))
+def test_any_string_with_a_lone_surrogate_is_a_400_naming_its_field_and_any_other_is_generated(server, field, text):
+    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+    if field.startswith("text"):
+        body = {"text": text if field == "text" else ["ok", text], "sampling_params": body["sampling_params"]}
+    elif field.startswith("sampling_params.stop"):
+        body["sampling_params"]["stop"] = text if field == "sampling_params.stop" else ["x", text]
+    else:
+        body["rid"] = text
+    r = send_json(server, "/generate", body)
+    if _has_lone_surrogate(text):
+        assert r.status_code == 400 and field in message(r), r.text[:300]
+    else:  # an empty text has no token to start from
+        assert r.status_code == 200 or (r.status_code == 400 and "input_ids is empty" in message(r)), r.text[:300]
+
+
+def test_joins_to_a_trainer_that_never_answers_go_one_at_a_time_and_a_weight_update_still_answers(server, model_dir):
+    # More joins than the default executor has threads on any machine (at most 32); each would wait
+    # for the trainer until --weight-sync-timeout-s (5 s here).
+    with socket.create_server(("127.0.0.1", 0), backlog=64) as silent:  # the kernel accepts; nobody answers
+        body = {"master_address": "127.0.0.1", "master_port": silent.getsockname()[1], "rank_offset": 1,
+                "world_size": 2, "backend": "gloo"}
+        joins = [_in_background(post, server, "/init_weights_update_group", {**body, "group_name": f"silent-{i}"})
+                 for i in range(40)]
+        deadline = time.monotonic() + 2
+        while sum(j.done() for j in joins) < len(joins) - 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        r = post(server, "/update_weights_from_disk", {"model_path": model_dir}, timeout=3)
+        assert r.status_code == 200 and r.json()["success"] and time.monotonic() - t0 < 3
+        answers = [j.result(timeout=TIMEOUT_S) for j in joins]  # the one that waited gives up after 5 s
+    refused = [r for r in answers if r.status_code == 409]
+    assert len(refused) == 39 and all("already joining group 'silent-" in message(r) for r in refused)
+    assert [r.json()["success"] for r in answers if r.status_code != 409] == [False]
+
+
+@pytest.mark.parametrize("stop, fragment", [
+    pytest.param([f"s{i}" for i in range(65)], "65 stop strings", id="65-strings"),
+    pytest.param(["x" * 1025], "1025 characters", id="1025-characters"),
+    pytest.param(["x" * 600, "y" * 425], "1025 characters", id="1025-characters-in-two"),
+])
+def test_stop_strings_past_the_count_or_length_limit_are_a_400_naming_the_limit(server, stop, fragment):
+    r = post(server, "/generate", {"input_ids": [1, 2], "sampling_params": {"stop": stop, "max_new_tokens": 2}})
+    assert r.status_code == 400 and "sampling_params.stop" in message(r) and fragment in message(r), r.text[:300]
+
+
+@PROPERTY
+@given(stop=st.one_of(st.integers(60, 70).flatmap(lambda n: st.lists(st.text(max_size=4), min_size=n, max_size=n)),
+                      st.lists(st.text(min_size=200, max_size=600), min_size=1, max_size=4),
+                      st.lists(st.text(max_size=40), max_size=80)))
+def test_stop_strings_within_64_and_1024_characters_are_taken_and_more_are_a_400(server, stop):
+    r = send_json(server, "/generate", {"input_ids": [1, 2], "sampling_params": {"stop": stop, "max_new_tokens": 1}})
+    within = len(stop) <= 64 and sum(map(len, stop)) <= 1024
+    assert r.status_code == (200 if within else 400), r.text[:300]
+
+
+def _sixteen_greedy_tokens_s(url) -> float:
+    t0 = time.monotonic()
+    r = post(url, "/generate", {"input_ids": [5, 17, 42], "sampling_params": {"max_new_tokens": 16, "temperature": 0,
+                                                                              "ignore_eos": True}})
+    assert r.status_code == 200
+    return time.monotonic() - t0
+
+
+def test_a_flood_of_stop_strings_is_refused_and_its_batch_mate_is_not_slowed(server):
+    alone_s = min(_sixteen_greedy_tokens_s(server) for _ in range(3))
+    params = {"stop": [f"s{i}" for i in range(300_000)], "max_new_tokens": 64, "temperature": 0, "ignore_eos": True}
+    flood = json.dumps({"input_ids": [5, 17, 42], "sampling_params": params}).encode()
+    hostile = _in_background(post_raw, server, "/generate", flood)
+    time.sleep(0.5)
+    beside_s = _sixteen_greedy_tokens_s(server)
+    print(f"16 greedy tokens: alone {alone_s:.3f} s, beside 300,000 stop strings {beside_s:.3f} s")
+    assert beside_s < 3 * alone_s + 0.2, (alone_s, beside_s)
+    assert hostile.result().status_code == 400
+
+
+def _sampled(url, seed: int) -> list:
+    r = post(url, "/generate", {"input_ids": [5, 17, 42], "sampling_params": {
+        "max_new_tokens": 16, "temperature": 1.0, "ignore_eos": True, "sampling_seed": seed}})
+    assert r.status_code == 200, r.text
+    return r.json()["output_ids"]
+
+
+def test_seeds_that_share_their_low_32_bits_sample_differently(server):
+    samples = [_sampled(server, seed) for seed in (1, 2**32 + 1, -2**63 + 1)]
+    assert len({tuple(s) for s in samples}) == 3, samples
+    assert _sampled(server, 2**32 + 1) == samples[1]  # and a seed still reproduces its sample
+
+
+@settings(parent=PROPERTY, max_examples=25)
+@given(low=st.integers(0, 2**32 - 1),
+       highs=st.lists(st.integers(-2**31, 2**31 - 1), min_size=2, max_size=2, unique=True))
+def test_any_two_int64_seeds_with_equal_low_32_bits_sample_differently(server, low, highs):
+    a, b = (high * 2**32 + low for high in highs)
+    assert _sampled(server, a) != _sampled(server, b)

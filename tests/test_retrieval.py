@@ -5,6 +5,7 @@ One server (over a 2,000-passage synthetic corpus) serves the module; the recall
 default-size corpus in-process.
 """
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -18,6 +19,7 @@ import requests
 
 from lib.retrieval import (access_page, bm25_search, build_app, launch_retrieval_server, load_bm25, parse_args,
                            read_corpus)
+from lib.launch import free_port
 from lib.wiki_data import build_wiki_data, read_jsonl
 
 TIMEOUT_S = 30
@@ -331,6 +333,47 @@ def test_a_search_past_the_request_timeout_gets_a_503(index):
 
     status, body = asyncio.run(run())
     assert status == 503 and "--request-timeout-s" in body["error"]
+
+
+def test_partial_header_connections_past_the_fd_limit_are_closed_and_a_query_answers_with_a_small_log(
+        small, index, tmp_path):
+    # 160 connections that send half a request head and go silent, to a server allowed 128 file
+    # descriptors: it runs out of them, and answers again once its idle timeout (1 s) closes them.
+    log_path = tmp_path / "retrieval.log"
+    port = free_port()
+    command = ["bash", "-c", 'ulimit -n 128 && exec "$0" "$@"', sys.executable, "-m", "lib.retrieval",
+               "--corpus", small["corpus"], "--port", str(port), "--idle-timeout-s", "1"]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    address = f"http://127.0.0.1:{port}"
+    silent = []
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while process.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(requests.ConnectionError):
+                if requests.get(address + "/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.1)
+        start_s = time.monotonic()
+        for _ in range(160):
+            with contextlib.suppress(OSError):
+                silent.append(socket.create_connection(("127.0.0.1", port), timeout=2))
+                silent[-1].sendall(b"POST /retrieve HTTP/1.1\r\nHost: x\r\n")
+        r = requests.post(address + "/retrieve", json={"queries": ["born"], "topk": 1}, timeout=TIMEOUT_S)
+        answered_s = time.monotonic() - start_s
+        assert r.status_code == 200 and len(r.json()["result"][0]) == 1
+        assert answered_s < 5, f"a query waited {answered_s:.1f} s"
+        silent[0].settimeout(5)
+        assert silent[0].recv(100) == b""  # closed by the server, which sent nothing
+        time.sleep(1)
+        log = log_path.read_text()
+        print(f"a query beside 160 half-sent request heads answered in {answered_s:.1f} s; {len(log)} characters of log")
+        assert "out of file descriptors" in log and len(log) < 5000, f"{len(log)} characters of log:\n{log[:1500]}"
+    finally:
+        for s in silent:
+            s.close()
+        process.terminate()
+        process.wait()
 
 
 # --- launcher ---
