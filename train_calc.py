@@ -31,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 from lib.actor import Actor, equal_reward_groups, grpo_advantages, logprob_mismatch, read_checkpoint_extra
-from lib.async_rollout import BackgroundLoop, gather_groups
+from lib.async_rollout import BackgroundLoop, gather_groups, in_thread, rollout_deadline_s, with_deadline
 from lib.client import InferenceClient, model_eos_ids
 from lib.config import load_config, to_dict
 from lib.launch import launch_cpu_server, launch_sglang
@@ -74,6 +74,12 @@ class Config:
     stop_token_ids: list = field(default_factory=list)  # ids that end a turn; [] = the model's EOS set (tokenizer + generation_config)
     temperature: float = 1.0
     apply_chat_template: bool = True  # wrap the prompt in the tokenizer's chat template
+    # One episode's deadline, from its start (which includes waiting for the server behind every other
+    # episode started with it): past it the episode is cancelled and its group fails, counted in
+    # rollout/failed_groups, instead of hanging the run; 0 = none. The longest wait of the embedded default
+    # is the test evaluation's, 500 episodes at once: 137 s on 2 busy CPU cores with every episode at its
+    # 256-token budget (the untrained model). Raise it for big evaluations on a slow server.
+    episode_timeout_s: float = 600.0
     # --- reward ---
     reward_timeout_s: float = 5.0  # per call; a timeout scores 0 and is counted
     reward_workers: int = 1  # processes of the reward pool
@@ -253,7 +259,9 @@ async def arun_episode(client: InferenceClient, tokenizer, reward_pool: RewardPo
             if expression is None:  # the turn ended at EOS (the answer) or at the context budget
                 finish = "max_tokens" if gen.finish_reason == "length" else "answer"
                 break
-            result = calculate(expression)
+            # In a thread, off the event loop: a tool that hangs then stops only its own episode, at its
+            # deadline (episode_timeout_s), not every episode of the step.
+            result = await in_thread(calculate, expression)
             calls, errors = calls + 1, errors + result.startswith("error")
             texts.append(("tool", result))
             result_ids = tokenizer(RESULT_TEMPLATE.format(result), add_special_tokens=False)["input_ids"]
@@ -285,8 +293,10 @@ async def arun_episode(client: InferenceClient, tokenizer, reward_pool: RewardPo
 
 # --- group rollout ---
 async def rollout_group(client, tokenizer, reward_pool, cfg, item, temperature, group_size) -> list[dict]:
+    # Each episode under its deadline: one that runs past it fails the group (dropped and counted).
     return list(await asyncio.gather(*[
-        arun_episode(client, tokenizer, reward_pool, cfg, item, temperature) for _ in range(group_size)]))
+        with_deadline(arun_episode(client, tokenizer, reward_pool, cfg, item, temperature), cfg.episode_timeout_s, item)
+        for _ in range(group_size)]))
 
 
 async def rollout_groups(client, tokenizer, reward_pool, cfg, items, temperature, group_size):
@@ -465,13 +475,18 @@ def main(config: str | None = "configs/calc_tiny.yaml", **overrides):
     trace_file = open(continue_jsonl(os.path.join(cfg.run_dir, "traces.jsonl"), resume_step), "a")
     episode_args = (client, tokenizer, reward_pool, cfg)
 
+    def run_rollout(rollout, what: str):
+        # A rollout starts all its episodes at once, so it ends by their deadline; if not, the event
+        # loop is stuck: the run stops, naming the episodes still running and where each is.
+        return run(rollout, timeout_s=rollout_deadline_s(cfg.episode_timeout_s), what=what)
+
     try:
         if step == 0 and cfg.eval_every:
-            metrics = run(evaluate(*episode_args, dev_items))
+            metrics = run_rollout(evaluate(*episode_args, dev_items), "the step-0 evaluation")
             logger.log(0, {f"eval/{k}": v for k, v in metrics.items()})
             print(f"step 0 dev: {metrics}")
         if step == 0 and cfg.test_at_start:
-            metrics = run(evaluate(*episode_args, test_items))
+            metrics = run_rollout(evaluate(*episode_args, test_items), "the test evaluation")
             logger.log(0, {f"test/{k}": v for k, v in metrics.items()})
             print(f"test before training: {metrics}")
         progress = tqdm(total=cfg.max_steps, initial=step, desc="GRPO")
@@ -481,10 +496,11 @@ def main(config: str | None = "configs/calc_tiny.yaml", **overrides):
                 s.check()
             reward_timeouts, reward_failures = reward_pool.num_timeouts, reward_pool.num_failures
             # 1. rollout: group_size episodes per question. A group with a failed episode (server
-            # error, abort) is dropped and counted, never trained on.
+            # error, abort, past episode_timeout_s) is dropped and counted, never trained on.
             items = [item_at(data_position + i) for i in range(cfg.batch_size)]
             try:
-                groups, failed_groups = run(rollout_groups(*episode_args, items, cfg.temperature, cfg.group_size))
+                groups, failed_groups = run_rollout(
+                    rollout_groups(*episode_args, items, cfg.temperature, cfg.group_size), f"step {step + 1}'s rollout")
             except RuntimeError:
                 for s in supervisors:
                     s.check()  # a dead server is the clearer cause
@@ -553,7 +569,7 @@ def main(config: str | None = "configs/calc_tiny.yaml", **overrides):
                 **{f"loss/{k}": v for k, v in stats.items()},
             }
             if cfg.eval_every and step % cfg.eval_every == 0:
-                ev = run(evaluate(*episode_args, dev_items))
+                ev = run_rollout(evaluate(*episode_args, dev_items), f"step {step}'s evaluation")
                 metrics.update({f"eval/{k}": v for k, v in ev.items()})
                 tqdm.write(f"step {step} dev: {ev}")
             logger.log(step, metrics)
@@ -574,7 +590,7 @@ def main(config: str | None = "configs/calc_tiny.yaml", **overrides):
                     "numpy_rng": np.random.get_state(), "torch_rng": torch.get_rng_state()})
         progress.close()
 
-        test_metrics = run(evaluate(*episode_args, test_items))
+        test_metrics = run_rollout(evaluate(*episode_args, test_items), "the test evaluation")
         logger.log(step, {f"test/{k}": v for k, v in test_metrics.items()})
         print(f"test after {step} steps: {test_metrics}")
         actor.save_hf(os.path.join(cfg.run_dir, "final"))

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from lib.actor import Actor, equal_reward_groups, grpo_advantages, logprob_mismatch, read_checkpoint_extra
-from lib.async_rollout import BackgroundLoop, RolloutProducer, gather_groups
+from lib.async_rollout import BackgroundLoop, RolloutProducer, gather_groups, rollout_deadline_s, with_deadline
 from lib.client import InferenceClient, model_eos_ids
 from lib.config import load_config, to_dict
 from lib.launch import launch_cpu_server, launch_sglang
@@ -85,6 +85,12 @@ class Config:
     stop_token_ids: list = field(default_factory=list)  # ids that end a turn; [] = the model's EOS set (tokenizer + generation_config)
     temperature: float = 1.0
     apply_chat_template: bool = True  # wrap prompts in the tokenizer's chat template
+    # One episode's deadline, from its start (which includes waiting for the server behind every other
+    # episode started with it): past it the episode is cancelled and its group fails, counted in
+    # rollout/failed_groups, instead of hanging the run; 0 = none. The longest wait of the embedded default
+    # is the test evaluation's, 500 episodes at once: 105 s on 2 busy CPU cores with every turn at its
+    # 64-token budget (the untrained model). In async mode it also spans the updates an episode overlaps.
+    episode_timeout_s: float = 600.0
     # --- reward ---
     reward_timeout_s: float = 5.0  # per call; a timeout scores 0 and is counted
     reward_workers: int = 1  # processes of the reward pool
@@ -412,8 +418,10 @@ async def arun_episode_openai(proxy: OpenAIProxy, tokenizer, reflection_ids, rew
 # --- group rollout ---
 async def rollout_group(client, tokenizer, reflection_ids, reward_pool, cfg, item, temperature, group_size) -> list[dict]:
     episode = arun_episode_openai if cfg.agent == "openai" else arun_episode  # `client` is then the proxy
+    # Each episode under its deadline: one that runs past it fails the group (dropped and counted).
     return list(await asyncio.gather(*[
-        episode(client, tokenizer, reflection_ids, reward_pool, cfg, item, temperature) for _ in range(group_size)]))
+        with_deadline(episode(client, tokenizer, reflection_ids, reward_pool, cfg, item, temperature),
+                      cfg.episode_timeout_s, item) for _ in range(group_size)]))
 
 
 async def rollout_groups(client, tokenizer, reflection_ids, reward_pool, cfg, items, temperature, group_size):
@@ -697,13 +705,19 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
     # the middle of a rollout (0.1-0.3 s each; the openai agent's SDK allocates enough to trigger one
     # every few hundred requests: docs/benchmarks.md).
     gc.freeze()
+
+    def run_rollout(rollout, what: str):
+        # A rollout starts all its episodes at once, so it ends by their deadline; if not, the event
+        # loop is stuck: the run stops, naming the episodes still running and where each is.
+        return run(rollout, timeout_s=rollout_deadline_s(cfg.episode_timeout_s), what=what)
+
     try:
         if is_main and step == 0 and cfg.eval_every:
-            metrics = run(evaluate(*episode_args, dev_items))
+            metrics = run_rollout(evaluate(*episode_args, dev_items), "the step-0 evaluation")
             logger.log(0, {f"eval/{k}": v for k, v in metrics.items()})
             print(f"step 0 dev: {metrics}")
         if is_main and step == 0 and cfg.test_at_start:
-            metrics = run(evaluate(*episode_args, test_items))
+            metrics = run_rollout(evaluate(*episode_args, test_items), "the test evaluation")
             logger.log(0, {f"test/{k}": v for k, v in metrics.items()})
             print(f"test before training: {metrics}")
         if producer is not None:
@@ -719,12 +733,14 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
                 reward_timeouts, reward_failures = reward_pool.num_timeouts, reward_pool.num_failures
                 # 1. rollout: sync mode runs this step's groups now; async mode takes groups that have
                 # been generating in the background, dropping any that are too stale.
-                # A group with a failed episode (server error, abort) is dropped and counted, never trained on.
+                # A group with a failed episode (server error, abort, past episode_timeout_s) is dropped
+                # and counted, never trained on.
                 if producer is None:
                     items = [item_at(data_position + i) for i in range(cfg.batch_size)]
                     try:
-                        groups, failed_groups = run(rollout_groups(*episode_args, items, cfg.temperature,
-                                                                   cfg.group_size))
+                        groups, failed_groups = run_rollout(
+                            rollout_groups(*episode_args, items, cfg.temperature, cfg.group_size),
+                            f"step {step + 1}'s rollout")
                     except RuntimeError:
                         for s in supervisors:
                             s.check()  # a dead server is the clearer cause
@@ -732,7 +748,7 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
                     data_position += cfg.batch_size
                 else:
                     failed_before = producer.num_failed
-                    groups = producer.get_groups(cfg.batch_size)
+                    groups = producer.get_groups(cfg.batch_size, timeout_s=rollout_deadline_s(cfg.episode_timeout_s))
                     failed_groups = producer.num_failed - failed_before
                     data_position = producer.data_position()
                 episodes = [e for g in groups for e in g]
@@ -830,7 +846,7 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
                     metrics["perf/gpu_free_gb"] = torch.cuda.mem_get_info(actor.device)[0] / 1e9
                     torch.cuda.reset_peak_memory_stats(actor.device)
                 if cfg.eval_every and step % cfg.eval_every == 0:
-                    ev = run(evaluate(*episode_args, dev_items))
+                    ev = run_rollout(evaluate(*episode_args, dev_items), f"step {step}'s evaluation")
                     metrics.update({f"eval/{k}": v for k, v in ev.items()})
                 logger.log(step, metrics)
                 progress.update(1)
@@ -856,7 +872,7 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
 
         test_metrics = None
         if is_main:
-            test_metrics = run(evaluate(*episode_args, test_items))
+            test_metrics = run_rollout(evaluate(*episode_args, test_items), "the test evaluation")
             logger.log(step, {f"test/{k}": v for k, v in test_metrics.items()})
             print(f"test after {step} steps: {test_metrics}")
         actor.save_hf(os.path.join(cfg.run_dir, "final"))

@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from lib.actor import (Actor, equal_reward_groups, grpo_advantages, logprob_mismatch, merge_stats, minibatch_rows,
                        read_checkpoint_extra)
-from lib.async_rollout import BackgroundLoop, RolloutProducer, gather_groups
+from lib.async_rollout import BackgroundLoop, RolloutProducer, gather_groups, rollout_deadline_s, with_deadline
 from lib.client import InferenceClient, model_eos_ids
 from lib.config import load_config, to_dict
 from lib.launch import launch_cpu_server, launch_sglang
@@ -89,6 +89,13 @@ class Config:
     temperature: float = 1.0
     prompt: str = "full"  # "full" (ASearcher-style instructions) or "short" (the question only)
     apply_chat_template: bool = True  # wrap the prompt in the tokenizer's chat template
+    # One episode's deadline, from its start (which includes waiting for the server behind every other
+    # episode started with it): past it the episode is cancelled and its group fails, counted in
+    # rollout/failed_groups, instead of hanging the run; 0 = none. Up to 32 turns, each a re-sent context
+    # and a search. On 2 busy CPU cores, with every episode at the embedded default's 1,024-token budget
+    # (the untrained model), one step's 32 episodes took 167 s and the test evaluation's 300 at once
+    # 1,243 s (the warm-started model evaluates them in ~40 s). Raise it for big evaluations on a slow server.
+    episode_timeout_s: float = 1800.0
     # --- GRPO ---
     batch_size: int = 8  # questions per step
     group_size: int = 4  # episodes per question
@@ -385,8 +392,10 @@ async def arun_episode(client: InferenceClient, session, tokenizer, cfg: Config,
 
 # --- group rollout ---
 async def rollout_group(client, session, tokenizer, cfg, item, retrieval_addr, temperature, group_size) -> list[dict]:
-    return list(await asyncio.gather(*[arun_episode(client, session, tokenizer, cfg, item, retrieval_addr, temperature)
-                                       for _ in range(group_size)]))
+    # Each episode under its deadline: one that runs past it fails the group (dropped and counted).
+    return list(await asyncio.gather(*[
+        with_deadline(arun_episode(client, session, tokenizer, cfg, item, retrieval_addr, temperature),
+                      cfg.episode_timeout_s, item) for _ in range(group_size)]))
 
 
 async def rollout_groups(client, session, tokenizer, cfg, items, retrieval_addr, temperature, group_size):
@@ -701,13 +710,20 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
                 item_at, capacity=cfg.async_capacity or 2 * cfg.batch_size, max_staleness=cfg.max_staleness,
                 start_index=data_position, version=version)
 
+    def run_rollout(rollout, what: str):
+        # A rollout starts all its episodes at once, so it ends by their deadline; if not, the event
+        # loop is stuck: the run stops, naming the episodes still running and where each is.
+        return run(rollout, timeout_s=rollout_deadline_s(cfg.episode_timeout_s), what=what)
+
     try:
         if is_main and step == 0 and cfg.eval_every:
-            metrics = run(evaluate(client, session, tokenizer, cfg, dev_items, retrieval_addr))
+            metrics = run_rollout(evaluate(client, session, tokenizer, cfg, dev_items, retrieval_addr),
+                                  "the step-0 evaluation")
             logger.log(0, {f"eval/{k}": v for k, v in metrics.items()})
             print(f"step 0 dev: {metrics}")
         if is_main and step == 0 and cfg.test_at_start:
-            metrics = run(evaluate(client, session, tokenizer, cfg, test_items, retrieval_addr))
+            metrics = run_rollout(evaluate(client, session, tokenizer, cfg, test_items, retrieval_addr),
+                                  "the test evaluation")
             logger.log(0, {f"test/{k}": v for k, v in metrics.items()})
             print(f"test before training: {metrics}")
         if producer is not None:
@@ -723,12 +739,14 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
                     s.check()
                 # 1. rollout: sync mode runs this step's groups now; async mode takes groups that have
                 # been generating in the background, dropping any that are too stale.
-                # A group with a failed episode (server error, abort) is dropped and counted, never trained on.
+                # A group with a failed episode (server error, abort, past episode_timeout_s) is dropped
+                # and counted, never trained on.
                 if producer is None:
                     items = [item_at(data_position + i) for i in range(cfg.batch_size)]
                     try:
-                        groups, failed_groups = run(rollout_groups(client, session, tokenizer, cfg, items,
-                                                                   retrieval_addr, cfg.temperature, cfg.group_size))
+                        groups, failed_groups = run_rollout(
+                            rollout_groups(client, session, tokenizer, cfg, items, retrieval_addr, cfg.temperature,
+                                           cfg.group_size), f"step {step + 1}'s rollout")
                     except RuntimeError:
                         for s in supervisors:
                             s.check()  # a dead server is the clearer cause
@@ -736,7 +754,7 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
                     data_position += cfg.batch_size
                 else:
                     failed_before = producer.num_failed
-                    groups = producer.get_groups(cfg.batch_size)
+                    groups = producer.get_groups(cfg.batch_size, timeout_s=rollout_deadline_s(cfg.episode_timeout_s))
                     failed_groups = producer.num_failed - failed_before
                     data_position = producer.data_position()
                 episodes = [e for group in groups for e in group]
@@ -854,7 +872,8 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
                     metrics["perf/gpu_free_gb"] = torch.cuda.mem_get_info(actor.device)[0] / 1e9
                     torch.cuda.reset_peak_memory_stats(actor.device)
                 if cfg.eval_every and step % cfg.eval_every == 0:
-                    ev = run(evaluate(client, session, tokenizer, cfg, dev_items, retrieval_addr))
+                    ev = run_rollout(evaluate(client, session, tokenizer, cfg, dev_items, retrieval_addr),
+                                     f"step {step}'s evaluation")
                     metrics.update({f"eval/{k}": v for k, v in ev.items()})
                 logger.log(step, metrics)
                 progress.update(1)
@@ -880,7 +899,8 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
             producer = None
 
         if is_main:
-            test_metrics = run(evaluate(client, session, tokenizer, cfg, test_items, retrieval_addr))
+            test_metrics = run_rollout(evaluate(client, session, tokenizer, cfg, test_items, retrieval_addr),
+                                       "the test evaluation")
             logger.log(step, {f"test/{k}": v for k, v in test_metrics.items()})
             print(f"test after {step} steps: {test_metrics}")
         actor.save_hf(os.path.join(cfg.run_dir, "final"))

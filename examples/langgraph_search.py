@@ -45,7 +45,7 @@ from langgraph.prebuilt import ToolNode, tools_condition
 from tqdm import tqdm
 
 from lib.actor import Actor, equal_reward_groups, grpo_advantages, logprob_mismatch, read_checkpoint_extra
-from lib.async_rollout import BackgroundLoop, gather_groups
+from lib.async_rollout import BackgroundLoop, gather_groups, rollout_deadline_s, with_deadline
 from lib.client import InferenceClient, model_eos_ids
 from lib.config import load_config, to_dict
 from lib.launch import launch_cpu_server, launch_sglang
@@ -92,6 +92,12 @@ class Config:
     max_new_tokens_per_turn: int = 96  # the agent's max_tokens per model call
     stop_token_ids: list = field(default_factory=list)  # ids that end a turn; [] = the model's EOS set
     temperature: float = 1.0
+    # One episode's deadline, from its start (which includes waiting for the server behind every other
+    # episode started with it): past it the episode is cancelled and its group fails, counted in
+    # rollout/failed_groups, instead of hanging the run; 0 = none. At most 6 model calls of 96 tokens and
+    # their searches: the embedded default's test evaluation (100 at once) generates at most half the tokens
+    # of train_calc.py's (500 x 256, 137 s on 2 busy CPU cores). Raise it for big evaluations on a slow server.
+    episode_timeout_s: float = 600.0
     # --- GRPO ---
     batch_size: int = 4  # questions per step
     group_size: int = 4  # episodes per question
@@ -266,8 +272,10 @@ async def arun_episode(proxy: OpenAIProxy, http, retrieval_addr: str, cfg: Confi
 
 # --- group rollout ---
 async def rollout_group(proxy, http, retrieval_addr, cfg, item, temperature, group_size) -> list[dict]:
-    return list(await asyncio.gather(*[arun_episode(proxy, http, retrieval_addr, cfg, item, temperature)
-                                       for _ in range(group_size)]))
+    # Each run of the agent under its deadline: one that runs past it fails the group (dropped and counted).
+    return list(await asyncio.gather(*[
+        with_deadline(arun_episode(proxy, http, retrieval_addr, cfg, item, temperature), cfg.episode_timeout_s, item)
+        for _ in range(group_size)]))
 
 
 async def rollout_groups(proxy, http, retrieval_addr, cfg, items, temperature, group_size):
@@ -472,9 +480,14 @@ def main(config: str | None = "configs/langgraph_search_tiny.yaml", **overrides)
     trace_file = open(continue_jsonl(os.path.join(cfg.run_dir, "traces.jsonl"), resume_step), "a")
     episode_args = (proxy, http, retrieval_addr, cfg)
 
+    def run_rollout(rollout, what: str):
+        # A rollout starts all its episodes at once, so it ends by their deadline; if not, the event
+        # loop is stuck: the run stops, naming the episodes still running and where each is.
+        return run(rollout, timeout_s=rollout_deadline_s(cfg.episode_timeout_s), what=what)
+
     try:
         if step == 0 and cfg.eval_every:
-            metrics = run(evaluate(*episode_args, dev_items))
+            metrics = run_rollout(evaluate(*episode_args, dev_items), "the step-0 evaluation")
             logger.log(0, {f"eval/{k}": v for k, v in metrics.items()})
             print(f"step 0 dev: {metrics}")
         progress = tqdm(total=cfg.max_steps, initial=step, desc="GRPO (LangGraph agent)")
@@ -482,9 +495,11 @@ def main(config: str | None = "configs/langgraph_search_tiny.yaml", **overrides)
             t0 = time.time()
             for s in supervisors:
                 s.check()
-            # 1. rollout: group_size runs of the agent per question
+            # 1. rollout: group_size runs of the agent per question; a group with a failed run (server
+            # error, past episode_timeout_s) is dropped and counted
             items = [item_at(data_position + i) for i in range(cfg.batch_size)]
-            groups, failed_groups = run(rollout_groups(*episode_args, items, cfg.temperature, cfg.group_size))
+            groups, failed_groups = run_rollout(rollout_groups(*episode_args, items, cfg.temperature, cfg.group_size),
+                                                f"step {step + 1}'s rollout")
             data_position += cfg.batch_size
             episodes = [e for g in groups for e in g]
             rewards = torch.tensor([e["reward"] for e in episodes], dtype=torch.float32)
@@ -543,7 +558,7 @@ def main(config: str | None = "configs/langgraph_search_tiny.yaml", **overrides)
                 **{f"loss/{k}": v for k, v in stats.items()},
             }
             if cfg.eval_every and step % cfg.eval_every == 0:
-                ev = run(evaluate(*episode_args, dev_items))
+                ev = run_rollout(evaluate(*episode_args, dev_items), f"step {step}'s evaluation")
                 metrics.update({f"eval/{k}": v for k, v in ev.items()})
                 tqdm.write(f"step {step} dev: {ev}")
             logger.log(step, metrics)
@@ -570,7 +585,7 @@ def main(config: str | None = "configs/langgraph_search_tiny.yaml", **overrides)
                     "numpy_rng": np.random.get_state(), "torch_rng": torch.get_rng_state()})
         progress.close()
 
-        test_metrics = run(evaluate(*episode_args, test_items))
+        test_metrics = run_rollout(evaluate(*episode_args, test_items), "the test evaluation")
         logger.log(step, {f"test/{k}": v for k, v in test_metrics.items()})
         print(f"test after {step} steps: {test_metrics}")
         actor.save_hf(os.path.join(cfg.run_dir, "final"))
