@@ -110,11 +110,11 @@ class Config:
     eps_clip_low: float = 0.2
     eps_clip_high: float = 0.28
     kl_coef: float = 0.0  # k3 KL to the initial model; 0 = no reference model
-    scale_adv_by_std: bool = True  # False = Dr. GRPO
+    scale_adv_by_std: bool = True  # divide by the group's reward std; Dr. GRPO: False, with loss_agg seq-mean-token-sum-norm
     drop_equal_groups: bool = False  # dynamic sampling: drop groups whose rewards are all equal
     neg_adv_scale: float = 1.0  # weight of below-average episodes; 0 = learn from the better ones only
     ppo_minibatches: int = 1  # optimizer steps per batch, each on a random 1/N of the rows (PPO clipping then acts)
-    loss_agg: str = "token-mean"  # or "seq-mean-token-mean"
+    loss_agg: str = "token-mean"  # DAPO's; "seq-mean-token-mean" (GRPO), "seq-mean-token-sum-norm" (Dr. GRPO)
     behav_imp_weight_cap: float = 2.0  # cap of the server->trainer importance weight per token; 0 = no cap
     behav_imp_weight_mode: str = "truncate"  # above the cap: "truncate" to it (TIS) or "mask" the token out (AReaL)
     max_tokens_per_mb: int = 16384  # micro-batch token budget of the trainer
@@ -656,6 +656,7 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
                   temperature=cfg.temperature, max_tokens_per_mb=cfg.max_tokens_per_mb, dtype=cfg.trainer_dtype,
                   kl_coef=cfg.kl_coef, ref_model_path=model_path if cfg.kl_coef > 0 else None,
                   eps_clip_low=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high, loss_agg=cfg.loss_agg,
+                  loss_norm_tokens=cfg.max_tokens,
                   freeze_embeddings=cfg.freeze_embeddings, packed=cfg.pack_sequences,
                   behaviour_weight_cap=cfg.behav_imp_weight_cap or None, behaviour_cap_mode=cfg.behav_imp_weight_mode,
                   attn_implementation=cfg.attn_implementation,

@@ -105,9 +105,9 @@ class Config:
     grad_clip: float = 1.0
     eps_clip_low: float = 0.2
     eps_clip_high: float = 0.28
-    scale_adv_by_std: bool = True  # False = Dr. GRPO
+    scale_adv_by_std: bool = True  # divide by the group's reward std; Dr. GRPO: False, with loss_agg seq-mean-token-sum-norm
     drop_equal_groups: bool = False  # dynamic sampling: drop groups whose rewards are all equal
-    loss_agg: str = "token-mean"  # or "seq-mean-token-mean"
+    loss_agg: str = "token-mean"  # DAPO's; "seq-mean-token-mean" (GRPO), "seq-mean-token-sum-norm" (Dr. GRPO)
     behav_imp_weight_cap: float = 2.0  # cap of the server->trainer importance weight per token; 0 = no cap
     behav_imp_weight_mode: str = "truncate"  # above the cap: "truncate" to it (TIS) or "mask" the token out (AReaL)
     max_tokens_per_mb: int = 8192  # micro-batch token budget of the trainer
@@ -457,6 +457,7 @@ def main(config: str | None = "configs/langgraph_search_tiny.yaml", **overrides)
     actor = Actor(model_path, lr=cfg.lr, grad_clip=cfg.grad_clip, temperature=cfg.temperature,
                   max_tokens_per_mb=cfg.max_tokens_per_mb, dtype=cfg.trainer_dtype,
                   eps_clip_low=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high, loss_agg=cfg.loss_agg,
+                  loss_norm_tokens=cfg.max_tokens,
                   packed=cfg.pack_sequences, attn_implementation=cfg.attn_implementation,
                   gradient_checkpointing=cfg.trainer_gradient_checkpointing, compile_layers=cfg.trainer_compile,
                   offload_optimizer=cfg.trainer_offload_optimizer,
