@@ -7,8 +7,9 @@
 
 Messages arrive in OpenAI's shape (content as a string, a list of text parts or null; assistant
 `tool_calls` with `arguments` as a JSON string) and are rendered in the shape HF chat templates
-expect (`arguments` as a dict). Anything that cannot be rendered raises `ChatFormatError`, whose
-message names the field; the proxy answers it with a 400.
+expect (`arguments` as a dict). Anything that cannot be rendered (arguments nested deeper than
+MAX_JSON_DEPTH, a lone surrogate) raises `ChatFormatError`, whose message names the field; the proxy
+answers it with a 400.
 
 Why `continuation_ids` cuts text instead of re-tokenizing the conversation: an earlier assistant
 turn must stay the tokens the model sampled (re-encoding its text can give other ids, and chat
@@ -32,7 +33,19 @@ class ChatFormatError(ValueError):
     """A request the chat template cannot render; the message names the field."""
 
 
+class PromptTooLong(ChatFormatError):
+    """Messages longer than to_template_messages' `max_chars`; `chars` is how long they are (at least)."""
+
+    def __init__(self, chars: int):
+        super().__init__(f"the messages come to more than {chars} characters")
+        self.chars = chars
+
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# Tool-call arguments nest at most this deep, the model's and the agent's alike: past it they are not
+# a tool call (parse_tool_calls) or a 400 (to_template_messages), not a stack overflow in a JSON
+# encoder or a template.
+MAX_JSON_DEPTH = 64
 
 
 def _text_of(content, where: str) -> str:
@@ -53,22 +66,60 @@ def _text_of(content, where: str) -> str:
 
 def _arguments(raw, where: str):
     """A tool call's arguments as a template renders them: the decoded JSON object when it is one."""
-    if isinstance(raw, dict):
-        return raw
-    if not isinstance(raw, str):
+    if not isinstance(raw, (str, dict)):
         raise ChatFormatError(f"{where}.function.arguments must be a JSON string, got {type(raw).__name__}")
     try:
-        value = json.loads(raw)
+        value = json.loads(raw) if isinstance(raw, str) else raw
+        # (counting brackets first spares the walk, ~2x json.loads's time, for all but deep-looking text)
+        too_deep = ((not isinstance(raw, str) or raw.count("[") + raw.count("{") > MAX_JSON_DEPTH)
+                    and nesting(value) > MAX_JSON_DEPTH)
+    except RecursionError:  # json.loads gives up near 1000 levels
+        too_deep = True
     except ValueError:
         return raw  # the model wrote something that is not JSON; render it as it is
+    if too_deep:  # the template's JSON encoder (and ours) would overflow the stack on it
+        raise ChatFormatError(f"{where}.function.arguments nests lists and objects deeper than {MAX_JSON_DEPTH} "
+                              "levels (the proxy never gives out such a tool call)")
     return value if isinstance(value, dict) else raw
 
 
-def to_template_messages(messages) -> list[dict]:
-    """OpenAI request messages -> the dicts HF chat templates render. Raises ChatFormatError."""
+def _string_or_none(value):
+    return value if isinstance(value, str) else None  # an id the template may render: only ever a string
+
+
+def nesting(value) -> int:
+    """How deeply lists and dicts nest in a JSON value (0 for a scalar), found without recursion."""
+    depth, level = 0, [value]
+    while level := [x for x in level if isinstance(x, (list, dict))]:
+        depth += 1
+        level = [v for x in level for v in (x.values() if isinstance(x, dict) else x)]
+    return depth
+
+
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+LONE_SURROGATE = ("holds a lone surrogate (an unpaired \\ud800-\\udfff escape), which is not text; send characters "
+                  "outside the Basic Multilingual Plane as surrogate pairs or as UTF-8")
+
+
+def is_text(value) -> bool:
+    """Whether every string in a JSON value is text: JSON's \\ud800-\\udfff escapes can carry lone
+    surrogates, which no tokenizer takes (nor UTF-8)."""
+    if isinstance(value, str):  # the common case, checked without copying
+        return value.isascii() or _SURROGATE.search(value) is None
+    try:
+        json.dumps(value, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def to_template_messages(messages, max_chars: int | None = None) -> list[dict]:
+    """OpenAI request messages -> the dicts HF chat templates render. Raises ChatFormatError, or
+    PromptTooLong once the contents and tool-call arguments (as sent) come to more than `max_chars`,
+    before the arguments past it are decoded (20 MB of them take seconds)."""
     if not isinstance(messages, list) or not messages:
         raise ChatFormatError("messages must be a non-empty list")
-    out = []
+    out, chars = [], 0
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -77,6 +128,7 @@ def to_template_messages(messages) -> list[dict]:
         if role not in ROLES:
             raise ChatFormatError(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}")
         msg = {"role": "system" if role == "developer" else role, "content": _text_of(m.get("content"), where)}
+        chars += len(msg["content"])
         if role == "assistant" and m.get("tool_calls"):
             if not isinstance(m["tool_calls"], list):
                 raise ChatFormatError(f"{where}.tool_calls must be a list")
@@ -85,14 +137,22 @@ def to_template_messages(messages) -> list[dict]:
                 fn = call.get("function") if isinstance(call, dict) else None
                 if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                     raise ChatFormatError(f"{where}.tool_calls[{j}] needs function.name")
-                calls.append({"id": call.get("id"), "type": "function",
+                chars += len(fn["arguments"]) if isinstance(fn.get("arguments"), str) else 0
+                if max_chars is not None and chars > max_chars:
+                    raise PromptTooLong(chars)
+                calls.append({"id": _string_or_none(call.get("id")), "type": "function",
                               "function": {"name": fn["name"],
                                            "arguments": _arguments(fn.get("arguments", "{}"), f"{where}.tool_calls[{j}]")}})
             msg["tool_calls"] = calls
         if role == "tool":
-            msg["tool_call_id"] = m.get("tool_call_id")
+            msg["tool_call_id"] = _string_or_none(m.get("tool_call_id"))
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
+        if not all(map(is_text, (msg["content"], msg.get("name", ""), msg.get("tool_call_id") or "",
+                                 msg.get("tool_calls", "")))):
+            raise ChatFormatError(f"{where} {LONE_SURROGATE}")
+        if max_chars is not None and chars > max_chars:
+            raise PromptTooLong(chars)
         out.append(msg)
     return out
 
@@ -116,13 +176,20 @@ def render_text(tokenizer, messages: list[dict], tools=None, *, add_generation_p
         raise ChatFormatError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from None
 
 
+# Texts longer than this are rendered and tokenized off the event loop (lib/openai_proxy.py), where
+# the tokenizer must let other threads run; a shorter one costs less than a thread hop.
+LONG_TEXT_CHARS = 1 << 16
+
+
 def encode(tokenizer, text: str) -> list[int]:
     """`tokenizer(text, add_special_tokens=False)["input_ids"]`. A fast tokenizer's Rust encoder is
     called directly when it is set up as `__call__` would set it (special tokens whole): the same
-    ids without the BatchEncoding around them, ~3x cheaper on a short text, and the proxy encodes
+    ids without the BatchEncoding around them, ~3x cheaper on a short text, which the proxy encodes
     on the event loop (tests/test_openai_proxy.py compares the two)."""
     backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
     if backend is not None and backend.encode_special_tokens == bool(getattr(tokenizer, "split_special_tokens", False)):
+        if len(text) > LONG_TEXT_CHARS:  # encode_batch lets go of the GIL (encode holds it), as __call__ does
+            return backend.encode_batch([text], add_special_tokens=False)[0].ids
         return backend.encode(text, add_special_tokens=False).ids
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -230,34 +297,44 @@ def with_tools_as_text(messages: list[dict], tools=None) -> list[dict]:
 
 
 # --- the model's tool calls ---
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 
 
 def parse_tool_calls(text: str):
     """(content, tool_calls) from a model turn in Qwen2.5's format, `<tool_call>{"name": ..,
     "arguments": {..}}</tool_call>` (one block per call). `tool_calls` is None, and `content` the
-    whole text, when there is no block or any block does not parse: the agent's code decides what a
-    malformed call means. `content` is None when nothing but tool calls was written (as OpenAI does)."""
-    blocks = list(_TOOL_CALL.finditer(text))
-    if not blocks or "<tool_call>" in _TOOL_CALL.sub("", text):
+    whole text, when there is no block or any block does not parse (arguments nested deeper than
+    MAX_JSON_DEPTH included): the agent's code decides what a malformed call means. `content` is
+    None when nothing but tool calls was written (as OpenAI does). Never raises; linear time (a
+    regex with a lazy `.*?` was quadratic on thousands of unclosed `<tool_call>`, one token each)."""
+    calls, outside, pos = [], [], 0
+    while (start := text.find(_OPEN, pos)) >= 0:
+        end = text.find(_CLOSE, start + len(_OPEN))
+        call = _read_call(text[start + len(_OPEN):end]) if end >= 0 else None  # never closed: cut by length
+        if call is None:
+            return text, None
+        calls.append(call)
+        outside.append(text[pos:start])
+        pos = end + len(_CLOSE)
+    if not calls:
         return text, None
-    calls = []
-    for block in blocks:
-        try:
-            call = json.loads(block.group(1).strip())
-        except ValueError:
-            return text, None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
-            return text, None
-        args = call.get("arguments", {})
+    content = "".join(outside) + text[pos:]
+    if _OPEN in content:  # made by cutting a block out (`<tool_` + block + `call>`): not a clean call
+        return text, None
+    return content.strip() or None, calls
+
+
+def _read_call(block: str) -> dict | None:
+    """One `<tool_call>` block's JSON as an OpenAI tool call, or None if it is not one."""
+    try:
+        call = json.loads(block)
+        args = call.get("arguments", {}) if isinstance(call, dict) else None
         if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except ValueError:
-                return text, None
-        if not isinstance(args, dict):
-            return text, None
-        calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-                      "function": {"name": call["name"], "arguments": json.dumps(args, ensure_ascii=False)}})
-    content = _TOOL_CALL.sub("", text).strip()
-    return content or None, calls
+            args = json.loads(args)
+    except (ValueError, RecursionError):  # not JSON, or nested past what json.loads can read
+        return None
+    if (not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]
+            or not isinstance(args, dict) or nesting(args) > MAX_JSON_DEPTH):
+        return None
+    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+            "function": {"name": call["name"], "arguments": json.dumps(args, ensure_ascii=False)}}

@@ -22,9 +22,13 @@ request's tokens: the sampled tokens stay as they were, only the new messages ar
 rewrote its history, changed its tools, or asked twice from the same point) starts a new segment,
 rendered by the chat template, where only the new reply is trained on. So every sampled token is in
 exactly one segment with loss_mask 1 and the log-prob the server reported for it. Each segment is a
-training sequence with the episode's reward.
+training sequence with the episode's reward. A turn is recorded only as its answer is handed to the
+client: a client that disconnects cancels its generation, and a reply that fails to build is a 500
+that records nothing (docs/reliability.md has the limits on hostile requests).
 """
+import asyncio
 import json
+import math
 import os
 import sys
 import time
@@ -33,8 +37,9 @@ import uuid
 import torch
 from aiohttp import web
 
-from lib.chat_format import (ChatFormatError, continuation_ids, end_of_turn_token, message_key, parse_tool_calls,
-                             render_ids, template_renders_tools, to_template_messages)
+from lib.chat_format import (LONE_SURROGATE, LONG_TEXT_CHARS, ChatFormatError, PromptTooLong, continuation_ids,
+                             end_of_turn_token, is_text, message_key, parse_tool_calls, render_ids,
+                             template_renders_tools, to_template_messages)
 from lib.client import GenerationAborted, InferenceServerError
 from lib.http_body import BadRequest, body_too_large, parse_json_body, read_body
 
@@ -116,14 +121,17 @@ class _InProcessTransport:
         raw = await request.aread()
         if len(raw) > self.proxy.max_body_bytes:
             refused = body_too_large(self.proxy.max_body_bytes, _TOO_LARGE_HINTS.get(request.url.path, ""))
-            status, payload = _error(refused.status, str(refused))
+            (status, payload), record = _error(refused.status, str(refused)), None
         else:
-            status, payload = await self.proxy._answer(request.method, request.url.path,
-                                                       request.headers.get("Authorization", ""), raw)
+            status, payload, record = await self.proxy._answer(request.method, request.url.path,
+                                                               request.headers.get("Authorization", ""), raw)
         events = isinstance(payload, bytes)
         response = sys.modules[type(request).__module__].Response  # httpx's, or the SDK's fork of it (httpx2)
-        return response(status, request=request, content=payload if events else json.dumps(payload).encode(),
-                        headers={"Content-Type": "text/event-stream" if events else "application/json; charset=utf-8"})
+        response = response(status, request=request, content=payload if events else json.dumps(payload).encode(),
+                            headers={"Content-Type": "text/event-stream" if events else "application/json; charset=utf-8"})
+        if record is not None:
+            record()  # handed over: the caller gets this response with nothing awaited in between
+        return response
 
     async def aclose(self):
         pass
@@ -138,8 +146,9 @@ class OpenAIProxy:
         400 `context_length_exceeded` and `max_tokens` is cut to what is left. `chat_template`
         overrides the tokenizer's; one without a tools section gets tools written into the messages'
         text (lib/chat_format.py, with_tools_as_text)."""
-        # The proxy tokenizes on the event loop, between requests; the Rust tokenizer's thread pool would
-        # only compete with the trainer and a CPU server for cores (docs/benchmarks.md).
+        # The proxy tokenizes a short text on the event loop and a long one on a thread of its own; the
+        # Rust tokenizer's thread pool would only compete with the trainer and a CPU server for cores
+        # (docs/benchmarks.md).
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self.client, self.tokenizer = client, tokenizer
         self.model_name = model_name
@@ -149,6 +158,15 @@ class OpenAIProxy:
         self.end_of_turn, self.end_of_turn_id = end_of_turn_token(tokenizer, chat_template)
         self.tools_as_text = not template_renders_tools(tokenizer, chat_template)
         self.stop_token_ids = sorted(set(stop_token_ids or []) | {self.end_of_turn_id})
+        # A token covers at most as many characters as its vocabulary entry has (byte-level BPE entries
+        # have one character per byte), so a conversation longer than budget x the longest entry cannot
+        # fit: it is refused before the template renders it (x2 leaves room for JSON's escapes, templates
+        # and normalizers that drop characters), as lib/cpu_server.py refuses a long text. Without a
+        # budget, the tokenizer's model_max_length bounds it (HF's "unknown" is 1e30).
+        self.char_budget_tokens = max_context_tokens or (
+            tokenizer.model_max_length if tokenizer.model_max_length < 1 << 31 else None)
+        self.max_prompt_chars = (None if self.char_budget_tokens is None else
+                                 2 * self.char_budget_tokens * max(map(len, tokenizer.get_vocab())))
         self.host, self.port = host, port
         self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
         self.sessions: dict[str, _Session] = {}
@@ -161,7 +179,10 @@ class OpenAIProxy:
         app.router.add_post("/v1/chat/completions", self._http)
         app.router.add_get("/v1/models", self._http)
         app.router.add_post("/agentrl/reward", self._http)
-        self._runner = web.AppRunner(app, access_log=None)
+        # handler_cancellation: a client that disconnects cancels its handler, and with it the request to
+        # the inference server (which then aborts it: SGLang and lib/cpu_server.py do), instead of
+        # generating a turn nobody receives.
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
@@ -208,7 +229,7 @@ class OpenAIProxy:
                     for s in session.segments if any(s.mask)]
         return {"segments": segments, "reward": session.reward, **session.stats}
 
-    # --- handlers: an answer is (status, a JSON object | server-sent events as bytes), whichever transport ---
+    # --- handlers: an answer is (status, a JSON object | server-sent events as bytes, record), whichever transport ---
     def _session_of(self, authorization: str) -> _Session:
         key = authorization[7:].strip() if authorization[:7].lower() == "bearer " else ""
         session = self.sessions.get(key)
@@ -228,49 +249,63 @@ class OpenAIProxy:
             except BadRequest as e:
                 status, payload = _error(e.status, str(e), param=getattr(e, "param", None), code=getattr(e, "code", None))
                 return web.json_response(payload, status=status)
-        status, payload = await self._answer(request.method, request.path, request.headers.get("Authorization", ""),
-                                             raw)
-        if not isinstance(payload, bytes):
-            return web.json_response(payload, status=status)
-        response = web.StreamResponse(status=status, headers=_EVENT_STREAM_HEADERS)
+        status, payload, record = await self._answer(request.method, request.path,
+                                                     request.headers.get("Authorization", ""), raw)
+        events = isinstance(payload, bytes)
+        response = (web.StreamResponse(status=status, headers=_EVENT_STREAM_HEADERS) if events
+                    else web.json_response(payload, status=status))
+        if record is not None:
+            # Kept in the same step of the event loop that hands the answer to the connection (nothing
+            # below waits before writing it): a client that left earlier has cancelled this handler
+            # (handler_cancellation), and the next request of a client that got it finds it recorded.
+            record()
         await response.prepare(request)
-        await response.write(payload)
+        if events:
+            await response.write(payload)
         await response.write_eof()
         return response
 
     async def _answer(self, method: str, path: str, authorization: str, raw: bytes):
-        if (method, path) == ("GET", "/v1/models"):
-            return 200, {"object": "list", "data": [
-                {"id": self.model_name, "object": "model", "created": 0, "owned_by": "agentrl"}]}
-        if (method, path) == ("POST", "/agentrl/reward"):
-            return self._reward(authorization, raw)
-        if (method, path) == ("POST", "/v1/chat/completions"):
-            return await self._chat(authorization, raw)
-        return _error(404, f"no endpoint {method} {path}: the proxy serves POST /v1/chat/completions, GET /v1/models "
-                           "and POST /agentrl/reward")
+        """(status, a JSON object | server-sent events, `record` or None): `record()` keeps the turn
+        for training, and the transport calls it as it hands the answer over, so a turn whose client
+        left, or whose answer failed to build, is never trained on."""
+        try:
+            if (method, path) == ("GET", "/v1/models"):
+                return 200, {"object": "list", "data": [
+                    {"id": self.model_name, "object": "model", "created": 0, "owned_by": "agentrl"}]}, None
+            if (method, path) == ("POST", "/agentrl/reward"):
+                return *self._reward(authorization, raw), None
+            if (method, path) == ("POST", "/v1/chat/completions"):
+                return await self._chat(authorization, raw)
+            raise _Refused(404, f"no endpoint {method} {path}: the proxy serves POST /v1/chat/completions, "
+                                "GET /v1/models and POST /agentrl/reward")
+        except BadRequest as e:  # parse_json_body's, or a _Refused one with its field and code
+            return *_error(e.status, str(e), param=getattr(e, "param", None), code=getattr(e, "code", None)), None
 
     def _reward(self, authorization: str, raw: bytes):
-        try:
-            session = self._session_of(authorization)
-            body = parse_json_body(raw)
-            reward = body.get("reward") if isinstance(body, dict) else None
-            if isinstance(reward, bool) or not isinstance(reward, (int, float)) or reward != reward:
-                raise _Refused(400, "send {\"reward\": <a finite number>}", param="reward")
-        except BadRequest as e:  # parse_json_body's, or a _Refused one with its field and code
-            return _error(e.status, str(e), param=getattr(e, "param", None), code=getattr(e, "code", None))
-        session.reward = float(reward)
+        session = self._session_of(authorization)
+        body = parse_json_body(raw)
+        reward = body.get("reward") if isinstance(body, dict) else None
+        try:  # an int of hundreds of digits overflows float(); Infinity, NaN and 1e999 parse to non-finite floats
+            reward = float(reward) if isinstance(reward, (int, float)) and not isinstance(reward, bool) else None
+        except OverflowError:
+            reward = None
+        if reward is None or not math.isfinite(reward):  # a non-finite reward makes the group's advantages NaN
+            raise _Refused(400, "send {\"reward\": <a finite number>}", param="reward")
+        session.reward = reward
         return 200, {"status": "ok"}
 
     async def _chat(self, authorization: str, raw: bytes):
+        session = self._session_of(authorization)
         try:
-            session = self._session_of(authorization)
             params = self._read_params(parse_json_body(raw))
-            plan = self._plan(session, params)
-        except BadRequest as e:  # parse_json_body's, or a _Refused one with its field and code
-            return _error(e.status, str(e), param=getattr(e, "param", None), code=getattr(e, "code", None))
+            plan = await self._plan(session, params)
+        except PromptTooLong as e:  # told before its arguments were decoded
+            raise self._too_long(e.chars)
         except ChatFormatError as e:
-            return _error(400, str(e), param="messages")
-        session.stats["requests"] += 1
+            raise _Refused(400, str(e), param="messages")
+        except RecursionError:  # a field nested hundreds deep that no check above named
+            raise _Refused(400, "the request nests lists or objects too deeply to render")
         segment = plan["segment"]
         if segment is not None and plan["in_place"]:
             segment.busy = True
@@ -281,16 +316,16 @@ class OpenAIProxy:
                 trajectory_id=session.key, extra_sampling_params=params["extra"])
         except GenerationAborted as e:
             session.error = str(e)
-            return _error(503, f"the inference server failed: {e}")
+            raise _Refused(503, f"the inference server failed: {e}")
         except InferenceServerError as e:
             if e.status is not None and 400 <= e.status < 500:  # refused before sampling (e.g. over its context length)
-                return _error(400, f"the inference server refused the request: {e}")
+                raise _Refused(400, f"the inference server refused the request: {e}")
             session.error = str(e)
-            return _error(503, f"the inference server failed: {e}")
+            raise _Refused(503, f"the inference server failed: {e}")
         finally:
             if segment is not None and plan["in_place"]:
                 segment.busy = False
-        message, finish = self._record(session, plan, params, gen)
+        turn = self._reply(params, gen)
         completion_id = "chatcmpl-" + uuid.uuid4().hex
         usage = {"prompt_tokens": len(plan["prompt"]), "completion_tokens": len(gen.output_ids),
                  "total_tokens": len(plan["prompt"]) + len(gen.output_ids)}
@@ -300,12 +335,15 @@ class OpenAIProxy:
                                     for text, lp in zip(self.tokenizer.convert_ids_to_tokens(gen.output_ids),
                                                         gen.logprobs)]}
         if params["stream"]:
-            return 200, self._events(completion_id, message, finish, logprobs,
-                                     usage if params["include_usage"] else None)
-        return 200, {
-            "id": completion_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}],
-            "usage": usage}
+            payload = self._events(completion_id, turn["message"], turn["finish"], logprobs,
+                                   usage if params["include_usage"] else None)
+        else:
+            payload = {
+                "id": completion_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
+                "choices": [{"index": 0, "message": turn["message"], "finish_reason": turn["finish"],
+                             "logprobs": logprobs}],
+                "usage": usage}
+        return 200, payload, lambda: self._record(session, plan, turn)
 
     def _events(self, completion_id, message, finish, logprobs, usage) -> bytes:
         """The whole reply as server-sent events, in the chunks the SDKs assemble: role, content,
@@ -371,6 +409,8 @@ class OpenAIProxy:
                     and isinstance(t["function"].get("name"), str) for t in tools):
                 raise _Refused(400, "tools must be a list of {\"type\": \"function\", \"function\": {\"name\": ...}}",
                                param="tools")
+            if not is_text(tools):
+                raise _Refused(400, f"tools {LONE_SURROGATE}", param="tools")
         tool_choice = body.get("tool_choice")
         if tool_choice not in (None, "auto", "none"):
             raise _Refused(400, "tool_choice must be \"auto\" or \"none\": the proxy cannot force a tool call",
@@ -381,7 +421,7 @@ class OpenAIProxy:
         seed = integer("seed", 0, 2 ** 63 - 1)
         max_tokens = integer("max_completion_tokens", 1) or integer("max_tokens", 1) or self.default_max_tokens
         return {
-            "messages": to_template_messages(body.get("messages")),
+            "messages": to_template_messages(body.get("messages"), self.max_prompt_chars),
             "temperature": number("temperature", 1.0, 0.0, 2.0), "top_p": number("top_p", 1.0, 1e-9, 1.0),
             "max_tokens": max_tokens, "stop": stop or None, "extra": {"sampling_seed": seed} if seed is not None else None,
             "tools": tools or None, "parse_tools": bool(tools) and tool_choice != "none",
@@ -390,31 +430,46 @@ class OpenAIProxy:
         }
 
     # --- recording ---
-    def _plan(self, session: _Session, params: dict) -> dict:
+    async def _plan(self, session: _Session, params: dict) -> dict:
         """The prompt of this request: the longest earlier state of the session that it extends, or a
         fresh rendering (docstring at the top)."""
         messages, tools = params["messages"], params["tools"]
         keys = tuple(message_key(m) for m in messages)
         tools_key = json.dumps(tools, sort_keys=True)
+        # What the template renders (contents, tool calls, tools), as JSON: a cheap measure of its length
+        chars = sum(map(len, keys)) + len(tools_key)
+        if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
+            raise self._too_long(chars)
         best = None
         for segment in session.segments:
             for index, (state_keys, state_tools, length, closed) in enumerate(segment.states):
                 if (state_tools == tools_key and len(state_keys) < len(keys) and keys[:len(state_keys)] == state_keys
                         and (best is None or len(state_keys) >= len(best[2][0]))):
                     best = (segment, index, segment.states[index])
-        plan = {"segment": None, "in_place": False, "prefix": None, "keys": keys, "tools_key": tools_key}
-        if best is not None:
-            segment, index, (state_keys, _, length, closed) = best
-            delta = continuation_ids(self.tokenizer, messages[:len(state_keys)], messages, tools,
-                                     end_of_turn=self.end_of_turn, chat_template=self.chat_template,
-                                     tools_as_text=self.tools_as_text)
-            if delta is not None:
-                closing = [] if closed else [self.end_of_turn_id]  # a turn cut by length or a stop string
-                plan.update(segment=segment, in_place=index == len(segment.states) - 1 and not segment.busy,
-                            prefix=length, delta=closing + delta, prompt=segment.ids[:length] + closing + delta)
-        if plan["segment"] is None:
-            plan["prompt"] = render_ids(self.tokenizer, messages, tools, self.chat_template,
-                                        tools_as_text=self.tools_as_text)
+
+        def tokenize():  # (the tokens after `best`, None) or (None, the whole prompt)
+            if best is not None:
+                delta = continuation_ids(self.tokenizer, messages[:len(best[2][0])], messages, tools,
+                                         end_of_turn=self.end_of_turn, chat_template=self.chat_template,
+                                         tools_as_text=self.tools_as_text)
+                if delta is not None:
+                    return delta, None
+            return None, render_ids(self.tokenizer, messages, tools, self.chat_template,
+                                    tools_as_text=self.tools_as_text)
+        # A long conversation is rendered and tokenized on a thread (encode lets go of the GIL there), so
+        # that the event loop goes on serving the other sessions (a 30 MB message held it for 54 s).
+        if chars > LONG_TEXT_CHARS:
+            delta, rendered = await asyncio.to_thread(tokenize)
+        else:
+            delta, rendered = tokenize()
+        plan = {"segment": None, "in_place": False, "prefix": None, "keys": keys, "tools_key": tools_key,
+                "prompt": rendered}
+        if delta is not None:
+            # Decided after tokenizing: another request of the session may have moved on meanwhile.
+            segment, index, (_, _, length, closed) = best
+            closing = [] if closed else [self.end_of_turn_id]  # a turn cut by length or a stop string
+            plan.update(segment=segment, in_place=index == len(segment.states) - 1 and not segment.busy,
+                        prefix=length, delta=closing + delta, prompt=segment.ids[:length] + closing + delta)
         max_new_tokens = params["max_tokens"]
         if self.max_context_tokens is not None:
             room = self.max_context_tokens - len(plan["prompt"])
@@ -425,7 +480,32 @@ class OpenAIProxy:
         plan["max_new_tokens"] = max_new_tokens
         return plan
 
-    def _record(self, session: _Session, plan: dict, params: dict, gen) -> tuple[dict, str]:
+    def _too_long(self, chars: int) -> _Refused:
+        return _Refused(400, f"these messages and tools come to at least {chars} characters (as JSON); "
+                             f"{self.char_budget_tokens} tokens (the context budget) hold at most "
+                             f"{self.max_prompt_chars} with this tokenizer", param="messages",
+                        code="context_length_exceeded")
+
+    def _reply(self, params: dict, gen) -> dict:
+        """A generation read as a turn: the assistant `message` and its `finish` reason for the
+        answer, and what _record keeps. Changes nothing."""
+        out = gen.output_ids
+        text = self.tokenizer.decode(out, skip_special_tokens=True)
+        if gen.finish_reason == "stop" and isinstance(gen.matched, str) and gen.matched in text:
+            text = text[:text.find(gen.matched)]  # OpenAI leaves the stop sequence out of the content
+        content, calls = parse_tool_calls(text) if params["parse_tools"] else (text, None)
+        parse_failed = params["parse_tools"] and calls is None and "<tool_call>" in text
+        closed = bool(out) and out[-1] in self.stop_token_ids
+        finish = "tool_calls" if calls else ("length" if gen.finish_reason == "length" and not closed else "stop")
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        return {"message": message, "finish": finish, "gen": gen, "closed": closed, "parse_failed": parse_failed,
+                "key": message_key(to_template_messages([message])[0])}  # how the next request names this turn
+
+    def _record(self, session: _Session, plan: dict, turn: dict):
+        """Keep a turn whose answer was sent: its tokens, the session's counts, the state it leaves."""
+        gen = turn["gen"]
         out = list(gen.output_ids)
         segment = plan["segment"]
         if segment is not None and plan["in_place"] and len(segment.ids) == plan["prefix"]:
@@ -445,21 +525,9 @@ class OpenAIProxy:
         segment.mask += [1] * len(out)
         segment.logprobs += list(gen.logprobs)
         segment.versions += list(gen.versions)
-
-        text = self.tokenizer.decode(out, skip_special_tokens=True)
-        if gen.finish_reason == "stop" and isinstance(gen.matched, str) and gen.matched in text:
-            text = text[:text.find(gen.matched)]  # OpenAI leaves the stop sequence out of the content
-        content, calls = parse_tool_calls(text) if params["parse_tools"] else (text, None)
-        if params["parse_tools"] and calls is None and "<tool_call>" in text:
-            session.stats["tool_call_parse_failures"] += 1
-        closed = bool(out) and out[-1] in self.stop_token_ids
-        finish = "tool_calls" if calls else ("length" if gen.finish_reason == "length" and not closed else "stop")
+        session.stats["requests"] += 1
         session.stats["completion_tokens"] += len(out)
-        session.stats["tool_calls"] += len(calls or [])
-        session.stats["length_cut"] += finish == "length"
-        message = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = calls
-        reply_key = message_key(to_template_messages([message])[0])
-        segment.states.append((plan["keys"] + (reply_key,), plan["tools_key"], len(segment.ids), closed))
-        return message, finish
+        session.stats["tool_calls"] += len(turn["message"].get("tool_calls", []))
+        session.stats["tool_call_parse_failures"] += turn["parse_failed"]
+        session.stats["length_cut"] += turn["finish"] == "length"
+        segment.states.append((plan["keys"] + (turn["key"],), plan["tools_key"], len(segment.ids), turn["closed"]))
