@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from lib.actor import Actor, equal_reward_groups, grpo_advantages, logprob_mismatch, read_checkpoint_extra
+from lib.actor import (Actor, equal_reward_groups, grpo_advantages, logprob_mismatch, mismatch_warning,
+                       read_checkpoint_extra)
 from lib.async_rollout import BackgroundLoop, RolloutProducer, gather_groups, rollout_deadline_s, with_deadline
 from lib.client import InferenceClient, model_eos_ids
 from lib.config import load_config, to_dict
@@ -783,6 +784,8 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
                 rows["proximal_logprobs"] = actor.compute_logprobs(rows)
                 mismatch = logprob_mismatch(rows["proximal_logprobs"], rows["logprobs"], rows["loss_mask"],
                                             cfg.behav_imp_weight_cap or None)
+                if (warning := mismatch_warning(mismatch)):
+                    tqdm.write(warning)
             t_logp = time.time() - t1
 
             # 4. PPO update

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from lib.actor import (Actor, equal_reward_groups, grpo_advantages, logprob_mismatch, merge_stats, minibatch_rows,
-                       read_checkpoint_extra)
+                       mismatch_warning, read_checkpoint_extra)
 from lib.async_rollout import BackgroundLoop, RolloutProducer, gather_groups, rollout_deadline_s, with_deadline
 from lib.client import InferenceClient, model_eos_ids
 from lib.config import load_config, to_dict
@@ -798,6 +798,8 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
                 rows["proximal_logprobs"] = actor.compute_logprobs(rows)
                 mismatch = logprob_mismatch(rows["proximal_logprobs"], rows["logprobs"], rows["loss_mask"],
                                             cfg.behav_imp_weight_cap or None)
+                if (warning := mismatch_warning(mismatch)):
+                    tqdm.write(warning)
             t_logp = time.time() - t1
 
             # 4. PPO update: one optimizer step per mini-batch; after the first, the policy has moved

@@ -44,7 +44,8 @@ from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
 from tqdm import tqdm
 
-from lib.actor import Actor, equal_reward_groups, grpo_advantages, logprob_mismatch, read_checkpoint_extra
+from lib.actor import (Actor, equal_reward_groups, grpo_advantages, logprob_mismatch, mismatch_warning,
+                       read_checkpoint_extra)
 from lib.async_rollout import BackgroundLoop, gather_groups, rollout_deadline_s, with_deadline
 from lib.client import InferenceClient, model_eos_ids
 from lib.config import load_config, to_dict
@@ -525,6 +526,8 @@ def main(config: str | None = "configs/langgraph_search_tiny.yaml", **overrides)
                 batch["proximal_logprobs"] = actor.compute_logprobs(batch)
                 mismatch = logprob_mismatch(batch["proximal_logprobs"], batch["logprobs"], batch["loss_mask"],
                                             cfg.behav_imp_weight_cap or None)
+                if (warning := mismatch_warning(mismatch)):
+                    tqdm.write(warning)
             t_logp = time.time() - t1
             t2 = time.time()
             if rows:

@@ -255,6 +255,24 @@ def logprob_mismatch(proximal_logprobs: torch.Tensor, behaviour_logprobs: torch.
             "behaviour_capped_fraction": capped_sum / n, "mismatch_kl_k3": k3_sum / n}
 
 
+# Past these the server and the trainer disagree beyond what two bf16 engines do on the same weights
+# (SGLang vs the trainer on SmolLM2-135M: k3 KL 0.0018, capped fraction <= 0.0002; fp32 on CPU: ~1e-10).
+MISMATCH_KL_WARN = 0.01
+MISMATCH_CAPPED_WARN = 0.01
+
+
+def mismatch_warning(mismatch: dict) -> str | None:
+    """A one-line warning when `logprob_mismatch`'s k3 KL or capped fraction crosses the thresholds
+    above (docs/trajectory.md), else None."""
+    kl, capped = mismatch.get("mismatch_kl_k3", 0.0), mismatch.get("behaviour_capped_fraction", 0.0)
+    if not (kl > MISMATCH_KL_WARN or capped > MISMATCH_CAPPED_WARN):
+        return None
+    return (f"warning: server and trainer log-probs disagree: k3 KL {kl:.4f} (warn > {MISMATCH_KL_WARN}), "
+            f"{capped:.2%} of tokens past the behaviour-weight cap (warn > {MISMATCH_CAPPED_WARN:.0%}). In sync "
+            f"mode this is a mismatch of the two engines (dtype, attention kernel, weights not synced, another "
+            f"temperature or top-p), not noise; in async mode it also holds the policy's change over the staleness.")
+
+
 def minibatch_rows(num_rows: int, num_minibatches: int, seed: int) -> list[torch.Tensor]:
     """Exactly `num_minibatches` non-empty, disjoint sets of row indices covering range(num_rows),
     in a random order from `seed` (`torch.chunk` may return fewer parts than asked, and under

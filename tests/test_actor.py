@@ -713,3 +713,16 @@ def test_bf16_gradients_are_summed_in_fp32_whatever_the_micro_batch_split(model_
     one, many = gradient(10_000), gradient(12)
     # 2.6e-3 here; 6.2e-3 when the parts were summed in bf16
     assert float((many - one).norm() / one.norm()) < 4e-3
+
+
+def test_a_mismatch_past_the_documented_thresholds_gives_a_warning_and_bf16_noise_does_not():
+    from lib.actor import MISMATCH_CAPPED_WARN, MISMATCH_KL_WARN, mismatch_warning
+
+    assert mismatch_warning({"mismatch_kl_k3": 0.0018, "behaviour_capped_fraction": 0.0002}) is None
+    assert mismatch_warning({}) is None
+    warning = mismatch_warning({"mismatch_kl_k3": 2 * MISMATCH_KL_WARN, "behaviour_capped_fraction": 0.0})
+    assert warning and "k3 KL 0.0200" in warning
+    assert mismatch_warning({"mismatch_kl_k3": 0.0, "behaviour_capped_fraction": 2 * MISMATCH_CAPPED_WARN})
+    # a real mismatch: the trainer's log-probs one nat off on every token
+    lp = torch.full((2, 5), -2.0)
+    assert mismatch_warning(logprob_mismatch(lp - 1.0, lp, torch.ones(2, 5), behaviour_weight_cap=2.0))
