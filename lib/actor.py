@@ -628,7 +628,7 @@ class Actor:
         # and freed, so the gradient does not depend on the micro-batch split (summed in bf16 it did:
         # 1.2e-2 error against fp32 with 128 micro-batches, 6.5e-3 with one). FSDP2 and the fp32 paths
         # already sum in fp32.
-        grad_sums = self._fp32_grad_sums() if self.master_model is not self.model else None
+        grad_sums = [None] * len(list(self.model.parameters())) if self.master_model is not self.model else None
         for rows in groups:
             mb = self._rows(batch, rows, keys)
             with self._autocast():
@@ -660,6 +660,10 @@ class Actor:
         if self.offload_optimizer:
             grad_norm, skipped = self._offloaded_step(grad_sums)
         else:
+            if grad_sums is not None:  # the sums become the fp32 masters' gradients
+                for master, grad in zip(self.master_model.parameters(), grad_sums):
+                    master.grad = None if grad is None else grad.float()
+                grad_sums.clear()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.master_model.parameters(), self.grad_clip)
             if hasattr(grad_norm, "full_tensor"):
                 grad_norm = grad_norm.full_tensor()
@@ -677,37 +681,24 @@ class Actor:
         return {"loss": loss_sum, "grad_norm": grad_norm, "lr": lr, "num_micro_batches": len(groups),
                 "skipped": float(skipped), **merge_stats(per_mb)}
 
-    def _fp32_grad_sums(self) -> list[torch.Tensor | None]:
-        """Where each parameter's fp32 gradient sum lives: the master's .grad (on the GPU beside it), or,
-        with the masters offloaded to the CPU, a tensor on the GPU: the first micro-batch's bf16
-        gradient, cast to fp32 when a second one comes (then 4 bytes a parameter while the update runs)."""
-        if self.offload_optimizer:
-            return [None] * len(list(self.model.parameters()))
-        return [m for m in self.master_model.parameters()]
-
     @torch.no_grad()
     def _add_grads_into(self, sums: list) -> None:
+        """Move each parameter's bf16 .grad into `sums` (one slot a parameter, on its device): the first
+        micro-batch's gradient is kept as it is, so one micro-batch costs nothing more; from the second
+        on the slot is an fp32 sum (4 bytes a parameter while the update runs)."""
         for i, param in enumerate(self.model.parameters()):
             if param.grad is None:
                 continue
-            target = sums[i]
-            if isinstance(target, torch.nn.Parameter):  # a GPU master: its .grad holds the sum
-                if target.grad is None:
-                    target.grad = param.grad.float()
-                else:
-                    target.grad.add_(param.grad)
-            elif target is None:  # offloaded: the first part is kept as it is (one micro-batch costs nothing more)
-                sums[i] = param.grad
-            else:
-                sums[i] = (target if target.dtype == torch.float32 else target.float()).add_(param.grad)
+            total = sums[i]
+            sums[i] = param.grad if total is None else total.float().add_(param.grad)
             param.grad = None
 
     @torch.no_grad()
     def _offloaded_step(self, grad_sums: list) -> tuple[float, bool]:
-        # The fp32 gradient sums stay on the GPU; the clip is torch's clip_grad_norm_ arithmetic on
-        # them, one tensor at a time (its kernels: _foreach_norm on CUDA, vector_norm on CPU, so the
-        # norm is the in-memory path's to the bit), coefficient min(1, clip / (norm + 1e-6)), applied
-        # as each bucket goes up.
+        # The gradient sums (bf16 after one micro-batch, fp32 after more) stay on the GPU; the clip is
+        # torch's clip_grad_norm_ arithmetic on their fp32 values, one tensor at a time (its kernels:
+        # _foreach_norm on CUDA, vector_norm on CPU, so the norm is the in-memory path's to the bit),
+        # coefficient min(1, clip / (norm + 1e-6)), applied as each bucket goes up.
         pairs = [(m, p, g) for m, p, g in zip(self.master_model.parameters(), self.model.parameters(), grad_sums)
                  if g is not None]
         grads = [g for _, _, g in pairs]
