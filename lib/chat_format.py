@@ -25,8 +25,9 @@ results as a user turn of `<tool_response>` blocks. It is a rewrite of the messa
 template renders them, so the prefix rule above holds for it as for any template.
 """
 import json
-import re
 import uuid
+
+from lib.http_body import lone_surrogate
 
 
 class ChatFormatError(ValueError):
@@ -96,21 +97,8 @@ def nesting(value) -> int:
     return depth
 
 
-_SURROGATE = re.compile(r"[\ud800-\udfff]")
 LONE_SURROGATE = ("holds a lone surrogate (an unpaired \\ud800-\\udfff escape), which is not text; send characters "
                   "outside the Basic Multilingual Plane as surrogate pairs or as UTF-8")
-
-
-def is_text(value) -> bool:
-    """Whether every string in a JSON value is text: JSON's \\ud800-\\udfff escapes can carry lone
-    surrogates, which no tokenizer takes (nor UTF-8)."""
-    if isinstance(value, str):  # the common case, checked without copying
-        return value.isascii() or _SURROGATE.search(value) is None
-    try:
-        json.dumps(value, ensure_ascii=False).encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def to_template_messages(messages, max_chars: int | None = None) -> list[dict]:
@@ -148,8 +136,8 @@ def to_template_messages(messages, max_chars: int | None = None) -> list[dict]:
             msg["tool_call_id"] = _string_or_none(m.get("tool_call_id"))
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
-        if not all(map(is_text, (msg["content"], msg.get("name", ""), msg.get("tool_call_id") or "",
-                                 msg.get("tool_calls", "")))):
+        if any(map(lone_surrogate, (msg["content"], msg.get("name", ""), msg.get("tool_call_id") or "",
+                                    msg.get("tool_calls", "")))):
             raise ChatFormatError(f"{where} {LONE_SURROGATE}")
         if max_chars is not None and chars > max_chars:
             raise PromptTooLong(chars)

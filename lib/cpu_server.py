@@ -81,7 +81,7 @@ import uuid
 import torch
 from aiohttp import web
 
-from lib.http_body import BadRequest, parse_json_body, read_body
+from lib.http_body import BadRequest, lone_surrogate, parse_json_body, read_body
 
 logger = logging.getLogger("cpu_server")
 
@@ -975,22 +975,13 @@ def _refuse_constant(name: str):
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
-def _check_unicode(value, field: str = ""):
+def _check_unicode(body: dict):
     """A 400 naming the field of the first string that holds a lone surrogate (an escape not part of
     a pair): not text, it cannot be encoded to UTF-8, and the tokenizer raised on it (a 500)."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise BadRequest(f"{field or 'the body'} holds a lone UTF-16 surrogate ({value[e.start]!r} at character "
-                             f"{e.start}); send valid Unicode text")
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            _check_unicode(item, f"{field}[{i}]")
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_unicode(key, f"a field name in {field or 'the body'}")
-            _check_unicode(item, f"{field}.{key}" if field else key)
+    if found := lone_surrogate(body):
+        field, text, at = found
+        raise BadRequest(f"{field} holds a lone UTF-16 surrogate ({text[at]!r} at character {at}); send valid "
+                         "Unicode text")
 
 
 async def _json_body(request: web.Request, allow_empty: bool = True):

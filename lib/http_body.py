@@ -2,6 +2,7 @@
 way a body can be bad answered by a 4xx that names the cause, never a 5xx or a held socket."""
 import asyncio
 import json
+import re
 import sys
 
 from aiohttp import web
@@ -62,3 +63,26 @@ def parse_json_body(raw: bytes, *, allow_empty: bool = False, parse_constant=Non
     except ValueError as e:  # an integer literal longer than sys.get_int_max_str_digits()
         raise BadRequest(f"the body holds an integer that cannot be read ({str(e).split(';')[0]}); "
                          f"integers may have at most {sys.get_int_max_str_digits()} digits")
+
+
+# json.loads joins a valid \ud83d\ude00 pair into one character, so a surrogate left in a string is a
+# lone one: not text (UTF-8 cannot carry it, tokenizers raise on it).
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def lone_surrogate(value, field: str = "") -> tuple[str, str, int] | None:
+    """The first string in a parsed JSON value that holds a lone surrogate, as (its field: `text[1]`,
+    `sampling_params.stop[0]`, `a field name in rid`..., or "the body" for `value` itself; the
+    string; the surrogate's index), or None when every string is text. Walked without recursion."""
+    stack = [(value, field)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii() and (found := _SURROGATE.search(item)):
+                return where or "the body", item, found.start()
+        elif isinstance(item, list):
+            stack.extend((x, f"{where}[{i}]") for i, x in reversed(list(enumerate(item))))
+        elif isinstance(item, dict):
+            for key, x in reversed(list(item.items())):
+                stack += [(x, f"{where}.{key}" if where else key), (key, f"a field name in {where or 'the body'}")]
+    return None

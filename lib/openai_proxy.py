@@ -38,10 +38,10 @@ import torch
 from aiohttp import web
 
 from lib.chat_format import (LONE_SURROGATE, LONG_TEXT_CHARS, ChatFormatError, PromptTooLong, continuation_ids,
-                             end_of_turn_token, is_text, message_key, parse_tool_calls, render_ids,
+                             end_of_turn_token, message_key, parse_tool_calls, render_ids,
                              template_renders_tools, to_template_messages)
 from lib.client import GenerationAborted, InferenceServerError
-from lib.http_body import BadRequest, body_too_large, parse_json_body, read_body
+from lib.http_body import BadRequest, body_too_large, lone_surrogate, parse_json_body, read_body
 
 # Fields of a chat completion request: read, ignored (harmless for sampling), or refused with a
 # 400 unless they hold their neutral value.
@@ -409,7 +409,7 @@ class OpenAIProxy:
                     and isinstance(t["function"].get("name"), str) for t in tools):
                 raise _Refused(400, "tools must be a list of {\"type\": \"function\", \"function\": {\"name\": ...}}",
                                param="tools")
-            if not is_text(tools):
+            if lone_surrogate(tools):
                 raise _Refused(400, f"tools {LONE_SURROGATE}", param="tools")
         tool_choice = body.get("tool_choice")
         if tool_choice not in (None, "auto", "none"):
