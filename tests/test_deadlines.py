@@ -48,6 +48,15 @@ class InlinePool:
         return fn(*args)
 
 
+class RewardThatNeverReturns(InlinePool):
+    """Scores every answer but STUCK's, which it never returns."""
+
+    async def score(self, fn, completion, answer):
+        if answer == STUCK["answer"]:
+            await asyncio.Event().wait()
+        return fn(completion, answer)
+
+
 def by_question(tokenizer, stuck_reply: Reply, fine_reply: Reply):
     """A scripted model that writes `stuck_reply` for STUCK's question and `fine_reply` otherwise."""
     def model(body):
@@ -112,11 +121,6 @@ def test_a_generation_cut_by_the_deadline_leaves_no_request_in_flight_and_nothin
 
 
 def test_an_evaluation_episode_past_its_deadline_is_counted_as_failed(tokenizer):
-    class RewardThatNeverReturns(InlinePool):
-        async def score(self, fn, completion, answer):
-            if answer == STUCK["answer"]:
-                await asyncio.Event().wait()
-            return fn(completion, answer)
     cfg = tr.Config(max_turns=1, max_tokens=512, episode_timeout_s=DEADLINE_S)
     reflection_ids = tr.build_reflection_ids(tokenizer, True)
     script = by_question(tokenizer, Reply("#### 3", eos=True), Reply("#### 7", eos=True))
@@ -136,11 +140,6 @@ def test_an_evaluation_episode_past_its_deadline_is_counted_as_failed(tokenizer)
 def test_an_openai_sdk_agent_past_its_deadline_fails_its_group_and_its_proxy_session_is_ended(tokenizer):
     from lib.openai_proxy import OpenAIProxy
 
-    class RewardThatNeverReturns(InlinePool):
-        async def score(self, fn, completion, answer):
-            if answer == STUCK["answer"]:
-                await asyncio.Event().wait()
-            return fn(completion, answer)
     cfg = tr.Config(max_turns=1, max_tokens=512, agent="openai", openai_http_client="in_process",
                     episode_timeout_s=DEADLINE_S)
     script = by_question(tokenizer, Reply("#### 3", eos=True), Reply("#### 7", eos=True))
