@@ -241,7 +241,7 @@ async def arun_episode(client: InferenceClient, tokenizer, reward_pool: RewardPo
         versions.extend(vers if vers is not None else [-1] * len(ids))
 
     trajectory_id = uuid.uuid4().hex
-    finish, turns, calls, errors, texts = "max_turns", 0, 0, 0, []
+    finish, turns, tool_calls, tool_failures, texts = "max_turns", 0, 0, 0, []
     try:
         for _ in range(cfg.max_turns):
             budget = cfg.max_tokens - len(input_ids)
@@ -263,7 +263,7 @@ async def arun_episode(client: InferenceClient, tokenizer, reward_pool: RewardPo
             # In a thread, off the event loop: a tool that hangs then stops only its own episode, at its
             # deadline (episode_timeout_s), not every episode of the step.
             result = await in_thread(calculate, expression)
-            calls, errors = calls + 1, errors + result.startswith("error")
+            tool_calls, tool_failures = tool_calls + 1, tool_failures + result.startswith("error")
             texts.append(("tool", result))
             result_ids = tokenizer(RESULT_TEMPLATE.format(result), add_special_tokens=False)["input_ids"]
             if len(input_ids) + len(result_ids) >= cfg.max_tokens:
@@ -283,8 +283,8 @@ async def arun_episode(client: InferenceClient, tokenizer, reward_pool: RewardPo
         "attention_mask": torch.ones(1, len(input_ids), dtype=torch.long),
         "rewards": torch.tensor([reward], dtype=torch.float32),
         "num_turns": turns,
-        "num_calls": calls,
-        "num_calc_errors": errors,
+        "num_tool_calls": tool_calls,
+        "num_tool_failures": tool_failures,  # calls answered with an error
         "finish_reason": finish,
         "question": item["question"],
         "gold": item["answer"],
@@ -314,8 +314,8 @@ async def evaluate(client, tokenizer, reward_pool, cfg, items) -> dict:
     return {
         "failed": failed,
         "accuracy": float(np.mean([e["rewards"].item() for e in episodes])),
-        "calc_calls": float(np.mean([e["num_calls"] for e in episodes])),
-        "calc_errors": float(np.mean([e["num_calc_errors"] for e in episodes])),
+        "tool_calls": float(np.mean([e["num_tool_calls"] for e in episodes])),
+        "tool_failures": float(np.mean([e["num_tool_failures"] for e in episodes])),
         "max_tokens_hit": float(np.mean([e["finish_reason"] == "max_tokens" for e in episodes])),
     }
 
@@ -357,6 +357,19 @@ def build_demonstrations(tokenizer, cfg: Config, items: list[dict]) -> list[dict
     return examples
 
 
+def warm_start_settings(cfg: Config, base: str, data_dir: str) -> dict:
+    """The warm start's cache key: everything that shapes the demonstrations and the SFT, with the
+    fingerprint of the code that builds the demonstrations (the tool's code included: its answers
+    are in them). A fork that edits any of it gets a new warm start, not the old one from the cache."""
+    from lib.warm_start import code_fingerprint
+
+    code = code_fingerprint(build_demonstrations, build_prompt_ids, calculate, _evaluate, format_number)
+    return {"base": base, "data": data_dir, "steps": cfg.warm_start_steps, "lr": cfg.warm_start_lr,
+            "batch": cfg.warm_start_batch_size, "prompt": PROMPT_TEMPLATE, "result": RESULT_TEMPLATE,
+            "worked_step": _WORKED_STEP.pattern, "chat": cfg.apply_chat_template, "max_tokens": cfg.max_tokens,
+            "seed": cfg.seed, "code": code}
+
+
 def embedded_model(cfg: Config) -> str:
     """Build (once, cached) the tiny model, the bundled problems and the SFT warm start."""
     from transformers import AutoTokenizer
@@ -366,12 +379,7 @@ def embedded_model(cfg: Config) -> str:
     from lib.warm_start import sft_warm_start, warm_start_dir
 
     data_dir, base = default_math_dir(seed=0), default_tiny_model_dir()
-    # The cache key: everything that shapes the demonstrations and the SFT. Bump "v" when
-    # build_demonstrations or the calculator changes.
-    settings = {"base": base, "data": data_dir, "steps": cfg.warm_start_steps, "lr": cfg.warm_start_lr,
-                "batch": cfg.warm_start_batch_size, "prompt": PROMPT_TEMPLATE, "result": RESULT_TEMPLATE,
-                "chat": cfg.apply_chat_template, "max_tokens": cfg.max_tokens, "seed": cfg.seed, "v": 2}
-    out = warm_start_dir("calc-warm-start", settings)
+    out = warm_start_dir("calc-warm-start", warm_start_settings(cfg, base, data_dir))
     if not os.path.exists(os.path.join(out, "model.safetensors")):
         demos = build_demonstrations(AutoTokenizer.from_pretrained(base), cfg, read_split(data_dir, "warmstart"))
         print(f"warm start: {len(demos)} demonstrations, {cfg.warm_start_steps} SFT steps")
@@ -555,8 +563,8 @@ def main(config: str | None = "configs/calc_tiny.yaml", **overrides):
             gen_tokens = int(full["loss_mask"].sum())
             metrics = {
                 "rollout/reward": rewards.mean().item(),
-                "rollout/calc_calls": float(np.mean([e["num_calls"] for e in episodes])),
-                "rollout/calc_errors": float(np.mean([e["num_calc_errors"] for e in episodes])),
+                "rollout/tool_calls": float(np.mean([e["num_tool_calls"] for e in episodes])),
+                "rollout/tool_failures": float(np.mean([e["num_tool_failures"] for e in episodes])),
                 "rollout/turns": float(np.mean([e["num_turns"] for e in episodes])),
                 "rollout/max_tokens_hit": float(np.mean([e["finish_reason"] == "max_tokens" for e in episodes])),
                 "rollout/seq_len": full["attention_mask"].sum(1).float().mean().item(),
@@ -583,7 +591,7 @@ def main(config: str | None = "configs/calc_tiny.yaml", **overrides):
                 trainer_lp = trainer_logprobs_by_episode(keep, batch.get("proximal_logprobs"))
                 records = trace_records(step, episodes, full["advantages"], trainer_lp, tokenizer, cfg.group_size,
                                         cfg.trace_groups, context_role="tool",
-                                        tool_failures=lambda e: e["num_calc_errors"])
+                                        tool_failures=lambda e: e["num_tool_failures"])
                 write_traces(trace_file, records)
                 logger.log_traces(step, records)
 

@@ -23,12 +23,20 @@ times a counter over the server's life, so a test can tell every sampled token a
 Hostile answers: `abort_after=k` answers finish_reason abort after k tokens (what SGLang sends on a
 server-side timeout or a failed forward); `logprobs="short" | "nan" | "mismatch" | "null"` breaks
 the log-prob rows; `status=500` answers an HTTP error with no body; `delay_s` waits before answering.
+
+The helpers every workflow's tests use, at the end of this file:
+
+    episode, server = scripted_episode(tokenizer, script,
+                                       lambda client: arun_episode(client, tokenizer, InlineRewardPool(), cfg, item, 1.0))
+    sampled, added = split_by_mask(tokenizer, episode["input_ids"][0].tolist(), episode["loss_mask"][0].tolist(), n)
 """
 import asyncio
 import dataclasses
 import threading
 
 from aiohttp import web
+
+from lib.client import InferenceClient
 
 
 @dataclasses.dataclass
@@ -168,3 +176,36 @@ def continuing(text_or_ids, tokenizer=None):
         done = max((k for k in range(1, min(len(ids), len(held)) + 1) if held[-k:] == ids[:k]), default=0)
         return Reply(ids=ids[done:])
     return reply
+
+
+# --- helpers for workflow tests ---
+class InlineRewardPool:
+    """lib.reward_pool.RewardPool's interface without its processes: the reward runs inline, so an
+    episode test needs no worker start-up (the pool itself has its own tests)."""
+
+    num_timeouts = 0
+    num_failures = 0
+
+    async def score(self, fn, *args):
+        return fn(*args)
+
+
+def scripted_episode(tokenizer, script: list, episode):
+    """Run `episode(client)` (an async function of a real lib.client.InferenceClient, e.g. a lambda
+    around the script's arun_episode) against a ScriptedServer playing `script`; returns (what it
+    returned, the server), whose `requests` and `answers` are the server's own record."""
+    async def go(address):
+        client = InferenceClient([address], max_retries=0)
+        try:
+            return await episode(client)
+        finally:
+            await client.close()
+    with ScriptedServer(tokenizer, script) as server:
+        return asyncio.run(go(server.address)), server
+
+
+def split_by_mask(tokenizer, ids: list[int], mask: list[int], start: int = 0) -> tuple[str, str]:
+    """(decoded tokens with loss_mask 1, decoded tokens with loss_mask 0), from position `start` on:
+    what the model sampled and what the episode added around it."""
+    pairs = list(zip(ids, mask))[start:]
+    return tokenizer.decode([t for t, m in pairs if m]), tokenizer.decode([t for t, m in pairs if not m])

@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 import train_calc as tc
-from lib.client import GenerationAborted, InferenceClient
+from lib.client import GenerationAborted
 from lib.ranks import server_seed
 from lib.reward_pool import RewardPool
-from lib.scripted_server import Reply, ScriptedServer, continuing
+from lib.scripted_server import InlineRewardPool, Reply, continuing, scripted_episode, split_by_mask
 from lib.tiny_model import default_tiny_model_dir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -170,46 +170,26 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(default_tiny_model_dir())
 
 
-class InlinePool:
-    """The reward pool's interface without processes, for episode tests."""
-
-    async def score(self, fn, *args):
-        return fn(*args)
-
-
-def scripted_episode(tokenizer, script, **cfg_overrides):
+def run_episode(tokenizer, script, **cfg_overrides):
     """arun_episode with the real client against lib.scripted_server; (episode, server)."""
     cfg = tc.Config(**{"max_turns": 4, "max_tokens": 512, **cfg_overrides})
-
-    async def go(address):
-        client = InferenceClient([address], max_retries=0)
-        try:
-            return await tc.arun_episode(client, tokenizer, InlinePool(), cfg, ITEM, 1.0)
-        finally:
-            await client.close()
-    with ScriptedServer(tokenizer, script) as server:
-        return asyncio.run(go(server.address)), server
+    return scripted_episode(tokenizer, script,
+                            lambda client: tc.arun_episode(client, tokenizer, InlineRewardPool(), cfg, ITEM, 1.0))
 
 
 def prompt_len(tokenizer) -> int:
     return len(tc.build_prompt_ids(tokenizer, ITEM["question"], True))
 
 
-def texts_by_mask(tokenizer, ids: list[int], mask: list[int], start: int) -> tuple[str, str]:
-    """(decoded tokens with loss_mask 1, decoded tokens with loss_mask 0), from `start` on."""
-    pairs = list(zip(ids, mask))[start:]
-    return tokenizer.decode([t for t, m in pairs if m]), tokenizer.decode([t for t, m in pairs if not m])
-
-
 def episode_texts(tokenizer, episode) -> tuple[str, str]:
     """(what the model sampled, what the episode added after the prompt), decoded."""
-    return texts_by_mask(tokenizer, episode["input_ids"][0].tolist(), episode["loss_mask"][0].tolist(),
+    return split_by_mask(tokenizer, episode["input_ids"][0].tolist(), episode["loss_mask"][0].tolist(),
                          prompt_len(tokenizer))
 
 
 def test_a_calculator_turn_then_the_answer_with_the_result_masked(tokenizer):
     script = [Reply("<calc> 3 * 4 + 5 </calc> and more"), Reply(".\n#### 17", eos=True)]  # " and more": past the stop
-    ep, server = scripted_episode(tokenizer, script)
+    ep, server = run_episode(tokenizer, script)
     ids = ep["input_ids"][0].tolist()
     prompt_text = tokenizer.decode(tc.build_prompt_ids(tokenizer, ITEM["question"], True))
     assert tokenizer.decode(ids) == prompt_text + "<calc> 3 * 4 + 5 </calc><result> 17 </result>.\n#### 17<|im_end|>"
@@ -217,20 +197,20 @@ def test_a_calculator_turn_then_the_answer_with_the_result_masked(tokenizer):
     assert sampled == "<calc> 3 * 4 + 5 </calc>.\n#### 17<|im_end|>" and added == "<result> 17 </result>"
     assert server.requests[1]["input_ids"] == ids[:len(server.requests[1]["input_ids"])]  # the turn saw the result
     assert ep["turn_texts"] == [("model", "<calc> 3 * 4 + 5 </calc>"), ("tool", "17"), ("model", ".\n#### 17")]
-    assert ep["rewards"].item() == 1.0 and ep["num_calls"] == 1 and ep["finish_reason"] == "answer"
+    assert ep["rewards"].item() == 1.0 and ep["num_tool_calls"] == 1 and ep["finish_reason"] == "answer"
     mask = ep["loss_mask"][0].bool()
     assert (ep["logprobs"][0][~mask] == 0).all() and (ep["versions"][0][~mask] == -1).all()
 
 
 def test_a_calculator_error_goes_back_to_the_model_and_the_episode_goes_on(tokenizer):
-    ep, _ = scripted_episode(tokenizer, [Reply("<calc> 9**9**9 </calc>"), Reply("<calc> 12 + 5 </calc>"),
+    ep, _ = run_episode(tokenizer, [Reply("<calc> 9**9**9 </calc>"), Reply("<calc> 12 + 5 </calc>"),
                                          Reply("#### 17", eos=True)])
     assert ep["turn_texts"][1] == ("tool", "error: only numbers, + - * / and parentheses are allowed")
-    assert ep["num_calls"] == 2 and ep["num_calc_errors"] == 1 and ep["rewards"].item() == 1.0
+    assert ep["num_tool_calls"] == 2 and ep["num_tool_failures"] == 1 and ep["rewards"].item() == 1.0
 
 
 def test_every_sampled_token_of_a_turn_cut_into_pieces_is_in_the_trajectory_once_with_its_logprob(tokenizer):
-    ep, server = scripted_episode(tokenizer, [continuing("I will add. #### 17", tokenizer)], max_new_tokens_per_turn=3)
+    ep, server = run_episode(tokenizer, [continuing("I will add. #### 17", tokenizer)], max_new_tokens_per_turn=3)
     sampled = [t for a in server.answers for t in a["output_ids"]]
     sampled_lps = [row[0] for a in server.answers for row in a["meta_info"]["output_token_logprobs"]]
     mask = ep["loss_mask"][0].tolist()
@@ -246,9 +226,9 @@ def test_a_calculator_call_cut_by_the_turn_length_still_runs(tokenizer):
 
     def model(body):  # each turn in as many pieces as the client asks for
         return answer_turn(body) if "<result>" in tokenizer.decode(body["input_ids"]) else calc_turn(body)
-    ep, server = scripted_episode(tokenizer, [model], max_new_tokens_per_turn=3)
+    ep, server = run_episode(tokenizer, [model], max_new_tokens_per_turn=3)
     assert len(server.requests) > 4
-    assert ep["num_calls"] == 1 and ep["turn_texts"][1] == ("tool", "17")
+    assert ep["num_tool_calls"] == 1 and ep["turn_texts"][1] == ("tool", "17")
     assert ep["rewards"].item() == 1.0 and ep["finish_reason"] in ("answer", "max_tokens")
 
 
@@ -258,7 +238,7 @@ def test_a_result_the_model_invents_after_a_split_stop_string_is_cut_and_never_t
     invented = "<calc> 3 * 4 + 5 </calc><result> 99 </result>\n#### 99"
     ids = tokenizer(invented, add_special_tokens=False)["input_ids"]
     k = next(n for n in range(1, len(ids)) if "</calc>" in tokenizer.decode(ids[:n])) - 1
-    ep, _ = scripted_episode(tokenizer, [Reply(ids=ids[:k]), Reply(ids=ids[k:]), Reply("\n#### 17", eos=True)],
+    ep, _ = run_episode(tokenizer, [Reply(ids=ids[:k]), Reply(ids=ids[k:]), Reply("\n#### 17", eos=True)],
                              max_new_tokens_per_turn=k)
     sampled, added = episode_texts(tokenizer, ep)
     assert sampled == "<calc> 3 * 4 + 5 </calc>\n#### 17<|im_end|>" and added == "<result> 17 </result>"
@@ -268,7 +248,7 @@ def test_a_result_the_model_invents_after_a_split_stop_string_is_cut_and_never_t
 def test_eos_sampled_as_the_last_token_of_a_piece_ends_the_turn(tokenizer):
     """The server reports it as length; the turn still ends there, its EOS sampled and trained on once."""
     answer = tokenizer("#### 17", add_special_tokens=False)["input_ids"]
-    ep, server = scripted_episode(tokenizer, [Reply(ids=answer, eos=True), Reply("<calc> 1 + 1 </calc>")],
+    ep, server = run_episode(tokenizer, [Reply(ids=answer, eos=True), Reply("<calc> 1 + 1 </calc>")],
                                   max_new_tokens_per_turn=len(answer) + 1)
     assert server.answers[0]["meta_info"]["finish_reason"]["type"] == "length"
     ids, mask = ep["input_ids"][0].tolist(), ep["loss_mask"][0].tolist()
@@ -277,13 +257,13 @@ def test_eos_sampled_as_the_last_token_of_a_piece_ends_the_turn(tokenizer):
 
 
 def test_an_episode_ends_cleanly_at_max_turns(tokenizer):
-    ep, _ = scripted_episode(tokenizer, [Reply("<calc> 1 + 1 </calc>")], max_turns=3)
+    ep, _ = run_episode(tokenizer, [Reply("<calc> 1 + 1 </calc>")], max_turns=3)
     assert ep["num_turns"] == 3 and ep["finish_reason"] == "max_turns" and ep["rewards"].item() == 0.0
 
 
 def test_an_episode_ends_cleanly_at_the_context_budget(tokenizer):
     budget = prompt_len(tokenizer) + 30
-    ep, _ = scripted_episode(tokenizer, [continuing("<calc> 1 + 1 </calc>" * 10, tokenizer)], max_tokens=budget,
+    ep, _ = run_episode(tokenizer, [continuing("<calc> 1 + 1 </calc>" * 10, tokenizer)], max_tokens=budget,
                              max_new_tokens_per_turn=4, max_turns=50)
     assert ep["finish_reason"] == "max_tokens" and ep["input_ids"].shape[1] <= budget
     assert ep["rewards"].item() == 0.0
@@ -297,17 +277,12 @@ def test_an_abort_raises_and_drops_its_group_which_is_counted(tokenizer):
         calls["n"] += 1
         return Reply("#### 17", abort_after=1) if calls["n"] == 3 else Reply("#### 17", eos=True)
 
-    async def go(address):
-        client = InferenceClient([address], max_retries=0)
-        try:
-            return await tc.rollout_groups(client, tokenizer, InlinePool(), cfg, [ITEM, ITEM], 1.0, 2)
-        finally:
-            await client.close()
-    with ScriptedServer(tokenizer, [script]) as server:
-        groups, failed = asyncio.run(go(server.address))
+    (groups, failed), _ = scripted_episode(
+        tokenizer, [script], lambda client: tc.rollout_groups(client, tokenizer, InlineRewardPool(), cfg, [ITEM, ITEM],
+                                                              1.0, 2))
     assert failed == 1 and len(groups) == 1 and [e["rewards"].item() for e in groups[0]] == [1.0, 1.0]
     with pytest.raises(GenerationAborted):
-        scripted_episode(tokenizer, [Reply("<calc> 1 + 1 </calc>", abort_after=2)])
+        run_episode(tokenizer, [Reply("<calc> 1 + 1 </calc>", abort_after=2)])
 
 
 # --- warm-start demonstrations ---
@@ -319,7 +294,7 @@ def test_demonstrations_call_the_calculator_for_each_worked_step(tokenizer):
     assert tokenizer.decode(demo["input_ids"][n:]) == (
         "Tom has <calc> 3 * 4 </calc><result> 12 </result> apples.\n<calc> 12 + 5 </calc><result> 17 </result>.\n"
         "#### 17<|im_end|>")
-    sampled, added = texts_by_mask(tokenizer, demo["input_ids"], demo["loss_mask"], n)
+    sampled, added = split_by_mask(tokenizer, demo["input_ids"], demo["loss_mask"], n)
     assert sampled == "Tom has <calc> 3 * 4 </calc> apples.\n<calc> 12 + 5 </calc>.\n#### 17<|im_end|>"
     assert added == "<result> 12 </result><result> 17 </result>"
 
@@ -335,10 +310,35 @@ def test_a_demonstration_is_the_trajectory_the_episode_builds_for_the_same_model
             current.append(token)
         elif current:
             pieces, current = pieces + [current], []
-    ep, _ = scripted_episode(tokenizer, [Reply(ids=p) for p in pieces + [current]])
+    ep, _ = run_episode(tokenizer, [Reply(ids=p) for p in pieces + [current]])
     assert ep["input_ids"][0].tolist() == demo["input_ids"]
     assert ep["loss_mask"][0].tolist()[n:] == demo["loss_mask"][n:]
-    assert ep["rewards"].item() == 1.0 and ep["num_calls"] == 2
+    assert ep["rewards"].item() == 1.0 and ep["num_tool_calls"] == 2
+
+
+def test_the_warm_start_key_changes_when_the_demonstration_code_changes(monkeypatch):
+    """The key holds the fingerprint of the code that builds the demonstrations: a fork that edits it
+    gets a new warm start instead of the cached one."""
+    from lib.warm_start import warm_start_dir
+
+    def key():
+        return warm_start_dir("calc-warm-start", tc.warm_start_settings(tc.Config(), "base", "data"))
+    original = key()
+    assert key() == original  # deterministic
+
+    def build_demonstrations(tokenizer, cfg, items):  # a fork's edit: no calculator calls
+        return [{"input_ids": tokenizer(item["answer"])["input_ids"], "loss_mask": [1]} for item in items]
+    monkeypatch.setattr(tc, "build_demonstrations", build_demonstrations)
+    assert key() != original
+    monkeypatch.undo()
+
+    def calculate(expression):  # the tool's answers are in the demonstrations too
+        return "42"
+    monkeypatch.setattr(tc, "calculate", calculate)
+    assert key() != original
+    monkeypatch.undo()
+    monkeypatch.setattr(tc, "RESULT_TEMPLATE", "<output> {} </output>")
+    assert key() != original
 
 
 # --- end to end ---
