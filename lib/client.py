@@ -17,6 +17,15 @@ server answer its in-flight requests with finish_reason abort and their partial 
 tokens of each piece are tagged in `Generation.versions` with the client's policy version when that
 piece was sent, so the trainer knows which tokens came from which weights. Any other abort raises
 `GenerationAborted`.
+
+Prefix cache and weight updates: every request carries SGLang's `extra_key` = "policy-v<version>",
+the client's policy version when it is sent. SGLang's radix cache keeps keys apart, so a request
+reuses only prefixes computed under the weights it is sampled with: a prompt cached under old
+weights is never reused after a weight update (measured on SGLang 0.5.15: without this, a prefix
+cached at version 0 shaped sampling for the rest of a run; docs/client.md). What a request held
+by an `in_place` pause keeps is its own KV, as old as the request (the producer's admission bound
+keeps that within `max_staleness`). `version_cache_key=False` leaves the key out, for servers that
+do not know it.
 """
 import asyncio
 import dataclasses
@@ -57,7 +66,8 @@ class GenerationAborted(InferenceServerError):
 
 class InferenceClient:
     def __init__(self, addresses: list[str], *, max_concurrent_requests: int = 256, request_timeout_s: float = 3600.0,
-                 max_retries: int = 3, retry_backoff_s: float = 1.0, connect_timeout_s: float = 30.0):
+                 max_retries: int = 3, retry_backoff_s: float = 1.0, connect_timeout_s: float = 30.0,
+                 version_cache_key: bool = True):
         if isinstance(addresses, str):
             addresses = [addresses]
         if not addresses:
@@ -69,6 +79,7 @@ class InferenceClient:
         self.max_retries = max_retries
         self.retry_backoff_s = retry_backoff_s
         self.version = 0
+        self.version_cache_key = version_cache_key
         self._routes: dict = {}  # trajectory_id -> address
         self._live_trajectories = {a: 0 for a in self.addresses}
         self._in_flight = {a: 0 for a in self.addresses}
@@ -139,6 +150,8 @@ class InferenceClient:
                             "return_logprob": True,
                             # Each token's text, to find a stop string across pieces (see above).
                             "return_text_in_logprobs": bool(stop)}
+                    if self.version_cache_key:  # prefixes cached under other weights are not reused
+                        body["extra_key"] = f"policy-v{version}"
                     answer = await self._request("POST", address, "/generate", body)
                 finally:
                     self._semaphore.release()

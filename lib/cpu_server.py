@@ -824,6 +824,10 @@ class Server:
                 raise BadRequest(f"The input ({len(ids)} tokens) is longer than the model's context length "
                                  f"({self.runner.context_length} tokens).")
         n = len(batch)
+        extra_key = body.get("extra_key")  # SGLang's prefix-cache namespace; this server has no cache
+        if not (extra_key is None or isinstance(extra_key, str) or (
+                isinstance(extra_key, list) and len(extra_key) == n and all(isinstance(k, str) for k in extra_key))):
+            raise BadRequest("extra_key must be a string, or a list of strings with one per input")
         raw_params = body.get("sampling_params")
         if isinstance(raw_params, list):
             if len(raw_params) != n:

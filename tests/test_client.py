@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import time
 
+import aiohttp
 import pytest
 from aiohttp import web
 from transformers import AutoTokenizer
@@ -389,3 +390,40 @@ def test_a_weight_update_whose_answer_is_lost_is_checked_by_version_and_sent_aga
     answers, state = asyncio.run(main())
     assert answers[0]["success"] and state["version"] == "7"
     assert state["posts"] == (1 if applied else 2), "loaded once, whichever side of the drop the load fell"
+
+
+def test_each_request_carries_the_policy_version_as_its_prefix_cache_key_and_can_leave_it_out():
+    # SGLang namespaces its radix cache by `extra_key`: a prefix cached under version 0's weights is
+    # not reused by a request sent under version 1's.
+    keys = []
+
+    async def generate(body):
+        keys.append(body.get("extra_key", "absent"))
+        return _answer([1], {"type": "length", "length": 1})
+
+    async def main():
+        async with fake_server(generate) as address:
+            client = InferenceClient([address])
+            await client.generate([5, 6], max_new_tokens=1)
+            client.set_version(1)
+            await client.generate([5, 6], max_new_tokens=1)
+            await client.close()
+            plain = InferenceClient([address], version_cache_key=False)
+            await plain.generate([5, 6], max_new_tokens=1)
+            await plain.close()
+    asyncio.run(main())
+    assert keys == ["policy-v0", "policy-v1", "absent"]
+
+
+def test_the_cpu_server_takes_sglangs_extra_key_and_refuses_one_of_the_wrong_type(server, prompt):
+    async def body(client):
+        return await client.generate(prompt, max_new_tokens=2, extra_sampling_params=SEEDED)
+    assert len(with_client([server.address], body).output_ids) == 2  # sent with extra_key "policy-v0"
+
+    async def post(extra_key):
+        async with aiohttp.ClientSession() as session:
+            async with session.post(server.address + "/generate", json={
+                    "input_ids": prompt, "extra_key": extra_key, "sampling_params": {"max_new_tokens": 1}}) as r:
+                return r.status, await r.text()
+    status, text = asyncio.run(post({"not": "a string"}))
+    assert status == 400 and "extra_key" in text
