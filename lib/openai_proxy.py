@@ -118,15 +118,24 @@ class _InProcessTransport:
         self.proxy = proxy
 
     async def handle_async_request(self, request):
+        httpx = sys.modules[type(request).__module__.split(".")[0]]  # httpx, or the SDK's fork of it (httpx2)
         raw = await request.aread()
         if len(raw) > self.proxy.max_body_bytes:
             refused = body_too_large(self.proxy.max_body_bytes, _TOO_LARGE_HINTS.get(request.url.path, ""))
             (status, payload), record = _error(refused.status, str(refused)), None
         else:
-            status, payload, record = await self.proxy._answer(request.method, request.url.path,
-                                                               request.headers.get("Authorization", ""), raw)
+            # The SDK's `timeout` travels in the request (a socket transport enforces it while reading the
+            # answer): past it, the answer is given up (its generation cancelled, nothing recorded) and
+            # the SDK sees the timeout its retries expect.
+            read_timeout_s = (request.extensions.get("timeout") or {}).get("read")
+            try:
+                status, payload, record = await asyncio.wait_for(
+                    self.proxy._answer(request.method, request.url.path, request.headers.get("Authorization", ""),
+                                       raw), read_timeout_s)
+            except asyncio.TimeoutError:
+                raise httpx.ReadTimeout(f"the proxy did not answer within {read_timeout_s} s", request=request) from None
         events = isinstance(payload, bytes)
-        response = sys.modules[type(request).__module__].Response  # httpx's, or the SDK's fork of it (httpx2)
+        response = httpx.Response
         response = response(status, request=request, content=payload if events else json.dumps(payload).encode(),
                             headers={"Content-Type": "text/event-stream" if events else "application/json; charset=utf-8"})
         if record is not None:
@@ -254,15 +263,20 @@ class OpenAIProxy:
         events = isinstance(payload, bytes)
         response = (web.StreamResponse(status=status, headers=_EVENT_STREAM_HEADERS) if events
                     else web.json_response(payload, status=status))
+        if request.transport is None or request.transport.is_closing():
+            return response  # the client left (its handler's cancellation is on its way): nothing to record or send
         if record is not None:
             # Kept in the same step of the event loop that hands the answer to the connection (nothing
             # below waits before writing it): a client that left earlier has cancelled this handler
             # (handler_cancellation), and the next request of a client that got it finds it recorded.
             record()
-        await response.prepare(request)
-        if events:
-            await response.write(payload)
-        await response.write_eof()
+        try:
+            await response.prepare(request)
+            if events:
+                await response.write(payload)
+            await response.write_eof()
+        except ConnectionResetError:  # the client left while the answer was being written: no traceback for it
+            pass
         return response
 
     async def _answer(self, method: str, path: str, authorization: str, raw: bytes):
