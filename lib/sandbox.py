@@ -1,0 +1,638 @@
+"""Run model-written Python with bounded time, memory, processes, files and output, no network, in
+a fresh working directory, away from the caller's process and files.
+
+    result = run_python("print(1 + 1)", timeout_s=5.0)            # SandboxResult(stdout="2\\n", ...)
+    result = await arun_python(code, timeout_s=5.0)                # same, never blocks the event loop
+
+A resource and accident sandbox, not a security boundary: see docs/sandbox.md for each limit, how it
+is enforced, and what is and is not prevented. In short, as root (the usual container) each run gets
+new mount, PID, IPC and network namespaces and an unprivileged uid of its own; /tmp is a fresh
+size-bounded tmpfs that is the working directory, and the caller's home is hidden. Not as root, the
+run has rlimits, a new session and (where the kernel lets users create namespaces) no network.
+
+How a run starts: a warm interpreter (this file run as a script, `--server`) is started once per
+calling process and forks once per run; the caller hands it the code and the pipes over a Unix
+socket. `warm=False` starts a fresh interpreter per run instead (about 4x slower, same guarantees;
+bench/bench_sandbox.py measures both). The caller's own process is never forked, so it may have
+threads.
+
+Processes of one run (as root):
+    C       the run's session leader (caller's uid); waits for the caller to release it, then kills
+            its whole process group. The caller kills this group too.
+    init    pid 1 of the run's PID namespace: mounts, then waits for the user process and reports
+            its exit status; when it exits the kernel kills every process left in the namespace.
+    user    the code, as the run's uid, with rlimits, cwd /tmp, stdin at EOF.
+"""
+import asyncio
+import dataclasses
+import errno
+import fcntl
+import json
+import math
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x10000000
+CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+
+# Each concurrent run as root gets a uid of its own, so RLIMIT_NPROC (a per-uid count) bounds that
+# run alone. Slots are claimed with a lock file, so concurrent callers on one machine do not share.
+SANDBOX_UID_BASE = 1_900_000_000
+NUM_UID_SLOTS = 256
+FALLBACK_UID = 65534  # nobody, where the kernel refuses uids past the base (a user namespace's map)
+UID_LOCK_DIR = "/tmp/agentrl-sandbox-uids"
+MAX_CODE_BYTES = 1 << 20
+SANDBOX_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
+               "LC_ALL": "C.UTF-8"}
+DRAIN_S = 1.0  # after the run ends, how long to wait for the rest of its output already in the pipes
+
+
+@dataclasses.dataclass
+class SandboxResult:
+    stdout: str  # decoded utf-8 with errors="replace", cut at max_output_bytes
+    stderr: str  # same
+    returncode: int | None  # None when killed for time; -N when killed by signal N
+    timed_out: bool
+    output_truncated: bool
+    wall_s: float
+    error: str | None  # None, or what the sandbox enforced: "timed out after 2.0 s", "memory limit ..."
+    network_isolated: bool = False  # the code ran in a network namespace of its own (no interfaces up)
+    isolation: str = ""  # what was in force, e.g. "namespaces+uid" or "rlimits-only"; docs/sandbox.md
+
+
+# --- the child side: runs in the warm interpreter's forks (or a fresh interpreter with --one) ---
+
+def _libc():
+    import ctypes  # imported here: the caller never needs it, the server imports it once
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(name, value):
+        if value != 0:
+            e = ctypes.get_errno()
+            raise OSError(e, f"{name}: {os.strerror(e)}")
+    return libc, check
+
+
+def _unshare(flags):
+    libc, check = _libc()
+    check("unshare", libc.unshare(flags))
+
+
+def _mount(source, target, fstype, flags, data=None):
+    libc, check = _libc()
+    enc = lambda s: None if s is None else s.encode()
+    check(f"mount {target}", libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)))
+
+
+def _prctl(option, arg):
+    libc, check = _libc()
+    check("prctl", libc.prctl(option, arg, 0, 0, 0))
+
+
+def _unreachable_ancestor(path: str) -> str | None:
+    """The first directory above `path` that a stranger (not owner, not group) cannot enter."""
+    parts = path.strip("/").split("/")
+    for i in range(1, len(parts)):
+        ancestor = "/" + "/".join(parts[:i])
+        if not os.stat(ancestor).st_mode & 0o001:
+            return ancestor
+    return None
+
+
+def _python_paths() -> list[str]:
+    """The directories the interpreter imports from: the run's uid must be able to read them."""
+    paths = {os.path.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix, sys.prefix, sys.exec_prefix)}
+    paths |= {os.path.realpath(p) for p in sys.path if p and os.path.isdir(p)}
+    paths.add(os.path.dirname(os.path.realpath(sys.executable)))
+    return sorted(p for p in paths if not any(p.startswith(q + "/") for q in paths))
+
+
+def _setup_mounts(uid: int, dir_mb: int):
+    """In the run's new mount namespace (nothing here reaches the host's): a fresh /proc for the new
+    PID namespace; a fresh tmpfs on /tmp owned by the run's uid (its working directory, bounded in
+    size); empty read-only /var/tmp and /dev/shm; directories the uid cannot enter (root's 0700 home
+    holding the interpreter, say) replaced by a read-only view of just the interpreter's files."""
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    hide = {}
+    for path in _python_paths():
+        ancestor = _unreachable_ancestor(path)
+        if ancestor is not None:
+            hide.setdefault(ancestor, []).append((path, os.open(path, os.O_PATH | os.O_DIRECTORY)))
+    for ancestor, keep in hide.items():
+        _mount("tmpfs", ancestor, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
+        for path, fd in keep:
+            os.makedirs(path, exist_ok=True)
+            _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+            _mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+            os.close(fd)
+    try:
+        _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    except OSError:
+        pass  # a locked-down /proc (some containers): the host's stays, showing host processes
+    _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={dir_mb}m,mode=0700,uid={uid},gid={uid}")
+    for path in ("/var/tmp", "/dev/shm"):
+        if os.path.isdir(path):
+            _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, "size=4k,mode=0555")
+
+
+def _set_limits(req: dict, nproc: int):
+    cpu_s = math.ceil(req["timeout_s"]) + 1  # wall time kills first; this bounds a runaway thread pool
+    mem = req["memory_mb"] << 20
+    for name, soft, hard in [("RLIMIT_CPU", cpu_s, cpu_s + 1), ("RLIMIT_AS", mem, mem),
+                             ("RLIMIT_FSIZE", req["max_file_mb"] << 20, req["max_file_mb"] << 20),
+                             ("RLIMIT_NPROC", nproc, nproc), ("RLIMIT_NOFILE", 256, 256), ("RLIMIT_CORE", 0, 0),
+                             ("RLIMIT_MSGQUEUE", 0, 0)]:
+        import resource
+        resource.setrlimit(getattr(resource, name), (soft, hard))
+
+
+def _count_tasks(uid: int) -> int:
+    """Threads and processes of `uid` now: RLIMIT_NPROC counts them all, the caller's included."""
+    count = 0
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/status") as f:
+                    fields = dict(line.split(":", 1) for line in f if ":" in line)
+                if int(fields["Uid"].split()[0]) == uid:
+                    count += int(fields["Threads"])
+            except (OSError, KeyError, ValueError):
+                continue
+    return count
+
+
+def _become_user(req: dict, fds: dict, uid: int | None, nproc: int, cwd: str) -> str:
+    """In the user process: std streams, uid, limits; returns the code to run."""
+    code = b""
+    while chunk := os.read(fds["code"], 1 << 16):
+        code += chunk
+    devnull = os.open("/dev/null", os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(fds["out"], 1)
+    os.dup2(fds["err"], 2)
+    os.closerange(3, 1 << 16)
+    os.chdir(cwd)
+    if uid is not None:
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+    os.umask(0o077)
+    _prctl(PR_SET_NO_NEW_PRIVS, 1)
+    _set_limits(req, nproc)
+    return code.decode("utf-8", "surrogatepass")
+
+
+def _report(status_fd: int, wait_status: int):
+    if os.WIFSIGNALED(wait_status):
+        os.write(status_fd, f"signal {os.WTERMSIG(wait_status)}\n".encode())
+    else:
+        os.write(status_fd, f"exit {os.waitstatus_to_exitcode(wait_status)}\n".encode())
+
+
+def _run_child(req: dict, fds: dict) -> str | None:
+    """C: the run's session leader. Returns the code in the user process; never returns elsewhere."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server ignores it; waitpid needs it back
+    try:
+        os.setsid()
+    except OSError:
+        pass  # already a session leader (started by Popen with start_new_session)
+    status_fd = fds["status"]
+    try:
+        os.write(status_fd, f"pid {os.getpid()}\n".encode())
+        root = os.geteuid() == 0
+        namespaces, net = False, False
+        if root:
+            try:
+                _unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | (0 if req["network"] else CLONE_NEWNET))
+                namespaces, net = True, not req["network"]
+            except OSError:
+                pass
+        if not namespaces and not req["network"]:
+            try:  # an unprivileged user may still get a network namespace inside a user namespace
+                _unshare(CLONE_NEWNET if root else CLONE_NEWUSER | CLONE_NEWNET)
+                net = True
+            except OSError:
+                pass
+        uid = None
+        if root:
+            uid = req["uid"]
+            try:
+                os.setresuid(uid, uid, 0)  # probe: does this kernel (user namespace map) allow the uid?
+                os.setresuid(0, 0, 0)
+            except OSError:
+                uid = FALLBACK_UID
+        isolation = ("namespaces" if namespaces else "rlimits") + ("+uid" if root else "")
+        os.write(status_fd, f"net {int(net)} {isolation}\n".encode())
+        nproc = req["max_processes"] + (0 if root else _count_tasks(os.getuid()))
+        if not namespaces and root:
+            os.chown(req["work_dir"], uid, uid)
+        pid = os.fork()
+        if pid == 0:
+            if not namespaces:
+                return _become_user(req, fds, uid, nproc, req["work_dir"])
+            # init: pid 1 of the new PID namespace
+            _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            _setup_mounts(uid, req["max_dir_mb"])
+            user_pid = os.fork()
+            if user_pid == 0:
+                return _become_user(req, fds, uid, nproc, "/tmp")
+            for fd in ("code", "out", "err", "release"):
+                os.close(fds[fd])
+            while True:  # reap orphans until the user process exits; then the kernel kills the rest
+                reaped, wait_status = os.waitpid(-1, 0)
+                if reaped == user_pid:
+                    _report(status_fd, wait_status)
+                    os._exit(0)
+        for fd in ("code", "out", "err"):
+            os.close(fds[fd])
+        if not namespaces:  # C itself reports the user process's exit, unless released first
+            pidfd = os.pidfd_open(pid)
+            ready = selectors.DefaultSelector()
+            ready.register(pidfd, selectors.EVENT_READ)
+            ready.register(fds["release"], selectors.EVENT_READ)
+            if any(key.fd == pidfd for key, _ in ready.select()):
+                _report(status_fd, os.waitpid(pid, 0)[1])
+        os.read(fds["release"], 1)  # blocks until the caller is done (or dead)
+    except BaseException as e:
+        try:
+            os.write(status_fd, f"fail {type(e).__name__}: {e}\n".encode(errors="replace"))
+        except OSError:
+            pass
+    os.killpg(0, signal.SIGKILL)
+    os._exit(1)
+
+
+def _exec_user_code(code: str):
+    """Runs the code as `python -c` would: in a fresh __main__, tracebacks without this file's frames,
+    sys.exit's code, then what the interpreter's exit does that the code can see (non-daemon threads
+    joined, atexit functions, streams flushed), but not the teardown of every module, which would
+    cost a warm interpreter's fork 20 ms."""
+    import atexit
+    import types
+    main = types.ModuleType("__main__")
+    sys.modules["__main__"] = main
+    sys.argv = ["-c"]
+    exit_code = 0
+    try:
+        exec(compile(code, "<string>", "exec"), main.__dict__)
+    except SystemExit as e:
+        exit_code = _exit_code(e)
+    except BaseException as e:
+        tb = e.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+            tb = tb.tb_next
+        try:
+            sys.excepthook(type(e), e.with_traceback(tb), tb)
+        except BaseException:
+            pass
+        exit_code = 1
+    try:
+        threading._shutdown()
+        atexit._run_exitfuncs()
+    except SystemExit as e:
+        exit_code = _exit_code(e)
+    except BaseException:
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            exit_code = exit_code or 120  # as python does when it cannot flush stdout at exit
+    os._exit(exit_code)
+
+
+def _exit_code(e: SystemExit) -> int:
+    if e.code is None:
+        return 0
+    if isinstance(e.code, int):
+        return e.code & 0xFF
+    try:
+        print(e.code, file=sys.stderr)
+    except BaseException:
+        pass
+    return 1
+
+
+FD_NAMES = ("code", "out", "err", "status", "release")
+
+
+def _serve(sock_fd: int) -> str:
+    """The warm interpreter: forks a run per request; returns the code only in a run's user process."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # runs are reaped by the kernel
+    import resource, types, traceback  # noqa: F401  imported once here, not per run
+    sock = socket.socket(fileno=sock_fd)
+    while True:
+        msg, ancdata, _, _ = sock.recvmsg(1 << 16, socket.CMSG_SPACE(len(FD_NAMES) * 4))
+        if not msg:
+            os._exit(0)  # the caller closed its end (it exited)
+        fds = []
+        for level, kind, data in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds += list(memoryview(data).cast("i")[:len(data) // 4])
+        if len(fds) == len(FD_NAMES) and os.fork() == 0:
+            sock.detach()  # so that no socket object can close an fd number the code reuses
+            os.close(sock_fd)
+            return _run_child(json.loads(msg), dict(zip(FD_NAMES, fds)))
+        for fd in fds:
+            os.close(fd)
+
+
+
+# --- the caller side ---
+
+_server_lock = threading.Lock()
+_server = {"owner_pid": None, "sock": None, "process": None}
+_slot_lock = threading.Lock()
+_next_slot = 0
+
+
+def _server_socket() -> socket.socket:
+    """The warm interpreter's socket, started on first use (and again if it died, or after a fork)."""
+    with _server_lock:
+        if _server["owner_pid"] == os.getpid() and _server["process"].poll() is None:
+            return _server["sock"]
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        _server["process"] = subprocess.Popen(
+            [sys.executable, "-I", "-S", __file__, "--server", str(theirs.fileno())], pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=SANDBOX_ENV,
+            cwd="/", start_new_session=True)
+        theirs.close()
+        _server.update(owner_pid=os.getpid(), sock=ours)
+        return ours
+
+
+def _claim_uid() -> tuple[int, int]:
+    """A uid no other run holds now (a lock file per slot; the lock goes with the process)."""
+    global _next_slot
+    os.makedirs(UID_LOCK_DIR, mode=0o700, exist_ok=True)
+    with _slot_lock:
+        for i in range(NUM_UID_SLOTS):
+            slot = (_next_slot + i) % NUM_UID_SLOTS  # round robin: a just-freed uid is reused last
+            fd = os.open(f"{UID_LOCK_DIR}/{slot}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            _next_slot = slot + 1
+            return SANDBOX_UID_BASE + slot, fd
+    raise RuntimeError(f"all {NUM_UID_SLOTS} sandbox uids are in use ({UID_LOCK_DIR}): too many concurrent "
+                       "runs on this machine; run fewer at once")
+
+
+def _check_args(code, timeout_s, memory_mb, max_output_bytes, max_processes, max_file_mb, max_dir_mb):
+    if not isinstance(code, str):
+        raise TypeError(f"code must be a str, got {type(code).__name__}")
+    if len(code.encode("utf-8", "surrogatepass")) > MAX_CODE_BYTES:
+        raise ValueError(f"code is longer than {MAX_CODE_BYTES} bytes; cut it before running it")
+    if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and 0 < timeout_s <= 3600):
+        raise ValueError(f"timeout_s must be a number of seconds in (0, 3600], got {timeout_s!r}")
+    for name, value, low in [("memory_mb", memory_mb, 32), ("max_output_bytes", max_output_bytes, 1),
+                             ("max_processes", max_processes, 1), ("max_file_mb", max_file_mb, 1),
+                             ("max_dir_mb", max_dir_mb, 1)]:
+        if not (isinstance(value, int) and not isinstance(value, bool) and low <= value <= 1 << 40):
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+class _Run:
+    """One run's pipes, output and state, driven by run_python (selectors) or arun_python (the loop)."""
+
+    def __init__(self, code, timeout_s, memory_mb, max_output_bytes, max_processes, max_file_mb, max_dir_mb,
+                 network, warm):
+        _check_args(code, timeout_s, memory_mb, max_output_bytes, max_processes, max_file_mb, max_dir_mb)
+        import tempfile  # not at the top: the warm interpreter must not import random (its forks share it)
+        self.timeout_s, self.memory_mb, self.max_output_bytes = timeout_s, memory_mb, max_output_bytes
+        self.max_processes, self.max_file_mb, self.max_dir_mb, self.warm = max_processes, max_file_mb, max_dir_mb, warm
+        self.start_s = time.monotonic()
+        self.deadline = self.start_s + timeout_s
+        self.out, self.err, self.status = bytearray(), bytearray(), bytearray()
+        self.truncated = self.timed_out = self.killed = False
+        self.pgid, self.process, self.drain_deadline = None, None, None
+        self.uid, self.uid_lock_fd = (None, None)
+        self.fds_to_close = []
+        if os.geteuid() == 0:
+            self.uid, self.uid_lock_fd = _claim_uid()
+        self.work_dir = tempfile.mkdtemp(prefix="agentrl-sandbox-")
+        os.chmod(self.work_dir, 0o700)
+        code_fd = os.memfd_create("agentrl-sandbox-code", os.MFD_CLOEXEC)
+        self.fds_to_close.append(code_fd)
+        os.write(code_fd, code.encode("utf-8", "surrogatepass"))
+        os.lseek(code_fd, 0, os.SEEK_SET)
+        pipes = [os.pipe() for _ in range(4)]  # out, err, status: they write; release: we hold the write end
+        self.out_r, self.err_r, self.status_r = pipes[0][0], pipes[1][0], pipes[2][0]
+        self.release_w = pipes[3][1]
+        self.child_fds = [code_fd, pipes[0][1], pipes[1][1], pipes[2][1], pipes[3][0]]
+        self.fds_to_close += [self.out_r, self.err_r, self.status_r, self.release_w] + self.child_fds[1:]
+        for fd in (self.out_r, self.err_r, self.status_r):
+            os.set_blocking(fd, False)
+        self.open_fds = {self.out_r, self.err_r, self.status_r}
+        self.request = {"timeout_s": timeout_s, "memory_mb": memory_mb, "max_file_mb": max_file_mb,
+                        "max_processes": max_processes, "max_dir_mb": max_dir_mb, "network": bool(network),
+                        "uid": self.uid, "work_dir": self.work_dir}
+
+    def start(self):
+        if self.warm:
+            message = json.dumps(self.request).encode()
+            ancdata = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, memoryview(bytearray(
+                b"".join(fd.to_bytes(4, sys.byteorder) for fd in self.child_fds))))]
+            for attempt in range(2):
+                try:
+                    _server_socket().sendmsg([message], ancdata)
+                    break
+                except OSError:  # the warm interpreter died (killed by someone): start another once
+                    if attempt:
+                        raise
+                    with _server_lock:
+                        _server["owner_pid"] = None
+        else:
+            request = dict(self.request, fds=dict(zip(FD_NAMES, self.child_fds)))
+            self.process = subprocess.Popen(
+                [sys.executable, "-I", "-S", __file__, "--one", json.dumps(request)], pass_fds=self.child_fds,
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=SANDBOX_ENV,
+                cwd="/", start_new_session=True)
+            self.pgid = self.process.pid
+        for fd in self.child_fds:  # the child has its copies; ours would hide the pipes' EOF
+            os.close(fd)
+            self.fds_to_close.remove(fd) if fd in self.fds_to_close else None
+
+    def read(self, fd) -> bool:
+        """Reads what `fd` has; False at its EOF."""
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return True
+        if not chunk:
+            self.open_fds.discard(fd)
+            return False
+        if fd == self.status_r:
+            self.status += chunk
+            if self.pgid is None and self.status.startswith(b"pid ") and b"\n" in self.status:
+                self.pgid = int(self.status[4:self.status.index(b"\n")])
+            return True
+        buf = self.out if fd == self.out_r else self.err
+        room = self.max_output_bytes - len(buf)
+        buf += chunk[:max(room, 0)]
+        if len(chunk) > room:
+            self.truncated = True
+        return True
+
+    def _status_lines(self) -> dict:
+        lines = self.status.decode(errors="replace").splitlines()
+        return {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in lines if " " in line}
+
+    def _ended(self) -> bool:
+        return any(key in self._status_lines() for key in ("exit", "signal", "fail"))
+
+    def next_wake(self) -> float | None:
+        """The monotonic time to wake at, or None when the run is over and its output read."""
+        now = time.monotonic()
+        if not self.killed:
+            if not (self._ended() or self.truncated or now >= self.deadline):
+                return self.deadline
+            self.timed_out = not self._ended() and not self.truncated
+            self.kill()
+            self.drain_deadline = now + DRAIN_S
+        if not ({self.out_r, self.err_r} & self.open_fds) or now >= self.drain_deadline:
+            return None
+        return self.drain_deadline
+
+    def kill(self):
+        """Kills the run's process group while its leader C is alive (it waits for `release`, so its
+        pid cannot be reused yet), then releases C, which kills its group itself should it be
+        starting only now. As root, init's death ends the PID namespace and every process in it."""
+        self.killed = True
+        if self.pgid is not None:
+            try:
+                os.killpg(self.pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if self.release_w in self.fds_to_close:
+            os.close(self.release_w)
+            self.fds_to_close.remove(self.release_w)
+
+    def cleanup(self):
+        if not self.killed:
+            self.kill()
+        for fd in self.fds_to_close:
+            os.close(fd)
+        self.fds_to_close = []
+        if self.process is not None:
+            self.process.wait()  # killed above: SIGKILL cannot be ignored, so this returns
+        import shutil
+        shutil.rmtree(self.work_dir, ignore_errors=True)
+        if self.uid_lock_fd is not None:
+            os.close(self.uid_lock_fd)  # frees the uid slot
+            self.uid_lock_fd = None
+
+    def result(self) -> SandboxResult:
+        status = self._status_lines()
+        returncode, error = None, None
+        if "exit" in status:
+            returncode = int(status["exit"])
+        elif "signal" in status:
+            returncode = -int(status["signal"])
+        stderr = self.err.decode("utf-8", "replace")
+        last_line = stderr.rstrip().rsplit("\n", 1)[-1]
+        if self.timed_out:
+            returncode, error = None, f"timed out after {self.timeout_s:g} s"
+        elif self.truncated:
+            error = f"output cut at {self.max_output_bytes} bytes"
+        elif "fail" in status:
+            error = f"sandbox failed to start the code: {status['fail']}"
+        elif returncode is None:
+            error = "the sandbox's process ended without reporting the code's exit status"
+        elif returncode == -signal.SIGXCPU:
+            error = f"CPU time limit {math.ceil(self.timeout_s) + 1} s exceeded"
+        elif returncode < 0:
+            error = f"killed by signal {-returncode} ({signal.Signals(-returncode).name})"
+        elif returncode != 0 and last_line.startswith("MemoryError"):
+            error = f"memory limit {self.memory_mb} MB exceeded"
+        elif returncode != 0 and "[Errno 27] File too large" in last_line:
+            error = f"file size limit {self.max_file_mb} MB exceeded"
+        elif returncode != 0 and "[Errno 28] No space left on device" in last_line:
+            error = f"working directory limit {self.max_dir_mb} MB exceeded"
+        elif returncode != 0 and "[Errno 11] Resource temporarily unavailable" in last_line:
+            error = f"process limit {self.max_processes} reached"
+        net = status.get("net", "0 unknown").split()
+        return SandboxResult(stdout=self.out.decode("utf-8", "replace"), stderr=stderr, returncode=returncode,
+                             timed_out=self.timed_out, output_truncated=self.truncated,
+                             wall_s=time.monotonic() - self.start_s, error=error, network_isolated=net[0] == "1",
+                             isolation=net[1] if len(net) > 1 else "unknown")
+
+
+def run_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, max_output_bytes: int = 65536,
+               max_processes: int = 16, max_file_mb: int = 16, network: bool = False, max_dir_mb: int = 64,
+               warm: bool = True) -> SandboxResult:
+    """Runs `code` as `python -I -S -c code` would, bounded (docs/sandbox.md). Never raises for what the
+    code does; raises ValueError/TypeError for bad arguments. `max_dir_mb` bounds the working
+    directory's total size (as root); `warm=False` starts a fresh interpreter for this run."""
+    run = _Run(code, timeout_s, memory_mb, max_output_bytes, max_processes, max_file_mb, max_dir_mb, network, warm)
+    try:
+        run.start()
+        ready = selectors.DefaultSelector()
+        for fd in run.open_fds:
+            ready.register(fd, selectors.EVENT_READ)
+        while (wake := run.next_wake()) is not None:
+            for key, _ in ready.select(max(wake - time.monotonic(), 0)):
+                if not run.read(key.fd):
+                    ready.unregister(key.fd)
+        ready.close()
+        return run.result()
+    finally:
+        run.cleanup()
+
+
+async def arun_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, max_output_bytes: int = 65536,
+                      max_processes: int = 16, max_file_mb: int = 16, network: bool = False, max_dir_mb: int = 64,
+                      warm: bool = True) -> SandboxResult:
+    """run_python on the event loop: the pipes are watched by the loop, nothing blocks it but the few
+    milliseconds of starting the run. Cancelling the awaiting task kills the run."""
+    loop = asyncio.get_running_loop()
+    if warm:
+        await asyncio.to_thread(_server_socket)  # the first call starts the warm interpreter (~50 ms)
+    run = _Run(code, timeout_s, memory_mb, max_output_bytes, max_processes, max_file_mb, max_dir_mb, network, warm)
+    woken = asyncio.Event()
+    watched = set()
+
+    def on_readable(fd):
+        if not run.read(fd):
+            loop.remove_reader(fd)
+            watched.discard(fd)
+        woken.set()
+    try:
+        run.start()
+        for fd in list(run.open_fds):
+            loop.add_reader(fd, on_readable, fd)
+            watched.add(fd)
+        while (wake := run.next_wake()) is not None:
+            woken.clear()
+            try:
+                await asyncio.wait_for(woken.wait(), max(wake - time.monotonic(), 0))
+            except asyncio.TimeoutError:
+                pass
+        return run.result()
+    finally:
+        for fd in watched:
+            loop.remove_reader(fd)
+        run.cleanup()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--server":
+        user_code = _serve(int(sys.argv[2]))
+    elif len(sys.argv) == 3 and sys.argv[1] == "--one":
+        one_request = json.loads(sys.argv[2])
+        user_code = _run_child(one_request, one_request["fds"])
+    else:
+        raise SystemExit(f"usage: python -I -S {__file__} --server FD | --one REQUEST_JSON (lib.sandbox starts these)")
+    _exec_user_code(user_code)
