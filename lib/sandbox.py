@@ -51,8 +51,9 @@ NUM_UID_SLOTS = 256
 FALLBACK_UID = 65534  # nobody, where the kernel refuses uids past the base (a user namespace's map)
 UID_LOCK_DIR = "/tmp/agentrl-sandbox-uids"
 MAX_CODE_BYTES = 1 << 20
+# One thread per BLAS/OpenMP pool: a pool as wide as a big machine's cores would hit RLIMIT_NPROC.
 SANDBOX_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
-               "LC_ALL": "C.UTF-8"}
+               "LC_ALL": "C.UTF-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 DRAIN_S = 1.0  # after the run ends, how long to wait for the rest of its output already in the pipes
 
 
@@ -108,22 +109,23 @@ def _unreachable_ancestor(path: str) -> str | None:
     return None
 
 
-def _python_paths() -> list[str]:
+def _python_paths(extra_paths: list[str]) -> list[str]:
     """The directories the interpreter imports from: the run's uid must be able to read them."""
-    paths = {os.path.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix, sys.prefix, sys.exec_prefix)}
+    paths = {os.path.realpath(p) for p in extra_paths if os.path.isdir(p)}
+    paths |= {os.path.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix, sys.prefix, sys.exec_prefix)}
     paths |= {os.path.realpath(p) for p in sys.path if p and os.path.isdir(p)}
     paths.add(os.path.dirname(os.path.realpath(sys.executable)))
     return sorted(p for p in paths if not any(p.startswith(q + "/") for q in paths))
 
 
-def _setup_mounts(uid: int, dir_mb: int):
+def _setup_mounts(uid: int, dir_mb: int, extra_paths: list[str]):
     """In the run's new mount namespace (nothing here reaches the host's): a fresh /proc for the new
     PID namespace; a fresh tmpfs on /tmp owned by the run's uid (its working directory, bounded in
     size); empty read-only /var/tmp and /dev/shm; directories the uid cannot enter (root's 0700 home
     holding the interpreter, say) replaced by a read-only view of just the interpreter's files."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     hide = {}
-    for path in _python_paths():
+    for path in _python_paths(extra_paths):
         ancestor = _unreachable_ancestor(path)
         if ancestor is not None:
             hide.setdefault(ancestor, []).append((path, os.open(path, os.O_PATH | os.O_DIRECTORY)))
@@ -188,6 +190,7 @@ def _become_user(req: dict, fds: dict, uid: int | None, nproc: int, cwd: str) ->
     os.umask(0o077)
     _prctl(PR_SET_NO_NEW_PRIVS, 1)
     _set_limits(req, nproc)
+    sys.path += req["site_paths"]
     return code.decode("utf-8", "surrogatepass")
 
 
@@ -241,7 +244,7 @@ def _run_child(req: dict, fds: dict) -> str | None:
                 return _become_user(req, fds, uid, nproc, req["work_dir"])
             # init: pid 1 of the new PID namespace
             _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-            _setup_mounts(uid, req["max_dir_mb"])
+            _setup_mounts(uid, req["max_dir_mb"], req["site_paths"])
             user_pid = os.fork()
             if user_pid == 0:
                 return _become_user(req, fds, uid, nproc, "/tmp")
@@ -408,7 +411,7 @@ class _Run:
     """One run's pipes, output and state, driven by run_python (selectors) or arun_python (the loop)."""
 
     def __init__(self, code, timeout_s, memory_mb, max_output_bytes, max_processes, max_file_mb, max_dir_mb,
-                 network, warm):
+                 network, warm, site_packages):
         _check_args(code, timeout_s, memory_mb, max_output_bytes, max_processes, max_file_mb, max_dir_mb)
         import tempfile  # not at the top: the warm interpreter must not import random (its forks share it)
         self.timeout_s, self.memory_mb, self.max_output_bytes = timeout_s, memory_mb, max_output_bytes
@@ -438,7 +441,10 @@ class _Run:
         self.open_fds = {self.out_r, self.err_r, self.status_r}
         self.request = {"timeout_s": timeout_s, "memory_mb": memory_mb, "max_file_mb": max_file_mb,
                         "max_processes": max_processes, "max_dir_mb": max_dir_mb, "network": bool(network),
-                        "uid": self.uid, "work_dir": self.work_dir}
+                        "uid": self.uid, "work_dir": self.work_dir, "site_paths": []}
+        if site_packages:
+            import sysconfig
+            self.request["site_paths"] = sorted({sysconfig.get_path("purelib"), sysconfig.get_path("platlib")})
 
     def start(self):
         if self.warm:
@@ -572,11 +578,13 @@ class _Run:
 
 def run_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, max_output_bytes: int = 65536,
                max_processes: int = 16, max_file_mb: int = 16, network: bool = False, max_dir_mb: int = 64,
-               warm: bool = True) -> SandboxResult:
+               site_packages: bool = False, warm: bool = True) -> SandboxResult:
     """Runs `code` as `python -I -S -c code` would, bounded (docs/sandbox.md). Never raises for what the
     code does; raises ValueError/TypeError for bad arguments. `max_dir_mb` bounds the working
-    directory's total size (as root); `warm=False` starts a fresh interpreter for this run."""
-    run = _Run(code, timeout_s, memory_mb, max_output_bytes, max_processes, max_file_mb, max_dir_mb, network, warm)
+    directory's total size (as root); `site_packages=True` lets the code import this environment's
+    installed packages (sympy, numpy; read-only); `warm=False` starts a fresh interpreter for this run."""
+    run = _Run(code, timeout_s, memory_mb, max_output_bytes, max_processes, max_file_mb, max_dir_mb, network, warm,
+               site_packages)
     try:
         run.start()
         ready = selectors.DefaultSelector()
@@ -594,13 +602,14 @@ def run_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, max_o
 
 async def arun_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, max_output_bytes: int = 65536,
                       max_processes: int = 16, max_file_mb: int = 16, network: bool = False, max_dir_mb: int = 64,
-                      warm: bool = True) -> SandboxResult:
+                      site_packages: bool = False, warm: bool = True) -> SandboxResult:
     """run_python on the event loop: the pipes are watched by the loop, nothing blocks it but the few
     milliseconds of starting the run. Cancelling the awaiting task kills the run."""
     loop = asyncio.get_running_loop()
     if warm:
         await asyncio.to_thread(_server_socket)  # the first call starts the warm interpreter (~50 ms)
-    run = _Run(code, timeout_s, memory_mb, max_output_bytes, max_processes, max_file_mb, max_dir_mb, network, warm)
+    run = _Run(code, timeout_s, memory_mb, max_output_bytes, max_processes, max_file_mb, max_dir_mb, network, warm,
+               site_packages)
     woken = asyncio.Event()
     watched = set()
 
