@@ -12,6 +12,7 @@ dir (metrics.jsonl, traces.jsonl), so a run copied from another machine is shown
 import argparse
 import functools
 import html
+import json
 import ipaddress
 import math
 import operator
@@ -25,12 +26,15 @@ from itertools import compress
 
 import jinja2
 
-from lib.viewer_data import (PANELS, TraceIndex, filter_entries, is_mismatch, is_number, metric_series,
-                              read_metrics)
+from lib.viewer_data import (PANELS, SORTS, MetricsIndex, TraceIndex, decode_line, filter_entries, is_mismatch,
+                              is_number, metric_series, sort_entries)
 
 RUN_COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
 DASHES = ["solid", "dash", "dot", "dashdot", "longdash"]
-MAX_EPISODES_SHOWN = 64  # a filter over every step can match thousands
+MAX_EPISODES_SHOWN = 64  # a page of episodes; a filter over every step can match thousands (paged)
+MAX_EPISODES_OUT = 1000  # episodes in one --out file
+FOLD_CHARS = 2000  # a turn's text past this many characters is folded
+MAX_SEARCH_CHARS = 200
 # A token is ~130 bytes of HTML: 2,000 tokens × 64 episodes keeps the worst page near 18 MB; the
 # rest of an episode is a link away (?tokens_from=N pages through it).
 MAX_TOKENS_SHOWN = 2000
@@ -57,49 +61,31 @@ def template() -> jinja2.Template:
     return env.get_template("viewer_page.html")
 
 
-# --- plots ---
-def plotly_text(text: str) -> str:
-    """Plotly draws titles, legend names and hover text as a subset of HTML (<b>, <span style>,
-    <a href>): metric names and run dir names are anyone's, so they go in as text."""
-    return html.escape(text, quote=False)
+# --- plots: the series as JSON, drawn by the page ---
+def series_payload(run_i: int, run: dict, since: int = 0, generation: int | None = None) -> dict:
+    """What the page plots of one run: its metric series from row `since` on (all rows when
+    `generation` is not the index's current one: the file was replaced or cut), as
+    {name: [steps, values]}, values None where not finite. The page asks again with `since` = `rows`
+    and appends: a refresh sends only the steps written since the last one."""
+    metrics = run["metrics"]
+    rows = metrics.rows
+    reset = generation != metrics.generation
+    since = 0 if reset else min(since, len(rows))
+    series = {k: [steps, values] for k, (steps, values) in metric_series(rows[since:]).items()}
+    return {"run": run_i, "name": run["name"], "generation": metrics.generation, "reset": reset, "since": since,
+            "rows": len(rows), "series": series, "last_step": run["last_step"], "tests": run["tests"],
+            "bad": run["bad"][:20], "num_bad": len(run["bad"])}
 
 
-def figures(runs: list[dict]) -> list[dict]:
-    """Plotly figures (plain dicts for Plotly.newPlot): one per panel that any run has data for; a
-    run is a colour, a metric of the panel a dash style. Metrics no panel names go to `extra`."""
-    named = {k for _, keys in PANELS for k in keys}
-    panels = list(PANELS)
-    extra_keys = sorted({k for run in runs for k in run["series"]
-                         if k not in named and not k.startswith(("test/", "time/"))})
-    panels += [(k, [k]) for k in extra_keys]
-    out = []
-    max_step = max((s for run in runs for steps, _ in run["series"].values() for s in steps), default=0)
-    for title, keys in panels:
-        data, named_keys = [], set()
-        for i, run in enumerate(runs):
-            present = [k for k in keys if k in run["series"]]
-            for key in present:
-                steps, values = run["series"][key]
-                # the legend names each metric once (its dash style); the page header names the run colours
-                data.append({"type": "scatter", "mode": "lines+markers" if len(steps) < 30 else "lines",
-                             "x": steps, "y": values,  # None (a gap) where not finite
-                             "name": plotly_text(key), "legendgroup": key, "showlegend": key not in named_keys,
-                             "hovertemplate": f"{plotly_text(run['name'])}<br>{plotly_text(key)}<br>"
-                                              "step %{x}: %{y}<extra></extra>",
-                             "line": {"color": RUN_COLOURS[i % len(RUN_COLOURS)],
-                                      "dash": DASHES[keys.index(key) % len(DASHES)]},
-                             "marker": {"size": 4}})
-                named_keys.add(key)
-        if data:
-            out.append({"id": f"plot{len(out)}", "title": title, "extra": title in extra_keys, "data": data,
-                        "layout": {"title": {"text": plotly_text(title), "font": {"size": 13}}, "height": 230,
-                                   "margin": {"l": 45, "r": 10, "t": 28, "b": 20}, "showlegend": True,
-                                   "xaxis": {"dtick": 1} if max_step <= 10 else {},
-                                   "legend": {"font": {"size": 9}, "orientation": "h", "y": -0.15}}})
-    return out
+def metric_keys(runs: list[dict]) -> list[str]:
+    """Every metric name any run has logged, sorted (the page lays out its panels from these)."""
+    return sorted(set().union(*(run["metrics"].keys for run in runs)))
 
 
 # --- token colours ---
+NOT_SCORED = "#fff0b3"  # gap colouring, an episode the trainer did not score (tlp null): not "agree" white
+
+
 def _mix(white_to: tuple, t: float) -> str:
     t = max(0.0, min(1.0, t))
     r, g, b = (round(255 + (c - 255) * t) for c in white_to)
@@ -108,12 +94,21 @@ def _mix(white_to: tuple, t: float) -> str:
 
 def token_colour(mode: str, lp: float, tlp: float | None, masked: bool) -> str:
     """Background of one token: by probability (white = sure, red = unlikely) or by the server-trainer
-    gap |Δ log-prob| (white = 0, purple = 0.5 nats or more). Masked tokens have no colour (grey)."""
+    gap |Δ log-prob| (white = 0, purple = 0.5 nats or more; yellow = not scored by the trainer). Masked
+    tokens have no colour (grey)."""
     if masked:
         return "#e8e8e8"
     if mode == "gap":
-        return _mix((150, 60, 200), abs(tlp - lp) / 0.5) if tlp is not None else "#ffffff"
+        return _mix((150, 60, 200), abs(tlp - lp) / 0.5) if tlp is not None else NOT_SCORED
     return _mix((230, 60, 60), 1.0 - math.exp(min(lp, 0.0)))  # a log-prob above 0 (a bad record) overflows exp
+
+
+def fold_text(text: str) -> dict:
+    """A turn's text as {head, rest}: past FOLD_CHARS the rest is folded (a 200 kB tool output would
+    otherwise push every other episode off screen)."""
+    if len(text) <= FOLD_CHARS:
+        return {"head": text, "rest": ""}
+    return {"head": text[:FOLD_CHARS], "rest": text[FOLD_CHARS:]}
 
 
 def episode_view(record: dict, colour_by: str, tokens_from: int = 0) -> dict:
@@ -124,6 +119,7 @@ def episode_view(record: dict, colour_by: str, tokens_from: int = 0) -> dict:
     toks = []
     num_tokens = len(tokens["id"]) if tokens else 0
     shown = range(min(tokens_from, num_tokens), min(tokens_from + MAX_TOKENS_SHOWN, num_tokens))
+    scored = bool(tokens and tokens.get("tlp") is not None)
     if tokens:
         tlps = tokens.get("tlp") or [None] * num_tokens
         for i in shown:
@@ -131,16 +127,18 @@ def episode_view(record: dict, colour_by: str, tokens_from: int = 0) -> dict:
                                           tlps[i], tokens["ver"][i])
             tip = f"#{i} id {tid} · " + (f"server {lp:.4f} · trainer {tlp:.4f} · Δ {tlp - lp:+.4f} · v{ver}"
                                          if m and tlp is not None else
-                                         f"server {lp:.4f} · v{ver}" if m else "loss mask 0 (not trained)")
+                                         f"server {lp:.4f} · not scored by the trainer · v{ver}" if m else
+                                         "loss mask 0 (not trained)")
             toks.append({"text": text, "masked": not m, "bg": token_colour(colour_by, lp, tlp, not m), "tip": tip})
     turns = []
     for turn in record.get("turns", []):
         if isinstance(turn, dict):
-            turns.append({"role": turn["role"], "text": turn["text"]})
+            role, text = turn["role"], turn["text"]
         elif isinstance(turn, (list, tuple)):  # earlier format: [role, text]
-            turns.append({"role": turn[0], "text": turn[1]})
+            role, text = turn[0], turn[1]
         else:  # earlier format of the reflect task: model texts only
-            turns.append({"role": "model", "text": str(turn)})
+            role, text = "model", str(turn)
+        turns.append({"role": role, **fold_text(text if isinstance(text, str) else str(text))})
     # Over every token, not only those shown; compress/map keep a 1M-token episode at C speed.
     gen = list(compress(tokens["lp"], tokens["mask"])) if tokens else []
     gaps = (list(map(abs, map(operator.sub, compress(tokens["tlp"], tokens["mask"]), gen)))
@@ -152,23 +150,56 @@ def episode_view(record: dict, colour_by: str, tokens_from: int = 0) -> dict:
         "correct": record.get("correct"), "tool_failures": record.get("tool_failures") or 0,
         "mismatch": is_mismatch(record), "stats": record.get("stats", {}),
         "prompt": record.get("prompt", ""), "turns": turns, "tokens": toks, "num_tokens": num_tokens,
-        "tokens_from": shown.start, "tokens_after": num_tokens - shown.stop,
+        "tokens_from": shown.start, "tokens_after": num_tokens - shown.stop, "scored": scored,
         "gen_tokens": len(gen), "mean_lp": sum(gen) / len(gen) if gen else None,
         "max_gap": max(gaps) if gaps else None, "versions": versions,
     }
 
 
 # --- the page ---
+def read_config(run_dir: str) -> dict | None:
+    """The run's config (config.json, else config.yaml, in the run dir) flattened to {key: text}, or None."""
+    for name in ("config.json", "config.yaml"):
+        path = os.path.join(run_dir, name)
+        if not os.path.isfile(path) or os.path.getsize(path) > 1_000_000:
+            continue
+        try:
+            with open(path, "rb") as f:
+                raw = f.read().decode("utf-8", errors="replace")
+            if name.endswith(".json"):
+                config = json.loads(raw)
+            else:
+                import yaml
+
+                config = yaml.safe_load(raw)
+        except Exception as e:  # a hand-edited file: say so in the table, show the rest of the page
+            return {"(unreadable)": f"{name}: {type(e).__name__}"}
+        if not isinstance(config, dict):
+            return {"(unreadable)": f"{name} is not a mapping"}
+        flat = {}
+
+        def walk(prefix, value, depth=0):
+            if isinstance(value, dict) and depth < 4:
+                for k, v in value.items():
+                    walk(f"{prefix}.{k}" if prefix else str(k), v, depth + 1)
+            else:
+                text = value if isinstance(value, str) else json.dumps(value, default=str)
+                flat[prefix] = text[:200]
+
+        walk("", config)
+        return dict(list(flat.items())[:500])
+    return None
+
+
 def load_run(run_dir: str, indexes: dict) -> dict:
     # setdefault is atomic: two first requests for a run share one index
-    index = indexes.setdefault(run_dir, TraceIndex(os.path.join(run_dir, "traces.jsonl"))).refresh()
-    rows, bad_rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
-    series = metric_series(rows)
-    last_step = max((r["step"] for r in rows if "rollout/reward" in r), default=None)
-    tests = {k[len("test/"):]: v for r in rows for k, v in r.items() if k.startswith("test/")}
-    return {"dir": run_dir, "name": os.path.basename(os.path.abspath(run_dir)), "series": series, "index": index,
-            "entries": index.entries, "bad": bad_rows + index.bad, "last_step": last_step,
-            "tests": {k: v if is_number(v) or isinstance(v, str) else str(v) for k, v in tests.items()}}
+    index = indexes.setdefault(("traces", run_dir), TraceIndex(os.path.join(run_dir, "traces.jsonl"))).refresh()
+    metrics = indexes.setdefault(("metrics", run_dir), MetricsIndex(os.path.join(run_dir, "metrics.jsonl"))).refresh()
+    tests = metrics.tests
+    return {"dir": run_dir, "name": os.path.basename(os.path.abspath(run_dir)), "metrics": metrics, "index": index,
+            "entries": index.entries, "bad": metrics.bad + index.bad, "last_step": metrics.last_step,
+            "tests": {k: v if (is_number(v) and math.isfinite(v)) or isinstance(v, str) else str(v)
+                      for k, v in tests.items()}}
 
 
 class BadQuery(ValueError):
@@ -180,11 +211,14 @@ def parse_query(query: dict) -> dict:
     finite numbers for the reward bounds; a BadQuery names the parameter otherwise."""
     q = lambda k: query.get(k, [""])[0]  # noqa: E731
 
-    def integer(key: str, default=None):
+    def integer(key: str, default=None, minimum=None):
         try:
-            return int(q(key)) if q(key) != "" else default
+            value = int(q(key)) if q(key) != "" else default
         except ValueError:  # also "nan", "1e309", "1.5" and past 4,300 digits
             raise BadQuery(f"{key} must be an integer, got {q(key)[:40]!r}") from None
+        if minimum is not None and value is not None and value < minimum:
+            raise BadQuery(f"{key} must be {minimum} or more, got {value}")
+        return value
 
     def number(key: str):
         try:
@@ -195,60 +229,187 @@ def parse_query(query: dict) -> dict:
             raise BadQuery(f"{key} must be a finite number, got {q(key)[:40]!r}")
         return value
 
-    tokens_from = integer("tokens_from", 0)
-    if tokens_from < 0:
-        raise BadQuery(f"tokens_from must be 0 or more, got {tokens_from}")
+    sort = q("sort") or "newest"
+    if sort not in SORTS:
+        raise BadQuery(f"sort must be one of {', '.join(SORTS)}, got {sort[:40]!r}")
+    question = q("question")
+    if question and not re.fullmatch(r"[0-9a-f]{12}", question):
+        raise BadQuery(f"question must be a question id (12 hex digits, from a 'same question' link), got {question[:40]!r}")
+    search = q("q")
+    if len(search) > MAX_SEARCH_CHARS:
+        raise BadQuery(f"q (the text search) is at most {MAX_SEARCH_CHARS} characters, got {len(search)}")
     return {"run": integer("run", 0), "step": "all" if q("step") == "all" else integer("step"),
-            "group": integer("group"), "episode": integer("episode"), "tokens_from": tokens_from,
+            "group": integer("group"), "episode": integer("episode"), "tokens_from": integer("tokens_from", 0, 0),
+            "page": integer("page", 0, 0), "sort": sort, "question": question, "search": search,
+            "compare": q("compare") == "1",
             "finish": q("finish"), "min_reward": number("min_reward"), "max_reward": number("max_reward"),
             "tool_failures": q("failures") == "1", "mismatch": q("mismatch") == "1",
             "colour": "gap" if q("colour") == "gap" else "lp"}
 
 
-def render_page(run_dirs: list[str], query: dict, indexes: dict, plotly_inline: bool = False) -> str:
+def search_entries(index: TraceIndex, entries: list[dict], text: str) -> list[dict]:
+    """The entries whose model or tool text (turns, answer) holds `text`, case-insensitive. A bytes
+    check on the raw line first (most lines fail it without being parsed), then the parsed turns."""
+    needle = text.casefold()
+    raw = json.dumps(text)[1:-1].lower().encode() if text.isascii() else None
+    out = []
+    if not entries:
+        return out
+    with open(index.path, "rb") as f:
+        for e in entries:
+            f.seek(e["offset"])
+            line = f.read(e["length"])
+            if raw is not None and raw not in line.lower():
+                continue
+            record = decode_line(line)
+            if not isinstance(record, dict) or record.get("step") != e["step"]:
+                continue
+            texts = [t["text"] if isinstance(t, dict) else t[1] if isinstance(t, list) else str(t)
+                     for t in record.get("turns", [])] + [str(record.get("answer") or "")]
+            if any(needle in str(t).casefold() for t in texts):
+                out.append(e)
+    return out
+
+
+def nearest_step(steps: list[int], wanted: int) -> int:
+    """The traced step closest to `wanted` (the earlier one on a tie)."""
+    return min(steps, key=lambda s: (abs(s - wanted), s))
+
+
+def render_page(run_dirs: list[str], query: dict, indexes: dict, plotly_inline: bool = False,
+                steps_range: tuple | None = None) -> str:
     """The whole page for `query` (the URL's parameters: run, step, group, episode, tokens_from, finish,
-    min_reward, max_reward, failures, mismatch, colour). BadQuery for a parameter it cannot use."""
+    min_reward, max_reward, failures, mismatch, colour, sort, page, q, question, compare). BadQuery
+    for a parameter it cannot use. `plotly_inline`: a self-contained file (Plotly and the series
+    inlined; `steps_range` (first, last) picks its episodes)."""
     params = parse_query(query)
     runs = [load_run(d, indexes) for d in run_dirs]
     run_i = min(max(params["run"], 0), len(runs) - 1)
     run = runs[run_i]
     steps = sorted({e["step"] for e in run["entries"]})
-    step = None if params["step"] == "all" else params["step"] if params["step"] is not None else (
-        steps[-1] if steps else None)
+    notice = None
+    if params["step"] == "all" or steps_range is not None:
+        step = None
+    elif params["step"] is None:
+        step = steps[-1] if steps else None
+    elif params["step"] in steps:
+        step = params["step"]
+    elif steps:  # a step this run has not traced (another run's step, a typo): say so, show the nearest
+        step = nearest_step(steps, params["step"])
+        notice = (f"step {params['step']} is not traced in {run['name']} (traced: {steps[0]}–{steps[-1]}, "
+                  f"{len(steps)} steps); showing step {step}")
+    else:
+        step = None
     filters = {k: params[k] for k in ("finish", "min_reward", "max_reward", "tool_failures", "mismatch")}
     colour_by = params["colour"]
-    matching = filter_entries(run["entries"], step=step, group=params["group"], index=params["episode"], **filters)
-    shown = matching[:MAX_EPISODES_SHOWN]
+    # "same question in every run": the question's episodes of each run, a run a row
+    compare_runs = list(range(len(runs))) if params["compare"] and params["question"] else [run_i]
+    matching = []
+    for r_i in compare_runs:
+        picked = filter_entries(runs[r_i]["entries"], step=step if not params["question"] else None,
+                                group=params["group"], index=params["episode"], question_id=params["question"],
+                                steps=steps_range, **filters)
+        if params["search"]:
+            picked = search_entries(runs[r_i]["index"], picked, params["search"])
+        matching += [(r_i, e) for e in sort_entries(picked, params["sort"])]
+    per_page = MAX_EPISODES_OUT if plotly_inline else MAX_EPISODES_SHOWN
+    num_pages = max(1, -(-len(matching) // per_page))
+    page = min(params["page"], num_pages - 1)
+    shown = matching[page * per_page:(page + 1) * per_page]
     groups = {}
-    for entry, record in zip(shown, run["index"].load(shown)):
+    by_run = {}
+    for r_i, entry in shown:
+        by_run.setdefault(r_i, []).append(entry)
+    records = {(r_i, id(e)): rec for r_i, es in by_run.items() for e, rec in zip(es, runs[r_i]["index"].load(es))}
+    for r_i, entry in shown:
+        record = records[(r_i, id(entry))]
         if record is None:  # the file was replaced since it was indexed
-            run["bad"].append(f"traces.jsonl: the episode at byte {entry['offset']} changed while it was read")
+            runs[r_i]["bad"].append(f"traces.jsonl: the episode at byte {entry['offset']} changed while it was read")
             continue
-        key = (entry["step"], entry["group"])
+        key = (r_i, entry["step"], entry["group"])
         if key not in groups:
-            groups[key] = {"step": entry["step"], "group": entry["group"], "question": record.get("question"),
+            groups[key] = {"run": r_i, "run_name": runs[r_i]["name"], "step": entry["step"], "group": entry["group"],
+                           "question": record.get("question"), "question_id": entry["question_id"],
                            "gold": record.get("gold"), "episodes": []}
         view = episode_view(record, colour_by, params["tokens_from"])
-        link = {"run": run_i, "step": entry["step"], "group": entry["group"], "episode": entry["index"],
+        link = {"run": r_i, "step": entry["step"], "group": entry["group"], "episode": entry["index"],
                 "colour": colour_by}
         href = lambda start: "?" + urllib.parse.urlencode({**link, "tokens_from": start})  # noqa: E731
         view["earlier_href"] = href(max(view["tokens_from"] - MAX_TOKENS_SHOWN, 0))
         view["more_href"] = href(view["tokens_from"] + MAX_TOKENS_SHOWN)
+        view["permalink"] = "?" + urllib.parse.urlencode(link)
+        view["anchor"] = f"ep-{r_i}-{entry['step']}-{entry['group']}-{entry['index']}"
+        view["api"] = "/api/episode?" + urllib.parse.urlencode({k: v for k, v in link.items() if k != "colour"})
         groups[key]["episodes"].append(view)
     for g in groups.values():
         rewards = [e["reward"] for e in g["episodes"] if e["reward"] is not None]
         g["mean_reward"] = sum(rewards) / len(rewards) if rewards else None
     finishes = sorted({e["finish"] for e in run["entries"] if e["finish"]})
+    # links that keep every other parameter: another page of results, the previous / next traced step
+    kept = {k: v[0] for k, v in query.items() if v and k not in ("page", "tokens_from")}
+    link_to = lambda **changes: "?" + urllib.parse.urlencode({**kept, **changes})  # noqa: E731
+    pos = steps.index(step) if step in steps else None
+    nav = {"prev": link_to(step=steps[pos - 1]) if pos else None,
+           "next": link_to(step=steps[pos + 1]) if pos is not None and pos + 1 < len(steps) else None,
+           "earlier_page": link_to(page=page - 1) if page > 0 else None,
+           "later_page": link_to(page=page + 1) if page + 1 < num_pages else None}
+    runs_meta = [{"name": r["name"], "dir": r["dir"], "colour": RUN_COLOURS[i % len(RUN_COLOURS)],
+                  "last_step": r["last_step"], "traced": len({e["step"] for e in r["entries"]}), "tests": r["tests"],
+                  "bad": r["bad"], "config": read_config(r["dir"])} for i, r in enumerate(runs)]
+    config_keys = sorted({k for r in runs_meta if r["config"] for k in r["config"]})
+    # the config rows that differ between runs first: what a researcher compares
+    differs = lambda k: len({(r["config"] or {}).get(k) for r in runs_meta}) > 1  # noqa: E731
+    config_keys.sort(key=lambda k: not differs(k))
     return template().render(
-        runs=[{"name": r["name"], "dir": r["dir"], "colour": RUN_COLOURS[i % len(RUN_COLOURS)],
-               "last_step": r["last_step"], "traced": len({e["step"] for e in r["entries"]}), "tests": r["tests"],
-               "bad": r["bad"]}
-              for i, r in enumerate(runs)],
-        figures=figures(runs), run_i=run_i, steps=steps, step="all" if params["step"] == "all" else step,
-        finishes=finishes, filters=filters, colour_by=colour_by, groups=list(groups.values()),
-        test_keys=sorted({k for r in runs for k in r["tests"]}), num_matching=len(matching), num_shown=len(shown),
+        runs=runs_meta, run_i=run_i, steps=steps, step="all" if step is None and steps_range is None else step,
+        finishes=finishes, filters=filters, colour_by=colour_by, groups=list(groups.values()), notice=notice,
+        test_keys=sorted({k for r in runs for k in r["tests"]}), num_matching=len(matching),
+        first_shown=page * per_page + 1, last_shown=page * per_page + len(shown), page=page, num_pages=num_pages,
+        nav=nav, sorts={k: v[0] for k, v in SORTS.items()}, sort=params["sort"], search=params["search"],
+        question=params["question"], compare=params["compare"], config_keys=config_keys,
+        config_differs={k: differs(k) for k in config_keys},
         max_tokens_shown=MAX_TOKENS_SHOWN, generated=time.strftime("%Y-%m-%d %H:%M:%S"),
-        plotly_js=plotly_js() if plotly_inline else None)
+        panels=PANELS, metric_keys=metric_keys(runs), not_scored=NOT_SCORED,
+        series=[series_payload(i, r) for i, r in enumerate(runs)] if plotly_inline else None,
+        steps_range=steps_range, plotly_js=plotly_js() if plotly_inline else None)
+
+
+def episode_payload(run_dirs: list[str], query: dict, indexes: dict) -> dict:
+    """One episode as JSON (the page's token diff fetches two): its view with every token text shown."""
+    params = parse_query(query)
+    for key in ("step", "group", "episode"):
+        if not isinstance(params[key], int):
+            raise BadQuery(f"{key} must be an integer: /api/episode?run=R&step=S&group=G&episode=I")
+    if not 0 <= params["run"] < len(run_dirs):
+        raise BadQuery(f"run must be 0–{len(run_dirs) - 1}, got {params['run']}")
+    run = load_run(run_dirs[params["run"]], indexes)
+    found = filter_entries(run["entries"], step=params["step"], group=params["group"], index=params["episode"])
+    record = run["index"].load(found[:1])[0] if found else None
+    if record is None:
+        return {"found": False}
+    view = episode_view(record, params["colour"], params["tokens_from"])
+    return {"found": True, "run": params["run"], "run_name": run["name"], "step": params["step"],
+            "group": params["group"], "episode": params["episode"], "reward": view["reward"],
+            "tokens": [{"text": t["text"], "masked": t["masked"]} for t in view["tokens"]],
+            "num_tokens": view["num_tokens"]}
+
+
+def series_query(run_dirs: list[str], query: dict, indexes: dict) -> dict:
+    """/api/series?run=R&since=N&generation=G: `series_payload` of run R, rows from N on."""
+    q = lambda k: query.get(k, [""])[0]  # noqa: E731
+    values = {}
+    for key in ("run", "since", "generation"):
+        try:
+            values[key] = int(q(key)) if q(key) != "" else None
+        except ValueError:
+            raise BadQuery(f"{key} must be an integer, got {q(key)[:40]!r}") from None
+    run_i = values["run"] if values["run"] is not None else 0
+    if not 0 <= run_i < len(run_dirs):
+        raise BadQuery(f"run must be 0–{len(run_dirs) - 1}, got {run_i}")
+    since = values["since"] or 0
+    if since < 0:
+        raise BadQuery(f"since must be 0 or more, got {since}")
+    return series_payload(run_i, load_run(run_dirs[run_i], indexes), since, values["generation"])
 
 
 # --- the server ---
@@ -322,8 +483,24 @@ def make_server(run_dirs: list[str], host: str = "127.0.0.1", port: int = 8765, 
                     self._send(400, f"<pre>bad query: {html.escape(str(e))}</pre>".encode(), "text/html; charset=utf-8")
                 except Exception as e:  # a bug: say so on the page, keep serving
                     self._send(500, f"<pre>viewer error: {html.escape(repr(e))}</pre>".encode(), "text/html")
+            elif url.path in ("/api/series", "/api/episode"):
+                try:
+                    query = urllib.parse.parse_qs(url.query)
+                    payload = (series_query(run_dirs, query, indexes) if url.path == "/api/series" else
+                               episode_payload(run_dirs, query, indexes))
+                    self._send_json(200, payload)
+                except BadQuery as e:
+                    self._send_json(400, {"error": str(e)})
+                except Exception as e:  # a bug: say so, keep serving
+                    self._send_json(500, {"error": f"viewer error: {e!r}"})
             else:
                 self._send(404, b"not found", "text/plain")
+
+        def _send_json(self, status: int, payload: dict):
+            # errors="replace": a lone surrogate (valid JSON in a record) is a "?"; allow_nan=False: the
+            # payload holds None where a value is not finite, and a NaN that slipped through is a bug
+            body = json.dumps(payload, allow_nan=False, separators=(",", ":")).encode("utf-8", errors="replace")
+            self._send(status, body, "application/json; charset=utf-8")
 
         def _send(self, status: int, body: bytes, content_type: str, cache: bool = False):
             self.send_response(status)
@@ -352,16 +529,30 @@ def main(argv=None):
     parser.add_argument("run_dirs", nargs="+", help="run directories (metrics.jsonl, traces.jsonl)")
     parser.add_argument("--port", type=int, default=8765, help="0 = any free port")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind; keep 127.0.0.1 and use ssh -L to reach it")
-    parser.add_argument("--out", help="write one self-contained HTML file (latest step) instead of serving")
+    parser.add_argument("--out", help="write one self-contained HTML file instead of serving (the latest step's "
+                                          "episodes, or those of --steps)")
+    parser.add_argument("--steps", help="with --out: the steps whose episodes it holds, FIRST-LAST (e.g. 10-20), one "
+                                        "step, or all (at most %d episodes)" % MAX_EPISODES_OUT)
     args = parser.parse_args(argv)
     for d in args.run_dirs:
         if os.path.exists(d) and not os.path.isdir(d):
             parser.error(f"{d} is not a directory: pass run dirs, e.g. runs/search_tiny")
         if not os.path.exists(d):  # a run about to start: shown once it writes there
             print(f"{d} does not exist yet; it is shown once a run writes metrics.jsonl or traces.jsonl there")
+    steps_range = None
+    if args.steps:
+        match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", args.steps)
+        if args.steps.strip() == "all":
+            steps_range = (-(1 << 62), 1 << 62)
+        elif match:
+            steps_range = (int(match.group(1)), int(match.group(2) or match.group(1)))
+        else:
+            parser.error(f"--steps {args.steps!r}: give FIRST-LAST (10-20), one step (7) or all")
+        if not args.out:
+            parser.error("--steps picks the episodes of an --out file; the server pages through every step")
     if args.out:
         with open(args.out, "w", encoding="utf-8", errors="replace") as f:  # a lone surrogate: "?"
-            f.write(render_page(args.run_dirs, {}, {}, plotly_inline=True))
+            f.write(render_page(args.run_dirs, {}, {}, plotly_inline=True, steps_range=steps_range))
         print(f"wrote {args.out}")
         return
     server = make_server(args.run_dirs, args.host, args.port)

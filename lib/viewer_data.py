@@ -1,11 +1,14 @@
 """Reading run directories for the viewer: metrics.jsonl as series over steps, traces.jsonl as an
 index of episodes (read again as the files grow, so a live run shows its new steps) and the filters
 of the trajectory browser."""
+import hashlib
 import json
 import math
+import operator
 import os
 import sys
 import threading
+from itertools import compress
 
 # Plots, in the order a researcher looks: (title, metric names); a panel shows the names a run has.
 PANELS = [
@@ -43,6 +46,21 @@ def is_number(value) -> bool:
     return type(value) is float or (type(value) in (int, bool) and -MAX_FLOAT_INT <= value <= MAX_FLOAT_INT)
 
 
+def _metric_row(line: bytes, number: int, bad: list[str]) -> dict | None:
+    """One line of metrics.jsonl as a row (a JSON object with an integer step), or None with the reason
+    appended to `bad`."""
+    if not line.strip():
+        return None
+    row = decode_line(line)
+    if not isinstance(row, dict):
+        bad.append(f"metrics.jsonl line {number}: not a JSON object")
+    elif type(row.get("step")) is not int:
+        bad.append(f"metrics.jsonl line {number}: step is not an integer")
+    else:
+        return row
+    return None
+
+
 def read_metrics(path: str) -> tuple[list[dict], list[str]]:
     """Rows of metrics.jsonl (JSON objects with an integer step), and why each other line was
     skipped. A last line cut mid-write by a running trainer is neither."""
@@ -50,14 +68,10 @@ def read_metrics(path: str) -> tuple[list[dict], list[str]]:
     if os.path.exists(path):
         with open(path, "rb") as f:
             for number, line in enumerate(f, 1):
-                row = decode_line(line)
-                if not line.strip() or (row is None and not line.endswith(b"\n")):
+                if not line.endswith(b"\n") and decode_line(line) is None:
                     continue
-                if not isinstance(row, dict):
-                    bad.append(f"metrics.jsonl line {number}: not a JSON object")
-                elif type(row.get("step")) is not int:
-                    bad.append(f"metrics.jsonl line {number}: step is not an integer")
-                else:
+                row = _metric_row(line, number, bad)
+                if row is not None:
                     rows.append(row)
     return rows, bad
 
@@ -73,6 +87,66 @@ def metric_series(rows: list[dict]) -> dict[str, tuple[list, list]]:
                 steps.append(row["step"])
                 values.append(float(value) if is_number(value) and math.isfinite(value) else None)
     return series
+
+
+class MetricsIndex:
+    """metrics.jsonl read as it grows: `refresh()` parses only the bytes appended since the last call
+    (a running trainer appends a row a step) and starts over when the file was replaced or cut (a
+    resumed run). `generation` changes on every start-over, so a client holding rows [0, n) of one
+    generation asks for the rest with `since=n` and gets everything again after a resume. `rows` and
+    `bad` are replaced, never changed in place: readers need no lock."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.rows: list[dict] = []
+        self.bad: list[str] = []
+        self.keys: set[str] = set()  # every metric name logged
+        self.tests: dict = {}  # test/* values, the last of each
+        self.last_step: int | None = None  # of the last row with a rollout/reward
+        self.generation = 0
+        self._read_to = self._lines = 0
+        self._inode = None
+        self._lock = threading.Lock()
+
+    def refresh(self):
+        with self._lock:
+            if not os.path.exists(self.path):
+                if self._inode is not None or self.rows:
+                    self.generation += 1
+                self.rows, self.bad, self._read_to, self._lines, self._inode = [], [], 0, 0, None
+                self.keys, self.tests, self.last_step = set(), {}, None
+                return self
+            st = os.stat(self.path)
+            if st.st_ino != self._inode or st.st_size < self._read_to:
+                if self._inode is not None:
+                    self.generation += 1
+                self.rows, self.bad, self._read_to, self._lines, self._inode = [], [], 0, 0, st.st_ino
+                self.keys, self.tests, self.last_step = set(), {}, None
+            if st.st_size == self._read_to:
+                return self
+            rows, bad = list(self.rows), list(self.bad)
+            with open(self.path, "rb") as f:
+                f.seek(self._read_to)
+                offset = self._read_to
+                for line in f:
+                    if not line.endswith(b"\n"):  # being written: read it next time
+                        break
+                    self._lines += 1
+                    row = _metric_row(line, self._lines, bad)
+                    if row is not None:
+                        rows.append(row)
+                    offset += len(line)
+            # what every page shows of the run, kept up to date here so a page does not walk every row
+            keys, tests, last_step = set(self.keys), dict(self.tests), self.last_step
+            for row in rows[len(self.rows):]:
+                keys.update(row)
+                tests.update((k[len("test/"):], v) for k, v in row.items() if k.startswith("test/"))
+                if "rollout/reward" in row and (last_step is None or row["step"] > last_step):
+                    last_step = row["step"]
+            keys.discard("step")
+            self.rows, self.bad, self._read_to = rows, bad, offset
+            self.keys, self.tests, self.last_step = keys, tests, last_step
+        return self
 
 
 NUMBER, INT, STR = {int, float, bool}, {int, bool}, {str}
@@ -189,10 +263,27 @@ def _summary(record: dict, offset: int, length: int, earlier: list[dict]) -> dic
     else:  # traces written before per-token records: one group per step, in order
         index = sum(1 for e in earlier if e["step"] == record["step"])
         group = 0
+    tokens = record.get("tokens") or {}
+    mask = tokens.get("mask") or []
+    gaps = (list(map(abs, map(operator.sub, compress(tokens["tlp"], mask), compress(tokens["lp"], mask))))
+            if tokens.get("tlp") else [])
+    gaps = [g for g in gaps if math.isfinite(g)]
+    question = record.get("question")
     return {"step": record["step"], "group": group, "index": index, "offset": offset, "length": length,
             "reward": record.get("reward"), "advantage": record.get("advantage"),
             "finish": record.get("finish"), "correct": record.get("correct"),
-            "tool_failures": record.get("tool_failures") or 0}
+            "tool_failures": record.get("tool_failures") or 0,
+            # for sorting: generated tokens (turn text length for records without tokens) and the largest gap
+            "gen_tokens": sum(mask) if mask else sum(len(t.get("text", "")) if isinstance(t, dict) else len(str(t))
+                                                     for t in record.get("turns", [])),
+            "max_gap": max(gaps) if gaps else None,
+            "question_id": question_id(question)}
+
+
+def question_id(question) -> str:
+    """A short stable id of a question's text: the same question across steps and runs has one id."""
+    text = question if isinstance(question, str) else json.dumps(question, sort_keys=True)
+    return hashlib.sha1(text.encode("utf-8", errors="replace")).hexdigest()[:12]
 
 
 def is_mismatch(entry: dict) -> bool:
@@ -205,18 +296,24 @@ def is_mismatch(entry: dict) -> bool:
 
 
 def filter_entries(entries: list[dict], *, step=None, group=None, index=None, finish: str = "", min_reward=None,
-                   max_reward=None, tool_failures: bool = False, mismatch: bool = False) -> list[dict]:
-    """The entries that pass every filter that is set; `step` None = every step."""
+                   max_reward=None, tool_failures: bool = False, mismatch: bool = False, question_id: str = "",
+                   steps: tuple | None = None) -> list[dict]:
+    """The entries that pass every filter that is set; `step` None = every step; `steps` (first, last)
+    an inclusive range of steps."""
     out = []
     for e in entries:
         if (step is not None and e["step"] != step) or (group is not None and e["group"] != group) or (
                 index is not None and e["index"] != index):
             continue
+        if (question_id and e["question_id"] != question_id) or (steps and not steps[0] <= e["step"] <= steps[1]):
+            continue
         if finish and e["finish"] != finish:
             continue
-        if min_reward is not None and (e["reward"] is None or e["reward"] < min_reward):
+        # NaN compares False with everything: without the isfinite check it would pass every bound
+        if (min_reward is not None or max_reward is not None) and (
+                e["reward"] is None or not math.isfinite(e["reward"])):
             continue
-        if max_reward is not None and (e["reward"] is None or e["reward"] > max_reward):
+        if (min_reward is not None and e["reward"] < min_reward) or (max_reward is not None and e["reward"] > max_reward):
             continue
         if tool_failures and not e["tool_failures"]:
             continue
@@ -224,3 +321,33 @@ def filter_entries(entries: list[dict], *, step=None, group=None, index=None, fi
             continue
         out.append(e)
     return out
+
+
+# How the trajectory browser can order episodes: (label, key of an entry, descending). Episodes without
+# the value (no trainer log-probs for the gap, no reward) go last whatever the direction.
+SORTS = {
+    "newest": ("newest step first", "step", True), "oldest": ("oldest step first", "step", False),
+    "reward_desc": ("reward, highest first", "reward", True), "reward_asc": ("reward, lowest first", "reward", False),
+    "advantage_desc": ("advantage, highest first", "advantage", True),
+    "advantage_asc": ("advantage, lowest first", "advantage", False),
+    "gap_desc": ("server-trainer gap, largest first", "max_gap", True),
+    "length_desc": ("generated tokens, most first", "gen_tokens", True),
+    "length_asc": ("generated tokens, fewest first", "gen_tokens", False),
+}
+
+
+def sort_entries(entries: list[dict], sort: str) -> list[dict]:
+    """`entries` in the order SORTS[sort] names; ties keep step, group, episode order (newest step
+    first for "newest"), so a group's episodes stay together when sorting by step."""
+    _, key, descending = SORTS[sort]
+    if key == "step":
+        return sorted(entries, key=lambda e: (-e["step"] if descending else e["step"], e["group"], e["index"]))
+
+    def value(e):
+        v = e.get(key)
+        return float(v) if v is not None and is_number(v) and math.isfinite(v) else None
+
+    known = [e for e in entries if value(e) is not None]
+    unknown = [e for e in entries if value(e) is None]
+    known.sort(key=lambda e: (-value(e) if descending else value(e), -e["step"], e["group"], e["index"]))
+    return known + unknown

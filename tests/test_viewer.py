@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 from lib.tiny_model import default_tiny_model_dir
 from lib.traces import episode_record, trace_records, trainer_logprobs_by_episode, write_traces
 from lib.viewer import make_server, render_page
-from lib.viewer_data import TraceIndex, filter_entries, is_mismatch
+from lib.viewer_data import MetricsIndex, TraceIndex, filter_entries, is_mismatch, sort_entries
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCREENSHOT_DIR = os.environ.get("AGENTRL_SCREENSHOT_DIR", "")  # keep the screenshots there (docs/)
@@ -115,6 +115,38 @@ def test_filters_select_by_finish_reward_tool_failures_and_verdict_reward_mismat
     assert not is_mismatch(entries[3])
 
 
+def test_an_episode_with_a_nan_reward_passes_no_reward_filter():
+    entries = [{"step": 1, "finish": "answer", "reward": float("nan"), "correct": None, "tool_failures": 0},
+               {"step": 1, "finish": "answer", "reward": 0.5, "correct": None, "tool_failures": 0}]
+    for bounds in ({"min_reward": -1e9}, {"max_reward": 1e9}, {"min_reward": 0.0, "max_reward": 1.0}):
+        assert filter_entries(entries, **bounds) == [entries[1]], bounds
+    assert len(filter_entries(entries)) == 2  # no bound set: every episode, the NaN one too
+
+
+def test_sorting_puts_episodes_without_the_value_last_whichever_the_direction():
+    entries = [{"step": s, "group": 0, "index": i, "reward": r, "max_gap": g}
+               for s, i, r, g in [(1, 0, 0.5, None), (2, 0, float("nan"), 0.3), (3, 0, 1.0, 0.1), (3, 1, None, 0.2)]]
+    order = lambda sort: [(e["step"], e["index"]) for e in sort_entries(entries, sort)]  # noqa: E731
+    assert order("reward_desc") == [(3, 0), (1, 0), (2, 0), (3, 1)]
+    assert order("reward_asc") == [(1, 0), (3, 0), (2, 0), (3, 1)]
+    assert order("gap_desc") == [(2, 0), (3, 1), (3, 0), (1, 0)]
+    assert order("newest") == [(3, 0), (3, 1), (2, 0), (1, 0)] and order("oldest")[0] == (1, 0)
+
+
+def test_the_metrics_index_reads_only_appended_bytes_and_starts_over_on_a_cut_file(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "rollout/reward": 0.5}\n{"step": 2, "rollout/reward": 0.7, "test/acc": 0.9}\n{"st')
+    index = MetricsIndex(str(path)).refresh()
+    assert [r["step"] for r in index.rows] == [1, 2] and index.last_step == 2 and index.tests == {"acc": 0.9}
+    with open(path, "a") as f:
+        f.write('ep": 3, "rollout/reward": 0.1}\n')
+    rows_before = index.rows
+    assert [r["step"] for r in index.refresh().rows] == [1, 2, 3] and index.rows[:2] == rows_before
+    assert index._read_to == path.stat().st_size and index.generation == 0
+    path.write_text('{"step": 1, "rollout/reward": 0.2}\n')  # a resume cut it back
+    assert [r["step"] for r in index.refresh().rows] == [1] and index.generation == 1 and index.last_step == 1
+
+
 def test_model_output_is_escaped_everywhere_it_is_shown(tmp_path, tokenizer):
     evil = '<script>document.title="pwned"</script><img src=x onerror="document.title=\'pwned\'">'
     ep = make_episode(tokenizer, [("Question: " + evil + "\n", 0), (evil, 1), (evil, 0)], answer=evil, question=evil)
@@ -161,7 +193,7 @@ def test_out_writes_one_self_contained_page(tmp_path, tokenizer):
         write_traces(f, [episode_record(ep, tokenizer, step=1, group=0, index=0, advantage=0.0, trainer_logprobs=None)])
     main([str(run), "--out", str(tmp_path / "page.html")])
     page = (tmp_path / "page.html").read_text()
-    assert 'src="/plotly.min.js"' not in page and "Plotly.newPlot" in page and len(page) > 1_000_000  # plotly inlined
+    assert 'src="/plotly.min.js"' not in page and "Plotly.react" in page and len(page) > 1_000_000  # plotly inlined
     assert 'class="group" data-step="1"' in page
 
 
