@@ -23,9 +23,7 @@ Processes of one run (as root):
             its exit status; when it exits the kernel kills every process left in the namespace.
     user    the code, as the run's uid, with rlimits, cwd /tmp, stdin at EOF.
 """
-import asyncio
 import dataclasses
-import errno
 import fcntl
 import json
 import math
@@ -33,7 +31,6 @@ import os
 import selectors
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -147,13 +144,13 @@ def _setup_mounts(uid: int, dir_mb: int, extra_paths: list[str]):
 
 
 def _set_limits(req: dict, nproc: int):
+    import resource
     cpu_s = math.ceil(req["timeout_s"]) + 1  # wall time kills first; this bounds a runaway thread pool
     mem = req["memory_mb"] << 20
     for name, soft, hard in [("RLIMIT_CPU", cpu_s, cpu_s + 1), ("RLIMIT_AS", mem, mem),
                              ("RLIMIT_FSIZE", req["max_file_mb"] << 20, req["max_file_mb"] << 20),
                              ("RLIMIT_NPROC", nproc, nproc), ("RLIMIT_NOFILE", 256, 256), ("RLIMIT_CORE", 0, 0),
                              ("RLIMIT_MSGQUEUE", 0, 0)]:
-        import resource
         resource.setrlimit(getattr(resource, name), (soft, hard))
 
 
@@ -332,7 +329,7 @@ def _serve(sock_fd: int) -> str:
     """The warm interpreter: forks a run per request; returns the code only in a run's user process."""
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # runs are reaped by the kernel
-    import resource, types, traceback  # noqa: F401  imported once here, not per run
+    import atexit, resource, types  # noqa: F401  imported once here, not in each run
     sock = socket.socket(fileno=sock_fd)
     while True:
         msg, ancdata, _, _ = sock.recvmsg(1 << 16, socket.CMSG_SPACE(len(FD_NAMES) * 4))
@@ -361,6 +358,8 @@ _next_slot = 0
 
 def _server_socket() -> socket.socket:
     """The warm interpreter's socket, started on first use (and again if it died, or after a fork)."""
+    import subprocess  # here and below, caller-only modules are imported where used: a fresh
+    # interpreter per run (warm=False) runs this file and would pay for them (asyncio: ~20-60 ms)
     with _server_lock:
         if _server["owner_pid"] == os.getpid() and _server["process"].poll() is None:
             return _server["sock"]
@@ -425,28 +424,37 @@ class _Run:
         self.fds_to_close = []
         if os.geteuid() == 0:
             self.uid, self.uid_lock_fd = _claim_uid()
-        self.work_dir = tempfile.mkdtemp(prefix="agentrl-sandbox-")
-        os.chmod(self.work_dir, 0o700)
-        code_fd = os.memfd_create("agentrl-sandbox-code", os.MFD_CLOEXEC)
-        self.fds_to_close.append(code_fd)
-        os.write(code_fd, code.encode("utf-8", "surrogatepass"))
-        os.lseek(code_fd, 0, os.SEEK_SET)
-        pipes = [os.pipe() for _ in range(4)]  # out, err, status: they write; release: we hold the write end
-        self.out_r, self.err_r, self.status_r = pipes[0][0], pipes[1][0], pipes[2][0]
-        self.release_w = pipes[3][1]
-        self.child_fds = [code_fd, pipes[0][1], pipes[1][1], pipes[2][1], pipes[3][0]]
-        self.fds_to_close += [self.out_r, self.err_r, self.status_r, self.release_w] + self.child_fds[1:]
-        for fd in (self.out_r, self.err_r, self.status_r):
-            os.set_blocking(fd, False)
-        self.open_fds = {self.out_r, self.err_r, self.status_r}
-        self.request = {"timeout_s": timeout_s, "memory_mb": memory_mb, "max_file_mb": max_file_mb,
-                        "max_processes": max_processes, "max_dir_mb": max_dir_mb, "network": bool(network),
-                        "uid": self.uid, "work_dir": self.work_dir, "site_paths": []}
-        if site_packages:
-            import sysconfig
-            self.request["site_paths"] = sorted({sysconfig.get_path("purelib"), sysconfig.get_path("platlib")})
+        self.work_dir = None
+        try:
+            self.work_dir = tempfile.mkdtemp(prefix="agentrl-sandbox-")
+            os.chmod(self.work_dir, 0o700)
+            code_fd = os.memfd_create("agentrl-sandbox-code", os.MFD_CLOEXEC)
+            self.fds_to_close.append(code_fd)
+            os.write(code_fd, code.encode("utf-8", "surrogatepass"))
+            os.lseek(code_fd, 0, os.SEEK_SET)
+            pipes = [os.pipe() for _ in range(4)]  # out, err, status: they write; release: we hold the write end
+            self.out_r, self.err_r, self.status_r = pipes[0][0], pipes[1][0], pipes[2][0]
+            self.release_w = pipes[3][1]
+            self.child_fds = [code_fd, pipes[0][1], pipes[1][1], pipes[2][1], pipes[3][0]]
+            self.fds_to_close += [self.out_r, self.err_r, self.status_r, self.release_w] + self.child_fds[1:]
+            for fd in (self.out_r, self.err_r, self.status_r):
+                os.set_blocking(fd, False)
+            self.open_fds = {self.out_r, self.err_r, self.status_r}
+            self.request = {"timeout_s": timeout_s, "memory_mb": memory_mb, "max_file_mb": max_file_mb,
+                            "max_processes": max_processes, "max_dir_mb": max_dir_mb, "network": bool(network),
+                            "uid": self.uid, "work_dir": self.work_dir, "site_paths": []}
+            if site_packages:
+                import sysconfig
+                self.request["site_paths"] = sorted({sysconfig.get_path("purelib"), sysconfig.get_path("platlib")})
+        except BaseException:  # out of fds or disk: give back what was taken, then raise
+            for fd in self.fds_to_close + ([self.uid_lock_fd] if self.uid_lock_fd is not None else []):
+                os.close(fd)
+            if self.work_dir is not None:
+                os.rmdir(self.work_dir)
+            raise
 
     def start(self):
+        import subprocess
         if self.warm:
             message = json.dumps(self.request).encode()
             ancdata = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, memoryview(bytearray(
@@ -497,7 +505,9 @@ class _Run:
         return {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in lines if " " in line}
 
     def _ended(self) -> bool:
-        return any(key in self._status_lines() for key in ("exit", "signal", "fail"))
+        # The status pipe's EOF without a status: C and init are gone (killed by the code itself,
+        # where it runs as the caller's uid); nothing is left to report, so the run ends now.
+        return self.status_r not in self.open_fds or any(k in self._status_lines() for k in ("exit", "signal", "fail"))
 
     def next_wake(self) -> float | None:
         """The monotonic time to wake at, or None when the run is over and its output read."""
@@ -548,7 +558,8 @@ class _Run:
         elif "signal" in status:
             returncode = -int(status["signal"])
         stderr = self.err.decode("utf-8", "replace")
-        last_line = stderr.rstrip().rsplit("\n", 1)[-1]
+        # An exception's last line names a limit the code hit (anywhere: forked processes interleave)
+        raised = lambda prefix: returncode != 0 and any(line.startswith(prefix) for line in stderr.splitlines())
         if self.timed_out:
             returncode, error = None, f"timed out after {self.timeout_s:g} s"
         elif self.truncated:
@@ -561,13 +572,13 @@ class _Run:
             error = f"CPU time limit {math.ceil(self.timeout_s) + 1} s exceeded"
         elif returncode < 0:
             error = f"killed by signal {-returncode} ({signal.Signals(-returncode).name})"
-        elif returncode != 0 and last_line.startswith("MemoryError"):
+        elif returncode != 0 and any(line.split(":")[0].endswith("MemoryError") for line in stderr.splitlines()):
             error = f"memory limit {self.memory_mb} MB exceeded"
-        elif returncode != 0 and "[Errno 27] File too large" in last_line:
+        elif raised("OSError: [Errno 27] File too large"):
             error = f"file size limit {self.max_file_mb} MB exceeded"
-        elif returncode != 0 and "[Errno 28] No space left on device" in last_line:
+        elif raised("OSError: [Errno 28] No space left on device"):
             error = f"working directory limit {self.max_dir_mb} MB exceeded"
-        elif returncode != 0 and "[Errno 11] Resource temporarily unavailable" in last_line:
+        elif raised("BlockingIOError: [Errno 11] Resource temporarily unavailable"):
             error = f"process limit {self.max_processes} reached"
         net = status.get("net", "0 unknown").split()
         return SandboxResult(stdout=self.out.decode("utf-8", "replace"), stderr=stderr, returncode=returncode,
@@ -585,18 +596,18 @@ def run_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, max_o
     installed packages (sympy, numpy; read-only); `warm=False` starts a fresh interpreter for this run."""
     run = _Run(code, timeout_s, memory_mb, max_output_bytes, max_processes, max_file_mb, max_dir_mb, network, warm,
                site_packages)
+    ready = selectors.DefaultSelector()
     try:
         run.start()
-        ready = selectors.DefaultSelector()
         for fd in run.open_fds:
             ready.register(fd, selectors.EVENT_READ)
         while (wake := run.next_wake()) is not None:
             for key, _ in ready.select(max(wake - time.monotonic(), 0)):
                 if not run.read(key.fd):
                     ready.unregister(key.fd)
-        ready.close()
         return run.result()
     finally:
+        ready.close()
         run.cleanup()
 
 
@@ -605,6 +616,7 @@ async def arun_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512
                       site_packages: bool = False, warm: bool = True) -> SandboxResult:
     """run_python on the event loop: the pipes are watched by the loop, nothing blocks it but the few
     milliseconds of starting the run. Cancelling the awaiting task kills the run."""
+    import asyncio
     loop = asyncio.get_running_loop()
     if warm:
         await asyncio.to_thread(_server_socket)  # the first call starts the warm interpreter (~50 ms)
