@@ -326,3 +326,58 @@ def _read_call(block: str) -> dict | None:
         return None
     return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
             "function": {"name": call["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
+
+
+# --- sampled tokens as OpenAI's logprobs show them ---
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> byte: printable bytes stand for themselves,
+    the rest are shifted past 255 (' ' is 'Ġ', '\\n' is 'Ċ')."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, shifted = {chr(b): b for b in kept}, 0
+    for b in range(256):
+        if b not in kept:
+            table[chr(256 + shifted)] = b
+            shifted += 1
+    return table
+
+
+def token_bytes_reader(tokenizer):
+    """A function id -> (text, bytes) of one token as OpenAI's `logprobs` give it: the UTF-8 bytes the
+    token adds to the text (not the vocabulary's spelling: byte-level BPE writes ' he' as 'Ġhe',
+    SentencePiece as '▁he' and a lone byte as '<0xE2>'), and those bytes as text, or `bytes:\\xe2\\x80`
+    for a token that holds part of a character. Answers are cached per id."""
+    import re
+
+    from tokenizers import decoders
+
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    parts = [decoder] if not isinstance(decoder, decoders.Sequence) else []
+    if isinstance(decoder, decoders.Sequence):  # no public accessor for its parts: read its JSON
+        parts = [d["type"] for d in json.loads(tokenizer.backend_tokenizer.to_str())["decoder"]["decoders"]]
+    byte_level = isinstance(decoder, decoders.ByteLevel) or "ByteLevel" in parts
+    table = _byte_level_table() if byte_level else {}
+    added = {i: t.content for i, t in tokenizer.added_tokens_decoder.items()}
+    byte_token = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+    cache: dict[int, tuple[str, list[int]]] = {}
+
+    def read(token_id: int) -> tuple[str, list[int]]:
+        if token_id in cache:
+            return cache[token_id]
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+        if token_id in added or piece is None:
+            raw = (added.get(token_id) or tokenizer.decode([token_id])).encode()
+        elif byte_level and all(c in table for c in piece):
+            raw = bytes(table[c] for c in piece)
+        elif match := byte_token.fullmatch(piece):  # SentencePiece's byte fallback
+            raw = bytes([int(match.group(1), 16)])
+        elif not byte_level and "▁" in piece:  # SentencePiece's word boundary
+            raw = piece.replace("▁", " ").encode()
+        else:
+            raw = tokenizer.decode([token_id]).encode()
+        try:
+            text = raw.decode()
+        except UnicodeDecodeError:
+            text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        cache[token_id] = text, list(raw)
+        return cache[token_id]
+    return read

@@ -27,9 +27,11 @@ client: a client that disconnects cancels its generation, and a reply that fails
 that records nothing (docs/reliability.md has the limits on hostile requests).
 """
 import asyncio
+import itertools
 import json
 import math
 import os
+import re
 import sys
 import time
 import uuid
@@ -37,21 +39,14 @@ import uuid
 import torch
 from aiohttp import web
 
-from lib.chat_format import (LONE_SURROGATE, LONG_TEXT_CHARS, ChatFormatError, PromptTooLong, continuation_ids,
-                             end_of_turn_token, message_key, parse_tool_calls, render_ids,
-                             template_renders_tools, to_template_messages)
+from lib.chat_format import (LONE_SURROGATE, LONG_TEXT_CHARS, ChatFormatError, PromptTooLong, continuation_ids, encode,
+                             end_of_turn_token, message_key, parse_tool_calls, render_ids, template_renders_tools,
+                             to_template_messages, token_bytes_reader)
 from lib.client import GenerationAborted, InferenceServerError
 from lib.http_body import BadRequest, body_too_large, lone_surrogate, parse_json_body, read_body
 
-# Fields of a chat completion request: read, ignored (harmless for sampling), or refused with a
-# 400 unless they hold their neutral value.
-_READ = {"model", "messages", "temperature", "top_p", "max_tokens", "max_completion_tokens", "stop", "seed", "n",
-         "stream", "stream_options", "tools", "tool_choice", "logprobs", "top_logprobs"}
-_IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
-            "safety_identifier"}
-_NEUTRAL = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},),
-            "response_format": ({"type": "text"},), "functions": (), "function_call": (), "reasoning_effort": (),
-            "modalities": (["text"],), "audio": (), "prediction": (), "web_search_options": ()}
+# Request fields accepted and ignored (they do not change sampling), in every API.
+_IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier"}
 
 
 class SessionFailed(RuntimeError):
@@ -64,12 +59,13 @@ class _Segment:
         self.ids, self.mask, self.logprobs, self.versions = ids, mask, logprobs, versions
         # After each reply: (message keys through the reply, tools key, token count, closed by a stop token)
         self.states: list[tuple[tuple, str, int, bool]] = []
+        self.text_states: list[tuple[str, int]] = []  # /v1/completions: (prompt + completion text, token count)
         self.busy = False  # a request is generating on it: a concurrent one forks instead
 
 
 class _Session:
-    def __init__(self, key: str):
-        self.key = key
+    def __init__(self, key: str, train: bool):
+        self.key, self.train = key, train
         self.segments: list[_Segment] = []
         self.reward = None
         self.error = None
@@ -82,7 +78,8 @@ def _error(status: int, message: str, *, param: str | None = None, code: str | N
     return status, {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-_TOO_LARGE_HINTS = {"/v1/chat/completions": "shorten the conversation", "/agentrl/reward": "send {\"reward\": x}"}
+_TOO_LARGE_HINTS = {"/v1/chat/completions": "shorten the conversation", "/v1/responses": "shorten the conversation",
+                    "/v1/completions": "shorten the prompt", "/agentrl/reward": "send {\"reward\": x}"}
 _EVENT_STREAM_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
@@ -149,12 +146,17 @@ class _InProcessTransport:
 class OpenAIProxy:
     def __init__(self, client, tokenizer, *, stop_token_ids: list[int] | None = None, model_name: str = "policy",
                  max_context_tokens: int | None = None, default_max_tokens: int = 1024, chat_template: str | None = None,
-                 host: str = "127.0.0.1", port: int = 0, max_body_bytes: int = 32 << 20, body_timeout_s: float = 30.0):
+                 train_sampling: dict | None = None, host: str = "127.0.0.1", port: int = 0,
+                 max_body_bytes: int = 32 << 20, body_timeout_s: float = 30.0):
         """`stop_token_ids`: ids that end a turn (the model's EOS set, lib.client.model_eos_ids).
         `max_context_tokens`: a session's prompt + reply budget; a request past it gets OpenAI's
         400 `context_length_exceeded` and `max_tokens` is cut to what is left. `chat_template`
         overrides the tokenizer's; one without a tools section gets tools written into the messages'
-        text (lib/chat_format.py, with_tools_as_text)."""
+        text (lib/chat_format.py, with_tools_as_text). `train_sampling`: the sampling settings the
+        trainer recomputes log-probs with, e.g. `{"temperature": cfg.temperature}` (the rest at their
+        neutral values: top_p 1, top_k -1, min_p 0, no penalties: the whole vocabulary); a training
+        session then samples with exactly these, and a request that sets another value gets a 400
+        naming it. None: every request samples as it asks (evaluation, or an untrained proxy)."""
         # The proxy tokenizes a short text on the event loop and a long one on a thread of its own; the
         # Rust tokenizer's thread pool would only compete with the trainer and a CPU server for cores
         # (docs/benchmarks.md).
@@ -167,6 +169,14 @@ class OpenAIProxy:
         self.end_of_turn, self.end_of_turn_id = end_of_turn_token(tokenizer, chat_template)
         self.tools_as_text = not template_renders_tools(tokenizer, chat_template)
         self.stop_token_ids = sorted(set(stop_token_ids or []) | {self.end_of_turn_id})
+        self.train_sampling = None
+        if train_sampling is not None:
+            unknown = set(train_sampling) - set(_SAMPLING)
+            if unknown:
+                raise ValueError(f"train_sampling takes {', '.join(_SAMPLING)}; got {', '.join(sorted(unknown))}")
+            self.train_sampling = {**{name: default for name, (*_, default) in _SAMPLING.items()},
+                                   **{name: _SAMPLING[name][2](v) for name, v in train_sampling.items()}}
+        self.token_text = token_bytes_reader(tokenizer)  # id -> (text, UTF-8 bytes), for logprobs
         # A token covers at most as many characters as its vocabulary entry has (byte-level BPE entries
         # have one character per byte), so a conversation longer than budget x the longest entry cannot
         # fit: it is refused before the template renders it (x2 leaves room for JSON's escapes, templates
@@ -185,9 +195,8 @@ class OpenAIProxy:
     # --- lifecycle, on the event loop the client runs on ---
     async def start(self) -> str:
         app = web.Application(client_max_size=self.max_body_bytes)
-        app.router.add_post("/v1/chat/completions", self._http)
-        app.router.add_get("/v1/models", self._http)
-        app.router.add_post("/agentrl/reward", self._http)
+        # One route for every path and method: unknown ones get their 404 / 405 in OpenAI's error shape.
+        app.router.add_route("*", "/{path:.*}", self._http)
         # handler_cancellation: a client that disconnects cancels its handler, and with it the request to
         # the inference server (which then aborts it: SGLang and lib/cpu_server.py do), instead of
         # generating a turn nobody receives.
@@ -216,11 +225,18 @@ class OpenAIProxy:
         return DefaultAsyncHttpxClient(transport=_InProcessTransport(self))
 
     # --- sessions ---
-    def new_session(self) -> str:
-        """A new episode's key: hand it to the agent as its API key."""
+    def new_session(self, train: bool = True) -> str:
+        """A new episode's key: hand it to the agent as its API key (or its base URL,
+        `session_url(key)`). `train=False`: an episode that is not trained on (evaluation), free to
+        sample as it asks whatever `train_sampling` says."""
         key = "agentrl-" + uuid.uuid4().hex
-        self.sessions[key] = _Session(key)
+        self.sessions[key] = _Session(key, train)
         return key
+
+    def session_url(self, key: str) -> str:
+        """A base URL that carries the session, for agents whose client is built once with a fixed
+        API key: `http://127.0.0.1:PORT/s/<key>/v1`."""
+        return f"http://{self.host}:{self.port}/s/{key}/v1"
 
     def end_session(self, key: str) -> dict:
         """The episode: `segments` (trajectory dicts of [1, T] tensors: input_ids, loss_mask,
@@ -243,21 +259,40 @@ class OpenAIProxy:
         key = authorization[7:].strip() if authorization[:7].lower() == "bearer " else ""
         session = self.sessions.get(key)
         if session is None:
-            raise _Refused(401, "unknown or missing API key: use the key of a live session (proxy.new_session())",
-                           code="invalid_api_key")
+            raise _Refused(401, "unknown or missing API key: use the key of a live session (proxy.new_session()) "
+                                "as the API key, or its base URL (proxy.session_url(key))", code="invalid_api_key")
         return session
 
+    @staticmethod
+    def _route(method: str, path: str, authorization: str) -> tuple[str, str]:
+        """(endpoint, authorization) of a request: a session's base URL (`/s/<key>/v1/...`) stands
+        for its API key. Raises the 404 or 405, in OpenAI's error shape, for any other path."""
+        if path.startswith("/s/"):
+            key, _, rest = path[3:].partition("/")
+            path, authorization = "/" + rest, "Bearer " + key
+        endpoint = path.rstrip("/") or "/"
+        if endpoint.startswith("/v1/models/"):
+            endpoint = "/v1/models/{model}"
+        allowed = _ENDPOINTS.get(endpoint)
+        if allowed is None:
+            raise _Refused(404, f"no endpoint {path}: the proxy serves {', '.join(f'{m} {p}' for p, m in _ENDPOINTS.items())}",
+                           code="unknown_url")
+        if method != allowed:
+            raise _Refused(405, f"{path} takes {allowed}, not {method}", code="method_not_allowed")
+        return endpoint, authorization
+
     async def _http(self, request):
-        """aiohttp's route for every endpoint: the body read, the answer sent."""
+        """aiohttp's route for every path: the body read, the answer sent."""
         raw = b""
-        if request.method == "POST":
-            try:
-                self._session_of(request.headers.get("Authorization", ""))  # a wrong key is told before the body is read
+        try:
+            endpoint, authorization = self._route(request.method, request.path, request.headers.get("Authorization", ""))
+            if request.method == "POST":
+                self._session_of(authorization)  # a wrong key is told before the body is read
                 raw = await read_body(request, max_body_bytes=self.max_body_bytes, timeout_s=self.body_timeout_s,
-                                      too_large_hint=_TOO_LARGE_HINTS.get(request.path, ""))
-            except BadRequest as e:
-                status, payload = _error(e.status, str(e), param=getattr(e, "param", None), code=getattr(e, "code", None))
-                return web.json_response(payload, status=status)
+                                      too_large_hint=_TOO_LARGE_HINTS.get(endpoint, ""))
+        except BadRequest as e:
+            status, payload = _error(e.status, str(e), param=getattr(e, "param", None), code=getattr(e, "code", None))
+            return web.json_response(payload, status=status)
         status, payload, record = await self._answer(request.method, request.path,
                                                      request.headers.get("Authorization", ""), raw)
         events = isinstance(payload, bytes)
@@ -284,20 +319,34 @@ class OpenAIProxy:
         for training, and the transport calls it as it hands the answer over, so a turn whose client
         left, or whose answer failed to build, is never trained on."""
         try:
-            if (method, path) == ("GET", "/v1/models"):
-                return 200, {"object": "list", "data": [
-                    {"id": self.model_name, "object": "model", "created": 0, "owned_by": "agentrl"}]}, None
-            if (method, path) == ("POST", "/agentrl/reward"):
-                return *self._reward(authorization, raw), None
-            if (method, path) == ("POST", "/v1/chat/completions"):
-                return await self._chat(authorization, raw)
-            raise _Refused(404, f"no endpoint {method} {path}: the proxy serves POST /v1/chat/completions, "
-                                "GET /v1/models and POST /agentrl/reward")
+            endpoint, authorization = self._route(method, path, authorization)
+            if endpoint == "/v1/models":
+                return 200, {"object": "list", "data": [self._model_card()]}, None
+            if endpoint == "/v1/models/{model}":
+                if path.rstrip("/").rsplit("/", 1)[1] != self.model_name:
+                    raise _Refused(404, f"the proxy serves one model, {self.model_name!r}", param="model",
+                                   code="model_not_found")
+                return 200, self._model_card(), None
+            session = self._session_of(authorization)
+            if endpoint == "/agentrl/reward":
+                return *self._reward(session, raw), None
+            return await {"/v1/chat/completions": self._chat, "/v1/completions": self._completion,
+                          "/v1/responses": self._responses}[endpoint](session, parse_json_body(raw))
+        except PromptTooLong as e:  # told before its arguments were decoded
+            refused = self._too_long(e.chars)
+        except ChatFormatError as e:
+            refused = _Refused(400, str(e), param="messages")
+        except RecursionError:  # a field nested hundreds deep that no check above named
+            refused = _Refused(400, "the request nests lists or objects too deeply to render")
         except BadRequest as e:  # parse_json_body's, or a _Refused one with its field and code
-            return *_error(e.status, str(e), param=getattr(e, "param", None), code=getattr(e, "code", None)), None
+            refused = e
+        return *_error(refused.status, str(refused), param=getattr(refused, "param", None),
+                       code=getattr(refused, "code", None)), None
 
-    def _reward(self, authorization: str, raw: bytes):
-        session = self._session_of(authorization)
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "agentrl"}
+
+    def _reward(self, session: _Session, raw: bytes):
         body = parse_json_body(raw)
         reward = body.get("reward") if isinstance(body, dict) else None
         try:  # an int of hundreds of digits overflows float(); Infinity, NaN and 1e999 parse to non-finite floats
@@ -309,94 +358,144 @@ class OpenAIProxy:
         session.reward = reward
         return 200, {"status": "ok"}
 
-    async def _chat(self, authorization: str, raw: bytes):
-        session = self._session_of(authorization)
-        try:
-            params = self._read_params(parse_json_body(raw))
-            plan = await self._plan(session, params)
-        except PromptTooLong as e:  # told before its arguments were decoded
-            raise self._too_long(e.chars)
-        except ChatFormatError as e:
-            raise _Refused(400, str(e), param="messages")
-        except RecursionError:  # a field nested hundreds deep that no check above named
-            raise _Refused(400, "the request nests lists or objects too deeply to render")
-        segment = plan["segment"]
-        if segment is not None and plan["in_place"]:
-            segment.busy = True
-        try:
-            gen = await self.client.generate(
-                plan["prompt"], max_new_tokens=plan["max_new_tokens"], temperature=params["temperature"],
-                top_p=params["top_p"], stop=params["stop"], stop_token_ids=self.stop_token_ids,
-                trajectory_id=session.key, extra_sampling_params=params["extra"])
-        except GenerationAborted as e:
-            session.error = str(e)
-            raise _Refused(503, f"the inference server failed: {e}")
-        except InferenceServerError as e:
-            if e.status is not None and 400 <= e.status < 500:  # refused before sampling (e.g. over its context length)
-                raise _Refused(400, f"the inference server refused the request: {e}")
-            session.error = str(e)
-            raise _Refused(503, f"the inference server failed: {e}")
-        finally:
-            if segment is not None and plan["in_place"]:
-                segment.busy = False
-        turn = self._reply(params, gen)
-        completion_id = "chatcmpl-" + uuid.uuid4().hex
-        usage = {"prompt_tokens": len(plan["prompt"]), "completion_tokens": len(gen.output_ids),
-                 "total_tokens": len(plan["prompt"]) + len(gen.output_ids)}
-        logprobs = None
-        if params["logprobs"]:
-            logprobs = {"content": [{"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []}
-                                    for text, lp in zip(self.tokenizer.convert_ids_to_tokens(gen.output_ids),
-                                                        gen.logprobs)]}
+    # --- the three APIs: each reads its request into the same fields, _generate samples, each writes its answer ---
+    async def _chat(self, session: _Session, body):
+        params = self._read_params(session, body, _CHAT_FIELDS)
+        params["messages"] = self._messages(body.get("messages"))
+        plan, turns = await self._generate(session, params)
+        completion_id, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
+        usage = _usage(plan, turns)
         if params["stream"]:
-            payload = self._events(completion_id, turn["message"], turn["finish"], logprobs,
-                                   usage if params["include_usage"] else None)
+            payload = self._chat_events(completion_id, created, turns, usage if params["include_usage"] else None,
+                                        params["logprobs"])
         else:
-            payload = {
-                "id": completion_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
-                "choices": [{"index": 0, "message": turn["message"], "finish_reason": turn["finish"],
-                             "logprobs": logprobs}],
-                "usage": usage}
-        return 200, payload, lambda: self._record(session, plan, turn)
+            payload = {"id": completion_id, "object": "chat.completion", "created": created, "model": self.model_name,
+                       "choices": [{"index": i, "message": t["message"], "finish_reason": t["finish"],
+                                    "logprobs": {"content": t["logprobs"]} if params["logprobs"] else None}
+                                   for i, t in enumerate(turns)],
+                       "usage": usage}
+        return 200, payload, lambda: self._record_all(session, plan, turns)
 
-    def _events(self, completion_id, message, finish, logprobs, usage) -> bytes:
-        """The whole reply as server-sent events, in the chunks the SDKs assemble: role, content,
-        tool calls, finish reason, usage (when asked), [DONE]."""
-        base = {"id": completion_id, "object": "chat.completion.chunk", "created": int(time.time()),
-                "model": self.model_name}
-        chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}]
-        if message["content"]:
-            chunks.append({"choices": [{"index": 0, "delta": {"content": message["content"]}, "finish_reason": None,
-                                        "logprobs": logprobs}]})
-        if message.get("tool_calls"):
-            chunks.append({"choices": [{"index": 0, "finish_reason": None, "delta": {"tool_calls": [
-                {"index": i, **call} for i, call in enumerate(message["tool_calls"])]}}]})
-        chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
+    def _chat_events(self, completion_id, created, turns, usage, logprobs: bool) -> bytes:
+        """The whole reply as server-sent events, in the chunks the SDKs assemble: per choice its role,
+        content, tool calls, finish reason; then usage (when asked) and [DONE]. The token log-probs
+        ride on the first chunk that carries text or tool calls, so a reply that is only a tool call
+        has them too."""
+        base = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
+        chunks = []
+        for i, turn in enumerate(turns):
+            message, pending = turn["message"], {"content": turn["logprobs"]} if logprobs else None
+            chunks.append({"choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+            if message.get("reasoning_content"):
+                chunks.append({"choices": [{"index": i, "delta": {"reasoning_content": message["reasoning_content"]},
+                                            "finish_reason": None}]})
+            if message["content"]:
+                chunks.append({"choices": [{"index": i, "delta": {"content": message["content"]}, "finish_reason": None,
+                                            "logprobs": pending}]})
+                pending = None
+            if message.get("tool_calls"):
+                chunks.append({"choices": [{"index": i, "finish_reason": None, "logprobs": pending, "delta": {
+                    "tool_calls": [{"index": j, **call} for j, call in enumerate(message["tool_calls"])]}}]})
+                pending = None
+            chunks.append({"choices": [{"index": i, "delta": {}, "finish_reason": turn["finish"], "logprobs": pending}]})
         if usage is not None:
             chunks.append({"choices": [], "usage": usage})
-        return "".join(f"data: {json.dumps({**base, **chunk})}\n\n" for chunk in chunks).encode() + b"data: [DONE]\n\n"
+        return _sse(({**base, **chunk} for chunk in chunks), done=True)
+
+    async def _completion(self, session: _Session, body):
+        params = self._read_params(session, body, _COMPLETION_FIELDS)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise _Refused(400, "prompt must be a non-empty string (one prompt a request)", param="prompt")
+        if lone_surrogate(prompt):
+            raise _Refused(400, f"prompt {LONE_SURROGATE}", param="prompt")
+        if self.max_prompt_chars is not None and len(prompt) > self.max_prompt_chars:
+            raise self._too_long(len(prompt))
+        for name, neutral in (("echo", False), ("suffix", None), ("best_of", 1)):
+            if body.get(name) not in (None, neutral):
+                raise _Refused(400, f"{name} is not supported by agentrl's proxy (only {json.dumps(neutral)})", param=name)
+        params["prompt_text"], params["parse_tools"] = prompt, False
+        plan, turns = await self._generate(session, params)
+        completion_id, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
+
+        def choice(i, turn):
+            logprobs = None
+            if params["logprobs"]:
+                logprobs = {"tokens": [e["token"] for e in turn["logprobs"]],
+                            "token_logprobs": [e["logprob"] for e in turn["logprobs"]], "top_logprobs": None,
+                            "text_offset": list(itertools.accumulate((len(e["token"]) for e in turn["logprobs"][:-1]),
+                                                                     initial=len(prompt)))[:len(turn["logprobs"])]}
+            return {"index": i, "text": turn["text"], "finish_reason": turn["finish"], "logprobs": logprobs}
+        choices = [choice(i, t) for i, t in enumerate(turns)]
+        usage = _usage(plan, turns)
+        base = {"id": completion_id, "object": "text_completion", "created": created, "model": self.model_name}
+        if params["stream"]:
+            chunks = [{**base, "choices": [c]} for c in choices]
+            if params["include_usage"]:
+                chunks.append({**base, "choices": [], "usage": usage})
+            payload = _sse(chunks, done=True)
+        else:
+            payload = {**base, "choices": choices, "usage": usage}
+        return 200, payload, lambda: self._record_all(session, plan, turns)
+
+    async def _responses(self, session: _Session, body):
+        """OpenAI's Responses API, as the OpenAI Agents SDK calls it: `input` items (messages,
+        function calls and their outputs) and `instructions` read as chat messages, function tools
+        as chat tools; the answer is one `message` item and/or `function_call` items."""
+        params = self._read_params(session, body, _RESPONSES_FIELDS)
+        params["messages"] = self._messages(_response_input_as_messages(body.get("input"), body.get("instructions")))
+        plan, turns = await self._generate(session, params)
+        [turn] = turns
+        message = turn["message"]
+        response_id = "resp_" + uuid.uuid4().hex
+        output = []
+        if message.get("reasoning_content"):
+            output.append({"type": "reasoning", "id": "rs_" + uuid.uuid4().hex, "status": "completed",
+                           "summary": [], "content": [{"type": "reasoning_text", "text": message["reasoning_content"]}]})
+        if message["content"]:
+            output.append({"type": "message", "id": "msg_" + uuid.uuid4().hex, "role": "assistant", "status": "completed",
+                           "content": [{"type": "output_text", "text": message["content"], "annotations": [],
+                                        "logprobs": turn["logprobs"] if params["logprobs"] else []}]})
+        for call in message.get("tool_calls", []):
+            output.append({"type": "function_call", "id": "fc_" + call["id"], "call_id": call["id"],
+                           "name": call["function"]["name"], "arguments": call["function"]["arguments"],
+                           "status": "completed"})
+        usage = _usage(plan, turns)
+        incomplete = turn["finish"] == "length"
+        response = {
+            "id": response_id, "object": "response", "created_at": int(time.time()), "model": self.model_name,
+            "status": "incomplete" if incomplete else "completed", "output": output, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "instructions": body.get("instructions"), "metadata": body.get("metadata") or {},
+            "parallel_tool_calls": True, "temperature": params["sampling"]["temperature"],
+            "top_p": params["sampling"]["top_p"], "tool_choice": body.get("tool_choice") or "auto",
+            "tools": body.get("tools") or [], "max_output_tokens": body.get("max_output_tokens"),
+            "text": {"format": {"type": "text"}}, "truncation": "disabled",
+            "usage": {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+                      "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": usage["total_tokens"]}}
+        record = lambda: self._record_all(session, plan, turns)  # noqa: E731
+        if not params["stream"]:
+            return 200, response, record
+        return 200, _sse(_response_events(response)), record
 
     # --- the request's fields ---
-    def _read_params(self, body) -> dict:
+    def _read_params(self, session: _Session, body, fields: dict) -> dict:
+        """The fields every API shares, read from `body` by their names in `fields` (the API's own
+        names: max_tokens, max_output_tokens...), checked as OpenAI checks them."""
         if not isinstance(body, dict):
             raise _Refused(400, "the body must be a JSON object")
         for name, value in body.items():
-            if name in _READ or name in _IGNORED:
+            if name in fields["read"] or name in _IGNORED:
                 continue
-            if name in _NEUTRAL:
-                if value is None or value in _NEUTRAL[name]:
+            if name in fields["neutral"]:
+                if value is None or value in fields["neutral"][name]:
                     continue
                 raise _Refused(400, f"{name} is not supported by agentrl's proxy (only {name}=null"
-                                    f"{''.join(f' or {json.dumps(v)}' for v in _NEUTRAL[name])})", param=name)
+                                    f"{''.join(f' or {json.dumps(v)}' for v in fields['neutral'][name])})", param=name)
             raise _Refused(400, f"unrecognized request argument supplied: {name}", param=name)
-
-        def number(name, default, low, high):
-            value = body.get(name)
-            if value is None:
-                return default
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-                raise _Refused(400, f"{name} must be a number in [{low}, {high}], got {value!r}", param=name)
-            return float(value)
 
         def integer(name, low, high=2 ** 31 - 1):
             value = body.get(name)
@@ -406,25 +505,15 @@ class OpenAIProxy:
                 raise _Refused(400, f"{name} must be an integer in [{low}, {high}], got {value!r}", param=name)
             return value
 
-        if integer("n", 1) not in (None, 1):
-            raise _Refused(400, "n > 1 is not supported: ask once per sample (each is its own turn)", param="n")
-        if body.get("top_logprobs"):
-            raise _Refused(400, "top_logprobs is not supported (logprobs: true gives each sampled token's)",
-                           param="top_logprobs")
+        n = integer("n", 1, MAX_N) or 1
         stop = body.get("stop")
         if isinstance(stop, str):
             stop = [stop]
         if stop is not None and (not isinstance(stop, list) or len(stop) > 16 or not all(isinstance(s, str) for s in stop)):
             raise _Refused(400, "stop must be a string or a list of at most 16 strings", param="stop")
-        tools = body.get("tools")
-        if tools is not None:
-            if not isinstance(tools, list) or not all(
-                    isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
-                    and isinstance(t["function"].get("name"), str) for t in tools):
-                raise _Refused(400, "tools must be a list of {\"type\": \"function\", \"function\": {\"name\": ...}}",
-                               param="tools")
-            if lone_surrogate(tools):
-                raise _Refused(400, f"tools {LONE_SURROGATE}", param="tools")
+        if stop and lone_surrogate(stop):
+            raise _Refused(400, f"stop {LONE_SURROGATE}", param="stop")
+        tools = _read_tools(body.get("tools"), fields["flat_tools"])
         tool_choice = body.get("tool_choice")
         if tool_choice not in (None, "auto", "none"):
             raise _Refused(400, "tool_choice must be \"auto\" or \"none\": the proxy cannot force a tool call",
@@ -432,21 +521,123 @@ class OpenAIProxy:
         stream_options = body.get("stream_options") or {}
         if not isinstance(stream_options, dict):
             raise _Refused(400, "stream_options must be an object", param="stream_options")
+        stream = body.get("stream")
+        if stream is not None and not isinstance(stream, bool):
+            raise _Refused(400, f"stream must be true or false, got {stream!r}", param="stream")
+        logprobs = body.get("logprobs")
+        if fields is _COMPLETION_FIELDS:  # the legacy API's logprobs is a count of alternatives
+            top_logprobs, logprobs = integer("logprobs", 0, 5), logprobs is not None
+        else:
+            top_logprobs = integer("top_logprobs", 0, 20)
+            logprobs = bool(logprobs) or (fields is _RESPONSES_FIELDS and "message.output_text.logprobs"
+                                          in (body.get("include") or []))
+        if top_logprobs:
+            raise _Refused(400, "top_logprobs is not available: lib.client asks the inference server for each sampled "
+                                "token's log-prob only (logprobs: true gives those); leave top_logprobs out or 0",
+                           param="top_logprobs" if fields is not _COMPLETION_FIELDS else "logprobs")
         seed = integer("seed", 0, 2 ** 63 - 1)
-        max_tokens = integer("max_completion_tokens", 1) or integer("max_tokens", 1) or self.default_max_tokens
+        max_tokens = None
+        for name in fields["max_tokens"]:
+            max_tokens = max_tokens or integer(name, 1)
+        extra = {}
+        constrained = _constrained_decoding(body, fields)
+        if constrained:
+            extra["json_schema"] = constrained
         return {
-            "messages": to_template_messages(body.get("messages"), self.max_prompt_chars),
-            "temperature": number("temperature", 1.0, 0.0, 2.0), "top_p": number("top_p", 1.0, 1e-9, 1.0),
-            "max_tokens": max_tokens, "stop": stop or None, "extra": {"sampling_seed": seed} if seed is not None else None,
-            "tools": tools or None, "parse_tools": bool(tools) and tool_choice != "none",
-            "stream": bool(body.get("stream")), "include_usage": bool(stream_options.get("include_usage")),
-            "logprobs": bool(body.get("logprobs")),
+            "n": n, "sampling": self._sampling(session, body, constrained), "seed": seed,
+            "max_tokens": max_tokens or self.default_max_tokens, "stop": stop or None, "extra": extra,
+            "tools": tools, "parse_tools": bool(tools) and tool_choice != "none",
+            "stream": bool(stream), "include_usage": bool(stream_options.get("include_usage")), "logprobs": logprobs,
         }
 
+    def _sampling(self, session: _Session, body: dict, constrained) -> dict:
+        """The sampling settings of a request. In a training session of a proxy given `train_sampling`,
+        every setting is the trainer's: a request may leave it out or repeat it; another value is a
+        400 naming it (the trainer recomputes log-probs with its own, so a reply sampled otherwise
+        would get wrong importance weights)."""
+        given = {}
+        for name, (low, high, kind, _) in _SAMPLING.items():
+            value = body.get(name)
+            if value is None:
+                continue
+            if (isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int)
+                    or not low <= value <= high or (name == "top_p" and value == 0)
+                    or (name == "top_k" and value == 0) or (name == "repetition_penalty" and value == 0)):
+                allowed = "-1 or an integer >= 1" if name == "top_k" else f"a number in [{low}, {high}]"
+                raise _Refused(400, f"{name} must be {allowed}{' (not 0)' if name in ('top_p', 'repetition_penalty') else ''}"
+                                    f", got {value!r}", param=name)
+            given[name] = kind(value)
+        if self.train_sampling is None or not session.train:
+            return {**{name: default for name, (*_, default) in _SAMPLING.items()}, **given}
+        for name, value in given.items():
+            if value != self.train_sampling[name]:
+                raise _Refused(400, f"{name}={value} is not the trainer's {name}={self.train_sampling[name]}: the trainer "
+                                    f"recomputes log-probs with its own settings over the whole vocabulary, so a reply "
+                                    f"sampled with another {name} would get wrong importance weights. Leave {name} out "
+                                    f"(the proxy then samples with the trainer's) or send {self.train_sampling[name]}; an "
+                                    f"evaluation episode may set it: proxy.new_session(train=False)",
+                               param=name, code="sampling_fixed_for_training")
+        if constrained:
+            raise _Refused(400, "structured output (response_format / text.format json) constrains sampling to a grammar "
+                                "the trainer does not apply when it recomputes log-probs, so training on it would get "
+                                "wrong importance weights; parse the model's text instead, or use it in an evaluation "
+                                "episode: proxy.new_session(train=False)", param=constrained_field(body),
+                           code="sampling_fixed_for_training")
+        return dict(self.train_sampling)
+
+    def _messages(self, messages) -> list[dict]:
+        messages = to_template_messages(messages, self.max_prompt_chars)
+        _check_tool_messages(messages)
+        return messages
+    # --- generation ---
+    async def _generate(self, session: _Session, params: dict) -> tuple[dict, list[dict]]:
+        """The request's prompt (planned against the session's record), its `n` samples, and each
+        read as a turn. Nothing is recorded here: the transport records the turns as it hands the
+        answer over."""
+        plan = await self._plan(session, params)
+        sampling = params["sampling"]
+        extra = {**params["extra"], **{name: sampling[name] for name in ("min_p", "presence_penalty", "frequency_penalty",
+                                                                         "repetition_penalty")
+                                       if sampling[name] != _SAMPLING[name][3]}}
+
+        async def sample(i: int):
+            seed = params["seed"]  # n samples of one seed would be n copies: each gets its own
+            return await self.client.generate(
+                plan["prompt"], max_new_tokens=plan["max_new_tokens"], temperature=sampling["temperature"],
+                top_p=sampling["top_p"], top_k=sampling["top_k"], stop=params["stop"], stop_token_ids=self.stop_token_ids,
+                trajectory_id=session.key,
+                extra_sampling_params={**extra, **({"sampling_seed": (seed + i) % 2 ** 63} if seed is not None else {})}
+                or None)
+        segment = plan["segment"]
+        if segment is not None and plan["in_place"]:
+            segment.busy = True
+        tasks = []
+        try:
+            if params["n"] == 1:
+                gens = [await sample(0)]
+            else:
+                tasks = [asyncio.ensure_future(sample(i)) for i in range(params["n"])]
+                gens = await asyncio.gather(*tasks)
+        except GenerationAborted as e:
+            session.error = str(e)
+            raise _Refused(503, f"the inference server failed: {e}")
+        except InferenceServerError as e:
+            if e.status is not None and 400 <= e.status < 500:  # refused before sampling (e.g. over its context length)
+                raise _Refused(400, f"the inference server refused the request: {e}")
+            session.error = str(e)
+            raise _Refused(503, f"the inference server failed: {e}")
+        finally:
+            for task in tasks:  # one sample failed: the others are not waited for (nor recorded)
+                task.cancel()
+            if segment is not None and plan["in_place"]:
+                segment.busy = False
+        return plan, [self._reply(params, gen) for gen in gens]
     # --- recording ---
     async def _plan(self, session: _Session, params: dict) -> dict:
         """The prompt of this request: the longest earlier state of the session that it extends, or a
         fresh rendering (docstring at the top)."""
+        if "prompt_text" in params:
+            return await self._plan_text(session, params)
         messages, tools = params["messages"], params["tools"]
         keys = tuple(message_key(m) for m in messages)
         tools_key = json.dumps(tools, sort_keys=True)
@@ -477,13 +668,39 @@ class OpenAIProxy:
         else:
             delta, rendered = tokenize()
         plan = {"segment": None, "in_place": False, "prefix": None, "keys": keys, "tools_key": tools_key,
-                "prompt": rendered}
+                "prompt": rendered, "text": None}
         if delta is not None:
             # Decided after tokenizing: another request of the session may have moved on meanwhile.
             segment, index, (_, _, length, closed) = best
             closing = [] if closed else [self.end_of_turn_id]  # a turn cut by length or a stop string
             plan.update(segment=segment, in_place=index == len(segment.states) - 1 and not segment.busy,
                         prefix=length, delta=closing + delta, prompt=segment.ids[:length] + closing + delta)
+        return self._budget(plan, params)
+
+    async def _plan_text(self, session: _Session, params: dict) -> dict:
+        """/v1/completions: a prompt that begins with an earlier prompt + completion of the session
+        continues that record (the sampled tokens kept, only the new text tokenized); any other is
+        tokenized whole into a new segment."""
+        text = params["prompt_text"]
+        best = None
+        for segment in session.segments:
+            for state_text, length in segment.text_states:
+                if text.startswith(state_text) and (best is None or len(state_text) >= len(best[1])):
+                    best = (segment, state_text, length)
+        if len(text) > LONG_TEXT_CHARS:
+            ids = await asyncio.to_thread(encode, self.tokenizer, text[len(best[1]):] if best else text)
+        else:
+            ids = encode(self.tokenizer, text[len(best[1]):] if best else text)
+        plan = {"segment": None, "in_place": False, "prefix": None, "prompt": ids, "text": text}
+        if best is not None:
+            segment, _, length = best
+            plan.update(segment=segment, in_place=length == len(segment.ids) and not segment.busy, prefix=length,
+                        delta=ids, prompt=segment.ids[:length] + ids)
+        if not plan["prompt"]:
+            raise _Refused(400, "the prompt has no tokens", param="prompt")
+        return self._budget(plan, params)
+
+    def _budget(self, plan: dict, params: dict) -> dict:
         max_new_tokens = params["max_tokens"]
         if self.max_context_tokens is not None:
             room = self.max_context_tokens - len(plan["prompt"])
@@ -501,21 +718,40 @@ class OpenAIProxy:
                         code="context_length_exceeded")
 
     def _reply(self, params: dict, gen) -> dict:
-        """A generation read as a turn: the assistant `message` and its `finish` reason for the
-        answer, and what _record keeps. Changes nothing."""
+        """A generation read as a turn: the assistant `message` (and `text`, for /v1/completions), its
+        `finish` reason and `logprobs` entries for the answer, and what _record keeps. Changes nothing."""
         out = gen.output_ids
         text = self.tokenizer.decode(out, skip_special_tokens=True)
         if gen.finish_reason == "stop" and isinstance(gen.matched, str) and gen.matched in text:
             text = text[:text.find(gen.matched)]  # OpenAI leaves the stop sequence out of the content
-        content, calls = parse_tool_calls(text) if params["parse_tools"] else (text, None)
-        parse_failed = params["parse_tools"] and calls is None and "<tool_call>" in text
+        reasoning, answer = None, text
+        if "prompt_text" not in params and _THINK_END in text:  # a model that thinks in <think> tags
+            reasoning, _, answer = text.partition(_THINK_END)
+            reasoning, answer = reasoning.removeprefix(_THINK_START).strip(), answer.lstrip()
+        content, calls = parse_tool_calls(answer) if params["parse_tools"] else (answer, None)
+        parse_failed = params["parse_tools"] and calls is None and "<tool_call>" in answer
         closed = bool(out) and out[-1] in self.stop_token_ids
         finish = "tool_calls" if calls else ("length" if gen.finish_reason == "length" and not closed else "stop")
         message = {"role": "assistant", "content": content}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = calls
-        return {"message": message, "finish": finish, "gen": gen, "closed": closed, "parse_failed": parse_failed,
-                "key": message_key(to_template_messages([message])[0])}  # how the next request names this turn
+        logprobs = None
+        if params["logprobs"]:
+            logprobs = []
+            for token_id, lp in zip(out, gen.logprobs):
+                token, raw = self.token_text(token_id)
+                logprobs.append({"token": token, "logprob": lp, "bytes": raw, "top_logprobs": []})
+        # How the next request names this turn: as the agent sends it back (reasoning_content is not
+        # rendered back; the tokens the model sampled, thinking included, stay in the record).
+        key = None if "prompt_text" in params else message_key(to_template_messages([message])[0])
+        return {"message": message, "text": text, "finish": finish, "gen": gen, "closed": closed,
+                "parse_failed": parse_failed, "logprobs": logprobs, "key": key}
+
+    def _record_all(self, session: _Session, plan: dict, turns: list[dict]):
+        for turn in turns:  # the first continues the record in place (when it can); the others fork
+            self._record(session, plan, turn)
 
     def _record(self, session: _Session, plan: dict, turn: dict):
         """Keep a turn whose answer was sent: its tokens, the session's counts, the state it leaves."""
@@ -544,4 +780,217 @@ class OpenAIProxy:
         session.stats["tool_calls"] += len(turn["message"].get("tool_calls", []))
         session.stats["tool_call_parse_failures"] += turn["parse_failed"]
         session.stats["length_cut"] += turn["finish"] == "length"
-        segment.states.append((plan["keys"] + (turn["key"],), plan["tools_key"], len(segment.ids), turn["closed"]))
+        if plan["text"] is not None:
+            segment.text_states.append((plan["text"] + turn["text"], len(segment.ids)))
+        else:
+            segment.states.append((plan["keys"] + (turn["key"],), plan["tools_key"], len(segment.ids), turn["closed"]))
+
+
+# --- what each API reads; helpers of the three APIs ---
+# The sampling settings a request may set: (low, high, type, the server's default). top_k, min_p and
+# repetition_penalty are vLLM's and SGLang's extensions of OpenAI's API (the SDKs send them as extra_body).
+_SAMPLING = {"temperature": (0.0, 2.0, float, 1.0), "top_p": (0.0, 1.0, float, 1.0), "top_k": (-1, 2 ** 31 - 1, int, -1),
+             "min_p": (0.0, 1.0, float, 0.0), "presence_penalty": (-2.0, 2.0, float, 0.0),
+             "frequency_penalty": (-2.0, 2.0, float, 0.0), "repetition_penalty": (0.0, 2.0, float, 1.0)}
+MAX_N = 16  # samples a request: each is a whole generation and a segment of its own
+_ENDPOINTS = {"/v1/chat/completions": "POST", "/v1/responses": "POST", "/v1/completions": "POST", "/v1/models": "GET",
+              "/v1/models/{model}": "GET", "/agentrl/reward": "POST"}
+# Per API: fields read, fields refused with a 400 unless they hold their neutral value, the names of
+# its length limit, and whether its tools are flat ({"type": "function", "name": ...}: Responses).
+_CHAT_FIELDS = {
+    "read": {"model", "messages", "max_tokens", "max_completion_tokens", "stop", "seed", "n", "stream", "stream_options",
+             "tools", "tool_choice", "logprobs", "top_logprobs", "response_format", *_SAMPLING},
+    "neutral": {"logit_bias": ({},), "functions": (), "function_call": (), "reasoning_effort": (),
+                "modalities": (["text"],), "audio": (), "prediction": (), "web_search_options": ()},
+    "max_tokens": ("max_completion_tokens", "max_tokens"), "flat_tools": False}
+_COMPLETION_FIELDS = {
+    "read": {"model", "prompt", "max_tokens", "stop", "seed", "n", "stream", "stream_options", "logprobs", "echo",
+             "suffix", "best_of", *_SAMPLING},
+    "neutral": {"logit_bias": ({},)}, "max_tokens": ("max_tokens",), "flat_tools": False}
+_RESPONSES_FIELDS = {
+    "read": {"model", "input", "instructions", "max_output_tokens", "tools", "tool_choice", "stream", "stream_options",
+             "top_logprobs", "include", "text", *_SAMPLING},
+    "neutral": {"previous_response_id": (), "conversation": (), "prompt": (), "reasoning": (), "background": (False,),
+                "max_tool_calls": (), "truncation": ("disabled",), "context_management": (),
+                "prompt_cache_retention": ()},
+    "max_tokens": ("max_output_tokens",), "flat_tools": True}
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_THINK_START, _THINK_END = "<think>", "</think>"
+
+
+def _read_tools(tools, flat: bool) -> list[dict] | None:
+    """The request's function tools, checked as OpenAI checks them: unique names of 1-64 letters,
+    digits, `_` or `-`, `parameters` a JSON Schema object. Chat tools are kept as sent (the template
+    renders them); Responses' flat tools become chat tools."""
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list):
+        raise _Refused(400, "tools must be a list of function tools", param="tools")
+    out, names = [], set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise _Refused(400, f"{where}: only function tools are supported ({{\"type\": \"function\", ...}}), got "
+                                f"type {tool.get('type') if isinstance(tool, dict) else tool!r}", param="tools")
+        fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool} if flat else tool.get("function")
+        if not isinstance(fn, dict):
+            raise _Refused(400, f"{where}.function must be an object with a name", param="tools")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+            raise _Refused(400, f"{where}.function.name must be 1-64 letters, digits, '_' or '-', got {name!r}",
+                           param="tools")
+        if name in names:
+            raise _Refused(400, f"{where}: a second tool named {name!r}; tool names must be unique", param="tools")
+        names.add(name)
+        schema = fn.get("parameters")
+        if schema is not None and (not isinstance(schema, dict) or (schema and schema.get("type") != "object")):
+            raise _Refused(400, f"{where}.function.parameters must be a JSON Schema of an object "
+                                f"({{\"type\": \"object\", \"properties\": {{...}}}}), got {json.dumps(schema)[:200]}",
+                           param="tools")
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise _Refused(400, f"{where}.function.description must be a string", param="tools")
+        out.append({"type": "function", "function": fn} if flat else tool)
+    if lone_surrogate(out):
+        raise _Refused(400, f"tools {LONE_SURROGATE}", param="tools")
+    return out
+
+
+def _check_tool_messages(messages: list[dict]):
+    """OpenAI's rules for tool results: a `tool` message answers one of the tool calls of the
+    assistant message before it (tool messages between), and every call is answered before the
+    conversation goes on. Raises ChatFormatError naming the message."""
+    calls, caller = None, None  # the ids of the latest assistant tool calls not answered yet; its index
+    for i, m in enumerate(messages):
+        if m["role"] == "tool":
+            if calls is None:
+                raise ChatFormatError(f"messages[{i}]: a message with role 'tool' must answer a tool call of the "
+                                      "assistant message before it")
+            if m.get("tool_call_id") not in calls:
+                raise ChatFormatError(f"messages[{i}].tool_call_id {m.get('tool_call_id')!r} answers none of the tool "
+                                      f"calls of messages[{caller}] still open ({', '.join(map(repr, calls)) or 'none'})")
+            calls.remove(m.get("tool_call_id"))
+            continue
+        if calls:
+            raise ChatFormatError(f"messages[{caller}] called tools whose results are missing (tool_call_id "
+                                  f"{', '.join(map(repr, calls))}); answer each with a role 'tool' message before "
+                                  "messages[{i}]".replace("{i}", str(i)))
+        calls, caller = ([c["id"] for c in m["tool_calls"]], i) if m.get("tool_calls") else (None, None)
+
+
+def _constrained_decoding(body: dict, fields: dict) -> str | None:
+    """The JSON schema (as text, SGLang's sampling_params.json_schema) that `response_format` (chat,
+    completions) or `text.format` (Responses) asks the reply to follow, or None for plain text."""
+    field = constrained_field(body)
+    spec = (body.get("text") or {}).get("format") if fields is _RESPONSES_FIELDS and isinstance(body.get("text"), dict) \
+        else body.get("response_format")
+    if fields is _RESPONSES_FIELDS and body.get("text") is not None and not isinstance(body.get("text"), dict):
+        raise _Refused(400, "text must be an object ({\"format\": {\"type\": \"text\"}})", param="text")
+    if spec is None or spec == {"type": "text"}:
+        return None
+    kind = spec.get("type") if isinstance(spec, dict) else None
+    if kind == "json_object":
+        return json.dumps({"type": "object"})
+    if kind == "json_schema":
+        schema = (spec.get("schema") if fields is _RESPONSES_FIELDS
+                  else (spec.get("json_schema") or {}).get("schema") if isinstance(spec.get("json_schema"), dict) else None)
+        if not isinstance(schema, dict):
+            raise _Refused(400, f"{field} of type json_schema needs its schema, a JSON Schema object "
+                                f"({'schema' if fields is _RESPONSES_FIELDS else 'json_schema.schema'})", param=field)
+        return json.dumps(schema)
+    raise _Refused(400, f"{field}.type must be text, json_object or json_schema, got {kind!r}", param=field)
+
+
+def constrained_field(body: dict) -> str:
+    return "text.format" if "text" in body else "response_format"
+
+
+def _usage(plan: dict, turns: list[dict]) -> dict:
+    completion = sum(len(t["gen"].output_ids) for t in turns)
+    return {"prompt_tokens": len(plan["prompt"]), "completion_tokens": completion,
+            "total_tokens": len(plan["prompt"]) + completion}
+
+
+def _sse(events, done: bool = False) -> bytes:
+    """Server-sent events: each object as a `data:` line (with its `event:` name when it has a type,
+    as the Responses API sends them), then `data: [DONE]` for the chat and completions APIs."""
+    out = []
+    for event in events:
+        name = event.get("type") if isinstance(event.get("type"), str) and event.get("sequence_number") is not None else None
+        out.append((f"event: {name}\n" if name else "") + f"data: {json.dumps(event)}\n\n")
+    return "".join(out).encode() + (b"data: [DONE]\n\n" if done else b"")
+
+
+def _part_text(part, where: str):
+    """A Responses content part as a chat text part (other kinds are left for to_template_messages to refuse)."""
+    if isinstance(part, dict) and part.get("type") in ("input_text", "output_text", "text"):
+        return {"type": "text", "text": part.get("text")}
+    return part
+
+
+def _response_input_as_messages(items, instructions) -> list:
+    """Responses `input` (a string, or items: messages, function calls, their outputs) and
+    `instructions` as chat messages; an assistant message and the function calls after it are one
+    assistant turn, as the proxy answered them."""
+    messages = []
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise _Refused(400, "instructions must be a string", param="instructions")
+        messages.append({"role": "system", "content": instructions})
+    if isinstance(items, str):
+        return messages + [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise _Refused(400, "input must be a string or a non-empty list of items", param="input")
+    for i, item in enumerate(items):
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message":
+            content = item.get("content")
+            if isinstance(content, list):
+                content = [_part_text(p, f"input[{i}]") for p in content]
+            messages.append({"role": item.get("role"), "content": content})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
+            if messages and messages[-1].get("role") == "assistant":
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if isinstance(output, list):
+                output = [_part_text(p, f"input[{i}]") for p in output]
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
+        elif kind != "reasoning":  # the model's reasoning is not rendered back (thinking templates drop it)
+            raise _Refused(400, f"input[{i}] of type {kind!r} is not supported (message, function_call, "
+                                "function_call_output, reasoning)", param="input")
+    return messages
+
+
+def _response_events(response: dict) -> list[dict]:
+    """A finished response as the Responses API streams it: created, each output item (added, its
+    text or arguments as one delta, done), completed."""
+    events = []
+
+    def emit(kind, **fields):
+        events.append({"type": kind, "sequence_number": len(events), **fields})
+    start = {**response, "status": "in_progress", "output": [], "usage": None}
+    emit("response.created", response=start)
+    emit("response.in_progress", response=start)
+    for index, item in enumerate(response["output"]):
+        if item["type"] == "message":
+            emit("response.output_item.added", output_index=index, item={**item, "status": "in_progress", "content": []})
+            part = item["content"][0]
+            ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            emit("response.content_part.added", **ids, part={**part, "text": "", "logprobs": []})
+            emit("response.output_text.delta", **ids, delta=part["text"], logprobs=part["logprobs"])
+            emit("response.output_text.done", **ids, text=part["text"], logprobs=part["logprobs"])
+            emit("response.content_part.done", **ids, part=part)
+        elif item["type"] == "function_call":
+            emit("response.output_item.added", output_index=index, item={**item, "status": "in_progress", "arguments": ""})
+            emit("response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=item["arguments"])
+            emit("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                 name=item["name"], arguments=item["arguments"])
+        else:
+            emit("response.output_item.added", output_index=index, item=item)
+        emit("response.output_item.done", output_index=index, item=item)
+    emit("response.incomplete" if response["status"] == "incomplete" else "response.completed", response=response)
+    return events

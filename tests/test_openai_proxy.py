@@ -550,7 +550,8 @@ def test_a_posted_reward_and_the_model_list(tokenizer):
 
 
 BAD_BODIES = [
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": 17}, "n"),
     ({"logit_bias": {"5": 10}}, "logit_bias"),
     ({"top_logprobs": 3, "logprobs": True}, "top_logprobs"),
     ({"temperature": -1}, "temperature"),
@@ -565,8 +566,12 @@ BAD_BODIES = [
     ({"stop": ["a"] * 17}, "stop"),
     ({"tool_choice": "required", "tools": [SEARCH_TOOL]}, "tool_choice"),
     ({"tools": [{"type": "function"}]}, "tools"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"top_k": 0}, "top_k"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"stream": "yes"}, "stream"),
     ({"frobnicate": True}, "frobnicate"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages"),
