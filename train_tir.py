@@ -1,0 +1,668 @@
+"""Train a tool-integrated reasoning (TIR) agent with GRPO: the model writes Python, a sandbox runs it.
+
+The model solves a GSM8K-style word problem. To compute, it writes a program in a tagged block,
+`<code> print(12 * 7) </code>`; the episode runs it in lib.sandbox (a child process with bounded
+time, memory, output and processes, no network) and appends what it printed, `<output> 84 </output>`,
+and the model goes on; it ends with a final line `#### N`. Reward: 1 if N equals the gold answer
+(exact fractions), else 0.
+
+    python train_tir.py                                      # embedded default, CPU, no hub
+    python train_tir.py --model_path Qwen/Qwen2.5-1.5B-Instruct --server sglang --trainer_dtype bfloat16
+
+Forked from train_calc.py (`diff train_calc.py train_tir.py` is the task code): the prompt, the
+parsers, the tool (a program run in the sandbox, awaited, so the event loop never waits on it), the
+demonstrations, and SimpleTIR's void-turn filter (`--filter_void_turns`: an episode with a turn that
+has neither code nor an answer is left out of the loss, counted). Sync GRPO, one trainer process.
+Reads top to bottom: config, prompt, parsers, tool, reward, one episode, group rollout, evaluation,
+data, warm start (embedded default only), main() with the GRPO loop.
+"""
+import asyncio
+import dataclasses
+import functools
+import os
+import random
+import re
+import textwrap
+import time
+import uuid
+import weakref
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+import fire
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from lib.actor import (Actor, equal_reward_groups, grpo_advantages, logprob_mismatch, mismatch_warning,
+                       read_checkpoint_extra)
+from lib.async_rollout import BackgroundLoop, gather_groups, rollout_deadline_s, with_deadline
+from lib.client import InferenceClient, model_eos_ids
+from lib.config import load_config, to_dict
+from lib.launch import launch_cpu_server, launch_sglang
+from lib.metrics import MetricsLogger, continue_jsonl
+from lib.model_names import resolve_model_path
+from lib.padding import concat_padded_tensors
+from lib.ranks import server_seed
+from lib.reward_pool import RewardPool
+from lib.sandbox import arun_python
+from lib.supervise import Supervisor
+from lib.traces import trace_records, trainer_logprobs_by_episode, write_traces
+from lib.weight_sync import ServerWeightSync
+
+
+@dataclass
+class Config:
+    # --- run ---
+    run_dir: str = "runs/tir"  # metrics.jsonl, traces.jsonl, checkpoints/, final/
+    seed: int = 0
+    max_steps: int = 100  # GRPO steps
+    resume: bool = False  # continue from the latest checkpoint in run_dir
+    checkpoint_every: int = 10  # steps; 0 = never
+    # --- model and inference server ---
+    model_path: str = ""  # HF dir or hub id; "" = the embedded tiny model, SFT warm-started
+    server: str = "cpu"  # "cpu" (lib/cpu_server), "sglang", or "external" (server_addrs)
+    server_addrs: list = field(default_factory=list)  # external servers, ["http://host:port", ...]
+    server_device: str = "cpu"  # device of the CPU-capable server ("cuda" works too)
+    server_threads: int = 1  # torch threads of the CPU server (the trainer keeps the rest)
+    base_gpu_id: int = 1  # first GPU of the SGLang server (the trainer uses GPU 0)
+    tp_size: int = 1  # SGLang tensor parallelism
+    mem_fraction_static: float | None = None  # SGLang's share of GPU memory (weights + KV cache); None = its default
+    sglang_extra_args: str = "--attention-backend triton --sampling-backend pytorch --grammar-backend none"
+    trainer_dtype: str = "float32"  # "bfloat16" on GPUs
+    trainer_threads: int = 0  # torch threads of the trainer; 0 = torch's default
+    # --- data ---
+    data_dir: str = ""  # dir of {train,dev,test}.jsonl rows {"question", "answer": "... #### N"}; "" = bundled problems
+    # --- episode ---
+    max_turns: int = 6  # model turns per episode; every code block ends one
+    max_tokens: int = 512  # context budget of one episode: prompt + all turns + program outputs
+    max_new_tokens_per_turn: int = 64  # tokens per generation request; a turn cut by it goes on while the budget lasts
+    stop_token_ids: list = field(default_factory=list)  # ids that end a turn; [] = the model's EOS set (tokenizer + generation_config)
+    temperature: float = 1.0
+    apply_chat_template: bool = True  # wrap the prompt in the tokenizer's chat template
+    # One episode's deadline, from its start (which includes waiting for the server behind every other
+    # episode started with it): past it the episode is cancelled and its group fails, counted in
+    # rollout/failed_groups, instead of hanging the run; 0 = none. The longest wait of the embedded default
+    # is the test evaluation's, 500 episodes at once: 137 s on 2 busy CPU cores with every episode at its
+    # 256-token budget (the untrained model). Raise it for big evaluations on a slow server.
+    episode_timeout_s: float = 600.0
+    # --- tool: the sandbox (lib/sandbox.py) ---
+    code_timeout_s: float = 5.0  # wall-clock limit of one program; past it the program is killed: a tool failure
+    code_memory_mb: int = 512  # address-space limit of one program
+    code_max_output_bytes: int = 65536  # what the sandbox keeps of a program's stdout and stderr
+    max_output_chars: int = 256  # what of that goes back into the context, in <output>
+    code_concurrency: int = 8  # programs running at once (an evaluation starts hundreds of episodes together)
+    # --- reward ---
+    reward_timeout_s: float = 5.0  # per call; a timeout scores 0 and is counted
+    reward_workers: int = 1  # processes of the reward pool
+    # --- GRPO ---
+    batch_size: int = 8  # questions per step
+    group_size: int = 4  # episodes per question
+    lr: float = 1e-6
+    grad_clip: float = 1.0
+    eps_clip_low: float = 0.2
+    eps_clip_high: float = 0.28
+    scale_adv_by_std: bool = True  # divide by the group's reward std; Dr. GRPO: False, with loss_agg seq-mean-token-sum-norm
+    drop_equal_groups: bool = False  # dynamic sampling: drop groups whose rewards are all equal
+    # SimpleTIR: an episode with a void turn (one that ended with neither a code block nor a final answer)
+    # is left out of the loss; its reward still counts in its group's advantages. Counted in rollout/void_filtered.
+    filter_void_turns: bool = False
+    loss_agg: str = "token-mean"  # DAPO's; "seq-mean-token-mean" (GRPO), "seq-mean-token-sum-norm" (Dr. GRPO)
+    behav_imp_weight_cap: float = 2.0  # cap of the server->trainer importance weight per token; 0 = no cap
+    behav_imp_weight_mode: str = "truncate"  # above the cap: "truncate" to it (TIS) or "mask" the token out (AReaL)
+    max_tokens_per_mb: int = 16384  # micro-batch token budget of the trainer
+    pack_sequences: bool | None = None  # padding-free rows (varlen attention); None: on GPUs only (padded rows are faster on CPU)
+    attn_implementation: str | None = None  # trainer attention: None = lib's varlen when packed, else sdpa
+    trainer_gradient_checkpointing: bool = False  # recompute activations in backward: ~half the memory, ~20% slower
+    trainer_compile: bool | None = None  # torch.compile the decoder layers; None = on with one GPU
+    trainer_offload_optimizer: bool = False  # bf16, one GPU: fp32 master + AdamW state in CPU memory between updates
+    weight_sync: str = "disk"  # "disk" (safetensors + /update_weights_from_disk) or "nccl" (broadcast; gloo on CPUs)
+    # --- warm start (embedded default only) ---
+    warm_start_steps: int = 300  # SFT steps on demonstrations built from the gold solutions
+    warm_start_lr: float = 2e-3
+    warm_start_batch_size: int = 16
+    # --- evaluation and logging ---
+    eval_every: int = 10  # steps; 0 = only at the end
+    eval_size: int = 200  # dev questions per evaluation
+    test_size: int = 500  # test questions at the end
+    test_at_start: bool = False  # also the test split before the first step (a learning curve's starting point)
+    trace_every: int = 1  # write trajectories (traces.jsonl, token by token) every N steps; 0 = never
+    trace_groups: int = 1  # groups traced per traced step (group_size episodes each)
+    trace_backend: str = "jsonl"  # "jsonl", or "mlflow": metrics and traces also go to MLflow (run_dir/mlflow.db)
+    tensorboard: bool = True
+    wandb_project: str | None = None
+
+
+# --- prompt ---
+PROMPT_TEMPLATE = ("{question}\nTo calculate, write a Python program in <code> </code>; what it prints comes back in "
+                   "<output> </output>. Put the final answer after ####.")
+STOP_STRINGS = ["</code>"]  # a turn that ends here is a program to run
+OUTPUT_TEMPLATE = "<output> {} </output>"  # what the program printed (or its error), appended after the block
+
+
+def build_prompt_ids(tokenizer, question: str, apply_chat_template: bool) -> list[int]:
+    text = PROMPT_TEMPLATE.format(question=question)
+    if apply_chat_template and tokenizer.chat_template:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+# --- parsers ---
+# Model output is untrusted: plain string search and linear-time regexes here; the program itself
+# runs only in the sandbox.
+_ANSWER = re.compile(r"[ \t]*(-?\d+(?:,\d{3})*(?:\.\d+)?)(?!\d)")
+_MAX_NUMBER_CHARS = 64  # gold answers are short; longer "numbers" are junk and costly to convert
+
+
+def parse_code(text: str) -> str | None:
+    """The program of the last complete `<code> ... </code>` (a turn ends at the first), ready to
+    run: code on the tag's own line (`<code> print(1) </code>`) loses its leading spaces, a block
+    that starts on the next line is dedented as a whole. None when there is no complete block."""
+    end = text.rfind("</code>")
+    start = text.rfind("<code>", 0, end) if end >= 0 else -1
+    if start < 0:
+        return None
+    first, newline, rest = text[start + len("<code>"):end].partition("\n")
+    code = first.lstrip() + newline + rest if first.strip() else textwrap.dedent(rest)
+    return code.rstrip()
+
+
+def to_fraction(token: str) -> Fraction | None:
+    token = token.replace(",", "").strip()
+    if not token or len(token) > _MAX_NUMBER_CHARS:
+        return None
+    try:
+        return Fraction(token)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def parse_answer(text: str) -> Fraction | None:
+    """The number after the last `####` (`1,000`, `-3`, `2.5`); None when there is none."""
+    marker = text.rfind("####")
+    found = _ANSWER.match(text, marker + 4) if marker >= 0 else None
+    return to_fraction(found.group(1)) if found else None
+
+
+# --- tool: the sandbox ---
+# The program runs in a child process (lib.sandbox: time, memory, output, processes and file sizes
+# bounded, no network). arun_python is awaited, so the event loop goes on with every other episode
+# while it runs; a tool that blocked the loop instead would stall them all.
+MAX_CODE_CHARS = 4000  # a longer block is answered with an error and not run
+_SANDBOX_RETRIES = 2  # when the sandbox itself fails (not the program): tries after the first, with backoff
+_code_slots = weakref.WeakKeyDictionary()  # event loop -> asyncio.Semaphore of cfg.code_concurrency
+
+
+def format_output(text: str, max_chars: int) -> str:
+    """Program output as it goes into the context: stripped, at most `max_chars` characters (a note
+    says how much was cut), and valid UTF-8 (a lone surrogate the program printed becomes U+FFFD)."""
+    text = text.strip().encode("utf-8", "replace").decode("utf-8")
+    if len(text) > max_chars:
+        text = f"{text[:max_chars]} ... ({len(text) - max_chars} more characters)"
+    return text
+
+
+async def run_code(code: str, cfg: Config) -> tuple[str, bool]:
+    """(the text for `<output>`, whether the program ran to its end with exit status 0). Never raises:
+    a program that fails, runs past `code_timeout_s` or is killed answers `error: ...`, which the model
+    reads and the episode counts as a tool failure. A sandbox that could not start the program is
+    tried again (`_SANDBOX_RETRIES`, with backoff) before that."""
+    if len(code) > MAX_CODE_CHARS:
+        return f"error: program longer than {MAX_CODE_CHARS} characters, not run", False
+    slots = _code_slots.setdefault(asyncio.get_running_loop(), asyncio.Semaphore(cfg.code_concurrency))
+    for attempt in range(_SANDBOX_RETRIES + 1):
+        try:
+            async with slots:
+                result = await arun_python(code, timeout_s=cfg.code_timeout_s, memory_mb=cfg.code_memory_mb,
+                                           max_output_bytes=cfg.code_max_output_bytes)
+            not_started = (result.error or "").startswith("sandbox failed")
+        except OSError as e:  # no run at all: out of file descriptors or processes
+            result, not_started = f"{type(e).__name__}: {e}", True
+        if not not_started:
+            break
+        await asyncio.sleep(0.1 * 2**attempt)
+    if not_started:
+        reason = result if isinstance(result, str) else result.error
+        return format_output(f"error: the sandbox could not run the program: {reason}", cfg.max_output_chars), False
+    if result.timed_out:
+        return f"error: the program ran past {cfg.code_timeout_s:g} s and was stopped", False
+    if result.returncode != 0:  # the sandbox names a limit it enforced; else a traceback's last line names the exception
+        lines = result.stderr.strip().splitlines()
+        cause = result.error or (lines[-1] if lines else f"exit status {result.returncode}")
+        return format_output(f"error: {cause}", cfg.max_output_chars), False
+    return format_output(result.stdout, cfg.max_output_chars), True
+
+
+# --- reward ---
+def reward_fn(completion: str, answer: str) -> float:
+    """1 if the number after the last `####` equals GSM8K's gold (after its last `####`), else 0."""
+    pred, gold = parse_answer(completion), to_fraction(answer.rsplit("####", 1)[-1])
+    return float(pred is not None and gold is not None and pred == gold)
+
+
+# --- one episode ---
+async def arun_episode(client: InferenceClient, tokenizer, reward_pool: RewardPool, cfg: Config, item: dict,
+                       temperature: float) -> dict:
+    """One trajectory (docs/trajectory.md): turns until one ends without a code block (at EOS).
+    Token ids in, token ids out: generated tokens enter the trajectory exactly as the server sampled
+    them, with its log-probs; each `<output>` is tokenized on its own (special tokens the program
+    printed stay text), with loss_mask 0. A turn is one `client.generate` call: its pieces
+    (`max_new_tokens_per_turn` each) are joined by the client and end at the first `</code>` or EOS
+    id across all of them. A turn that ends at EOS with neither a code block nor a final answer is a
+    void turn (SimpleTIR), recorded in `void_turn` for `--filter_void_turns`."""
+    prompt_ids = build_prompt_ids(tokenizer, item["question"], cfg.apply_chat_template)
+    input_ids, loss_mask, logprobs, versions = list(prompt_ids), [0] * len(prompt_ids), [0.0] * len(prompt_ids), [-1] * len(prompt_ids)
+
+    def append(ids, lps=None, vers=None):
+        input_ids.extend(ids)
+        loss_mask.extend([1 if lps is not None else 0] * len(ids))
+        logprobs.extend(lps if lps is not None else [0.0] * len(ids))
+        versions.extend(vers if vers is not None else [-1] * len(ids))
+
+    trajectory_id = uuid.uuid4().hex
+    finish, turns, tool_calls, tool_failures, void_turn, texts = "max_turns", 0, 0, 0, False, []
+    try:
+        for _ in range(cfg.max_turns):
+            budget = cfg.max_tokens - len(input_ids)
+            if budget <= 0:
+                finish = "max_tokens"
+                break
+            gen = await client.generate(
+                input_ids, max_new_tokens=budget, piece_tokens=cfg.max_new_tokens_per_turn, temperature=temperature,
+                stop=STOP_STRINGS, stop_token_ids=cfg.stop_token_ids or [tokenizer.eos_token_id],
+                trajectory_id=trajectory_id)
+            turns += 1
+            append(gen.output_ids, gen.logprobs, gen.versions)
+            text = tokenizer.decode(gen.output_ids, skip_special_tokens=True)
+            texts.append(("model", text))
+            code = parse_code(text)
+            if code is None:  # the turn ended at EOS (the answer) or at the context budget
+                finish = "max_tokens" if gen.finish_reason == "length" else "answer"
+                void_turn = finish == "answer" and parse_answer(text) is None
+                break
+            # Awaited: the program runs in a child process while the loop serves every other episode.
+            result, ok = await run_code(code, cfg)
+            tool_calls, tool_failures = tool_calls + 1, tool_failures + (not ok)
+            texts.append(("tool", result))
+            # split_special_tokens: a program that prints "<|im_end|>" adds text, not an end-of-turn token
+            result_ids = tokenizer(OUTPUT_TEMPLATE.format(result), add_special_tokens=False,
+                                   split_special_tokens=True)["input_ids"]
+            if len(input_ids) + len(result_ids) >= cfg.max_tokens:
+                finish = "max_tokens"
+                break
+            append(result_ids)
+    finally:
+        client.end_trajectory(trajectory_id)
+    completion = "".join(text for role, text in texts if role == "model")
+    reward = await reward_pool.score(reward_fn, completion, item["answer"])
+    t = lambda xs, dtype: torch.tensor([xs], dtype=dtype)  # noqa: E731
+    return {
+        "input_ids": t(input_ids, torch.long),
+        "loss_mask": t(loss_mask, torch.long),
+        "logprobs": t(logprobs, torch.float32),
+        "versions": t(versions, torch.long),
+        "attention_mask": torch.ones(1, len(input_ids), dtype=torch.long),
+        "rewards": torch.tensor([reward], dtype=torch.float32),
+        "num_turns": turns,
+        "num_tool_calls": tool_calls,
+        "num_tool_failures": tool_failures,  # programs that failed, ran out of time or were not run
+        "void_turn": void_turn,  # the last turn ended at EOS with neither code nor an answer
+        "finish_reason": finish,
+        "question": item["question"],
+        "gold": item["answer"],
+        "turn_texts": texts,
+    }
+
+
+def drop_void_turns(keep: torch.Tensor, episodes: list[dict]) -> tuple[torch.Tensor, int]:
+    """SimpleTIR's filter: `keep [B]` without the episodes that have a void turn, and how many of the
+    kept it took out. SimpleTIR (Xue et al., 2025) traces the instability of multi-turn TIR training to
+    low-probability tokens after tool output and keeps the episodes that show it (a void turn) out
+    of the gradient."""
+    void = torch.tensor([e["void_turn"] for e in episodes], dtype=torch.bool)
+    return keep & ~void, int((keep & void).sum())
+
+
+# --- group rollout ---
+async def rollout_group(client, tokenizer, reward_pool, cfg, item, temperature, group_size) -> list[dict]:
+    # Each episode under its deadline: one that runs past it fails the group (dropped and counted).
+    return list(await asyncio.gather(*[
+        with_deadline(arun_episode(client, tokenizer, reward_pool, cfg, item, temperature), cfg.episode_timeout_s, item)
+        for _ in range(group_size)]))
+
+
+async def rollout_groups(client, tokenizer, reward_pool, cfg, items, temperature, group_size):
+    """(groups, number of failed groups): all at once; a group with a failed episode is dropped and counted."""
+    return await gather_groups([rollout_group(client, tokenizer, reward_pool, cfg, item, temperature, group_size)
+                                for item in items])
+
+
+# --- evaluation ---
+async def evaluate(client, tokenizer, reward_pool, cfg, items) -> dict:
+    """Greedy, one episode per question."""
+    groups, failed = await rollout_groups(client, tokenizer, reward_pool, cfg, items, 0.0, 1)
+    episodes = [g[0] for g in groups]
+    return {
+        "failed": failed,
+        "accuracy": float(np.mean([e["rewards"].item() for e in episodes])),
+        "tool_calls": float(np.mean([e["num_tool_calls"] for e in episodes])),
+        "tool_failures": float(np.mean([e["num_tool_failures"] for e in episodes])),
+        "max_tokens_hit": float(np.mean([e["finish_reason"] == "max_tokens" for e in episodes])),
+        "void_turns": float(np.mean([e["void_turn"] for e in episodes])),
+    }
+
+
+# --- data ---
+def load_splits(cfg: Config) -> dict[str, list[dict]]:
+    """train/dev/test lists of {"question", "answer"} (GSM8K's columns). GSM8K itself from the hub,
+    or parquet files: copy load_splits from train_reflect.py."""
+    from lib.math_data import default_math_dir, read_split
+
+    data_dir = cfg.data_dir or default_math_dir(seed=0)
+    return {split: read_split(data_dir, split) for split in ("train", "dev", "test")}
+
+
+# --- warm start (embedded default only) ---
+_WORKED_STEP = re.compile(r"(\d+(?: [-+*/] \d+)+) = (-?\d+)")  # "3 + 4 = 7" in the bundled gold solutions
+
+
+def printed(expression: str, value: str) -> str:
+    """What `print(expression)` shows for a worked step whose gold value is the integer `value`:
+    Python's `/` gives a float (`print(24 / 2)` shows 12.0). The demonstrations take the output from
+    here, not from running thousands of programs; a test checks it against the sandbox."""
+    return str(float(value)) if "/" in expression else str(int(value))
+
+
+def build_demonstrations(tokenizer, cfg: Config, items: list[dict]) -> list[dict]:
+    """Successful trajectories for SFT, tokenized piece by piece as arun_episode builds them: each
+    worked step `3 + 4 = 7` of a gold solution becomes a model piece ending in
+    `<code> print(3 + 4) </code>` (loss_mask 1) and the tool piece `<output> 7 </output>` (0); the
+    final `#### N` and EOS close it. The prompt is not trained on (as in train_calc.py, where copying
+    the question's numbers formed sooner without it)."""
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    examples = []
+    for item in items:
+        ids = build_prompt_ids(tokenizer, item["question"], cfg.apply_chat_template)
+        mask = [0] * len(ids)
+        pieces = _WORKED_STEP.split(item["answer"])  # text, expression, value, text, expression, value, ..., text
+        for text, expression, value in zip(pieces[0:-1:3], pieces[1::3], pieces[2::3]):
+            model_ids = encode(f"{text}<code> print({expression}) </code>")
+            tool_ids = encode(OUTPUT_TEMPLATE.format(printed(expression, value)))
+            ids, mask = ids + model_ids + tool_ids, mask + [1] * len(model_ids) + [0] * len(tool_ids)
+        final = encode(pieces[-1]) + [tokenizer.eos_token_id]
+        ids, mask = ids + final, mask + [1] * len(final)
+        if len(ids) <= cfg.max_tokens:
+            examples.append({"input_ids": ids, "loss_mask": mask})
+    return examples
+
+
+def warm_start_settings(cfg: Config, base: str, data_dir: str) -> dict:
+    """The warm start's cache key: everything that shapes the demonstrations and the SFT, with the
+    fingerprint of the code that builds the demonstrations (the tool's answers included). A fork that edits any of it gets a new warm start, not the old one from the cache."""
+    from lib.warm_start import code_fingerprint
+
+    code = code_fingerprint(build_demonstrations, build_prompt_ids, printed)
+    return {"base": base, "data": data_dir, "steps": cfg.warm_start_steps, "lr": cfg.warm_start_lr,
+            "batch": cfg.warm_start_batch_size, "prompt": PROMPT_TEMPLATE, "result": OUTPUT_TEMPLATE,
+            "worked_step": _WORKED_STEP.pattern, "chat": cfg.apply_chat_template, "max_tokens": cfg.max_tokens,
+            "seed": cfg.seed, "code": code}
+
+
+def embedded_model(cfg: Config) -> str:
+    """Build (once, cached) the tiny model, the bundled problems and the SFT warm start."""
+    from transformers import AutoTokenizer
+
+    from lib.math_data import default_math_dir, read_split
+    from lib.tiny_model import default_tiny_model_dir
+    from lib.warm_start import sft_warm_start, warm_start_dir
+
+    data_dir, base = default_math_dir(seed=0), default_tiny_model_dir()
+    out = warm_start_dir("tir-warm-start", warm_start_settings(cfg, base, data_dir))
+    if not os.path.exists(os.path.join(out, "model.safetensors")):
+        demos = build_demonstrations(AutoTokenizer.from_pretrained(base), cfg, read_split(data_dir, "warmstart"))
+        print(f"warm start: {len(demos)} demonstrations, {cfg.warm_start_steps} SFT steps")
+        t0 = time.time()
+        sft_warm_start(base, demos, out, steps=cfg.warm_start_steps, lr=cfg.warm_start_lr,
+                       batch_size=cfg.warm_start_batch_size, seed=cfg.seed)
+        print(f"warm start built in {time.time() - t0:.0f} s: {out}")
+    return out
+
+
+# --- main: the GRPO loop ---
+def main(config: str | None = "configs/tir_tiny.yaml", **overrides):
+    cfg = load_config(Config, config, overrides)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise RuntimeError("train_tir.py trains on one process; for torchrun (FSDP) fork train_reflect.py's rank handling")
+    if cfg.server not in ("cpu", "sglang", "external"):
+        raise ValueError(f"server must be 'cpu', 'sglang' or 'external', got {cfg.server!r}")
+    if cfg.trace_backend not in ("jsonl", "mlflow"):
+        raise ValueError(f"trace_backend must be 'jsonl' or 'mlflow', got {cfg.trace_backend!r}")
+    if cfg.weight_sync not in ("disk", "nccl"):
+        raise ValueError(f"weight_sync must be 'disk' or 'nccl', got {cfg.weight_sync!r}")
+    if cfg.behav_imp_weight_mode not in ("truncate", "mask"):
+        raise ValueError(f"behav_imp_weight_mode must be 'truncate' or 'mask', got {cfg.behav_imp_weight_mode!r}")
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    if cfg.trainer_threads:
+        torch.set_num_threads(cfg.trainer_threads)
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    from transformers import AutoTokenizer
+
+    model_path = resolve_model_path(cfg.model_path) or embedded_model(cfg)  # a known name: built once, cached
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if not cfg.stop_token_ids:  # a turn ends on any of the model's EOS ids (Qwen2.5: <|im_end|> and <|endoftext|>)
+        cfg = dataclasses.replace(cfg, stop_token_ids=model_eos_ids(model_path, tokenizer))
+    splits = load_splits(cfg)
+    train_items, dev_items, test_items = splits["train"], splits["dev"][: cfg.eval_size], splits["test"][: cfg.test_size]
+
+    @functools.lru_cache(maxsize=2)
+    def epoch_order(epoch: int):
+        return np.random.RandomState(cfg.seed + epoch).permutation(len(train_items))
+
+    def item_at(index: int) -> dict:
+        # The data order is a function of (seed, index), so a resumed run sees the same questions.
+        epoch, offset = divmod(index, len(train_items))
+        return train_items[epoch_order(epoch)[offset]]
+
+    # The server: started here and killed with this process, or given by the user. A resumed run
+    # seeds the server's sampling by its step, so it does not replay the start of the run.
+    ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
+    resume_extra = read_checkpoint_extra(os.path.join(ckpt_dir, "latest")) if cfg.resume else None
+    sampling_seed = server_seed(cfg.seed, resume_extra["step"] if resume_extra else 0)
+    # The launched server is supervised (lib/supervise.py): if it dies, the run stops with its log.
+    supervisors, addrs = [], list(cfg.server_addrs)
+    if cfg.server != "external":
+        if cfg.server == "sglang":
+            server = launch_sglang(model_path, base_gpu_id=cfg.base_gpu_id, tp_size=cfg.tp_size,
+                                   mem_fraction_static=cfg.mem_fraction_static, random_seed=sampling_seed,
+                                   extra_args=cfg.sglang_extra_args.split(),
+                                   log_path=os.path.join(cfg.run_dir, "sglang.log"))
+        else:
+            server = launch_cpu_server(model_path, device=cfg.server_device, num_threads=cfg.server_threads,
+                                       random_seed=sampling_seed, log_path=os.path.join(cfg.run_dir, "cpu_server.log"))
+        supervisors.append(Supervisor("inference server", server))
+        addrs = [server.address]
+
+    # Every client call runs on one event loop in a background thread; this thread trains.
+    bg = BackgroundLoop()
+    run = bg.run
+    client = InferenceClient(addrs)
+    reward_pool = RewardPool(cfg.reward_workers, cfg.reward_timeout_s, preload=reward_fn)
+    actor = Actor(model_path, lr=cfg.lr, grad_clip=cfg.grad_clip, temperature=cfg.temperature,
+                  max_tokens_per_mb=cfg.max_tokens_per_mb, dtype=cfg.trainer_dtype,
+                  eps_clip_low=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high, loss_agg=cfg.loss_agg,
+                  loss_norm_tokens=cfg.max_tokens,
+                  packed=cfg.pack_sequences, attn_implementation=cfg.attn_implementation,
+                  gradient_checkpointing=cfg.trainer_gradient_checkpointing, compile_layers=cfg.trainer_compile,
+                  offload_optimizer=cfg.trainer_offload_optimizer,
+                  behaviour_weight_cap=cfg.behav_imp_weight_cap or None, behaviour_cap_mode=cfg.behav_imp_weight_mode)
+    # Weight sync (lib/weight_sync.py): "disk" = safetensors + /update_weights_from_disk; "nccl" = the
+    # trainer and the server's TP workers join one process group once, then each step broadcasts.
+    weight_sync = ServerWeightSync(cfg.weight_sync, actor, client, run, num_servers=len(addrs), tp_size=cfg.tp_size,
+                                   disk_dir=os.path.join(cfg.run_dir, "weights"))
+
+    step, version, data_position = 0, 0, 0
+    if cfg.resume and resume_extra is None:
+        print(f"--resume True: no checkpoint in {ckpt_dir}; starting from step 0")
+    if resume_extra is not None:
+        extra = actor.load_checkpoint(os.path.join(ckpt_dir, "latest"))
+        step, version, data_position = extra["step"], extra["version"], extra["data_position"]
+        random.setstate(extra["python_rng"])
+        np.random.set_state(extra["numpy_rng"])
+        torch.set_rng_state(extra["torch_rng"])
+        weight_sync.sync(version)  # the server still holds the initial weights: give it the resumed policy
+        print(f"resumed from step {step} (policy version {version}, data position {data_position}); "
+              f"server sampling seed {sampling_seed}")
+    client.set_version(version)
+    # One run per file: a fresh start moves an earlier run's rows aside, a resume drops the rows of
+    # steps after its checkpoint (they are about to be run again).
+    resume_step = step if resume_extra is not None else None
+    logger = MetricsLogger(cfg.run_dir, to_dict(cfg), tensorboard=cfg.tensorboard, wandb_project=cfg.wandb_project,
+                           resume_step=resume_step, mlflow=cfg.trace_backend == "mlflow")
+    trace_file = open(continue_jsonl(os.path.join(cfg.run_dir, "traces.jsonl"), resume_step), "a")
+    episode_args = (client, tokenizer, reward_pool, cfg)
+
+    def run_rollout(rollout, what: str):
+        # A rollout starts all its episodes at once, so it ends by their deadline; if not, the event
+        # loop is stuck: the run stops, naming the episodes still running and where each is.
+        return run(rollout, timeout_s=rollout_deadline_s(cfg.episode_timeout_s), what=what)
+
+    try:
+        if step == 0 and cfg.eval_every:
+            metrics = run_rollout(evaluate(*episode_args, dev_items), "the step-0 evaluation")
+            logger.log(0, {f"eval/{k}": v for k, v in metrics.items()})
+            print(f"step 0 dev: {metrics}")
+        if step == 0 and cfg.test_at_start:
+            metrics = run_rollout(evaluate(*episode_args, test_items), "the test evaluation")
+            logger.log(0, {f"test/{k}": v for k, v in metrics.items()})
+            print(f"test before training: {metrics}")
+        progress = tqdm(total=cfg.max_steps, initial=step, desc="GRPO")
+        while step < cfg.max_steps:
+            t0 = time.time()
+            for s in supervisors:
+                s.check()
+            reward_timeouts, reward_failures = reward_pool.num_timeouts, reward_pool.num_failures
+            # 1. rollout: group_size episodes per question. A group with a failed episode (server
+            # error, abort, past episode_timeout_s) is dropped and counted, never trained on.
+            items = [item_at(data_position + i) for i in range(cfg.batch_size)]
+            try:
+                groups, failed_groups = run_rollout(
+                    rollout_groups(*episode_args, items, cfg.temperature, cfg.group_size), f"step {step + 1}'s rollout")
+            except RuntimeError:
+                for s in supervisors:
+                    s.check()  # a dead server is the clearer cause
+                raise
+            data_position += cfg.batch_size
+            episodes = [e for g in groups for e in g]
+            full = concat_padded_tensors([{k: v for k, v in e.items() if isinstance(v, torch.Tensor)}
+                                          for e in episodes])
+            rewards = full["rewards"]
+
+            # 2. advantages (per sequence, broadcast over its tokens by the loss); a group whose
+            # rewards are all equal has advantage exactly 0, and dynamic sampling drops it
+            full["advantages"] = grpo_advantages(rewards, cfg.group_size, scale_by_std=cfg.scale_adv_by_std)
+            equal = equal_reward_groups(rewards, cfg.group_size)
+            keep = ~equal if cfg.drop_equal_groups else torch.ones_like(equal)
+            void_filtered = 0
+            if cfg.filter_void_turns:  # out of the loss; their rewards counted in the advantages above
+                keep, void_filtered = drop_void_turns(keep, episodes)
+            if equal.all():
+                tqdm.write(f"step {step + 1}: every group's rewards are equal: no learning signal this step")
+            batch = {k: v[keep] for k, v in full.items()}
+            t_rollout = time.time() - t0
+
+            # 3. proximal log-probs, recomputed by the trainer (decoupled PPO: `logprobs` stays the
+            # behaviour policy's, as the server reported them). In sync mode the two policies are
+            # the same, so their gap is a bug detector.
+            t1 = time.time()
+            mismatch = {}
+            if len(batch["rewards"]):
+                batch["proximal_logprobs"] = actor.compute_logprobs(batch)
+                mismatch = logprob_mismatch(batch["proximal_logprobs"], batch["logprobs"], batch["loss_mask"],
+                                            cfg.behav_imp_weight_cap or None)
+                if (warning := mismatch_warning(mismatch)):
+                    tqdm.write(warning)
+            t_logp = time.time() - t1
+
+            # 4. PPO update
+            t2 = time.time()
+            stats = actor.update(batch) if len(batch["rewards"]) else {}
+            t_update = time.time() - t2
+
+            # 5. weight sync: pause generation, push the new weights, continue; bump the version
+            t3 = time.time()
+            version += 1
+            run(client.pause_generation())
+            weight_sync.sync(version)
+            run(client.continue_generation(version))  # requests cut by the pause resume, tagged `version`
+            t_sync = time.time() - t3
+            step += 1
+
+            # 6. log
+            step_s = time.time() - t0
+            gen_tokens = int(full["loss_mask"].sum())
+            metrics = {
+                "rollout/reward": rewards.mean().item(),
+                "rollout/tool_calls": float(np.mean([e["num_tool_calls"] for e in episodes])),
+                "rollout/tool_failures": float(np.mean([e["num_tool_failures"] for e in episodes])),
+                "rollout/void_turns": float(np.mean([e["void_turn"] for e in episodes])),  # fraction of episodes
+                "rollout/void_filtered": void_filtered,  # episodes left out of the loss for it
+                "rollout/turns": float(np.mean([e["num_turns"] for e in episodes])),
+                "rollout/max_tokens_hit": float(np.mean([e["finish_reason"] == "max_tokens" for e in episodes])),
+                "rollout/seq_len": full["attention_mask"].sum(1).float().mean().item(),
+                "rollout/gen_tokens": gen_tokens,
+                "rollout/kept_groups": int(keep.sum()) // cfg.group_size,
+                "rollout/equal_reward_groups": int(equal.sum()) // cfg.group_size,
+                "rollout/failed_groups": failed_groups,
+                "reward/timeouts": reward_pool.num_timeouts - reward_timeouts,
+                "reward/worker_failures": reward_pool.num_failures - reward_failures,
+                **{f"logprob/{k}": v for k, v in mismatch.items()},  # server vs trainer
+                "perf/step_s": step_s, "perf/rollout_s": t_rollout, "perf/logp_s": t_logp,
+                "perf/update_s": t_update, "perf/sync_s": t_sync,
+                "perf/trained_tokens_per_s": gen_tokens / max(step_s, 1e-6),
+                **{f"loss/{k}": v for k, v in stats.items()},
+            }
+            if cfg.eval_every and step % cfg.eval_every == 0:
+                ev = run_rollout(evaluate(*episode_args, dev_items), f"step {step}'s evaluation")
+                metrics.update({f"eval/{k}": v for k, v in ev.items()})
+                tqdm.write(f"step {step} dev: {ev}")
+            logger.log(step, metrics)
+            progress.update(1)
+            progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", step_s=f"{step_s:.1f}")
+            if cfg.trace_every and step % cfg.trace_every == 0:  # after step 3: trainer log-probs exist
+                trainer_lp = trainer_logprobs_by_episode(keep, batch.get("proximal_logprobs"))
+                records = trace_records(step, episodes, full["advantages"], trainer_lp, tokenizer, cfg.group_size,
+                                        cfg.trace_groups, context_role="tool",
+                                        tool_failures=lambda e: e["num_tool_failures"])
+                write_traces(trace_file, records)
+                logger.log_traces(step, records)
+
+            # 7. checkpoint
+            if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.max_steps):
+                actor.save_checkpoint(os.path.join(ckpt_dir, "latest"), extra={
+                    "step": step, "version": version, "data_position": data_position, "python_rng": random.getstate(),
+                    "numpy_rng": np.random.get_state(), "torch_rng": torch.get_rng_state()})
+        progress.close()
+
+        test_metrics = run_rollout(evaluate(*episode_args, test_items), "the test evaluation")
+        logger.log(step, {f"test/{k}": v for k, v in test_metrics.items()})
+        print(f"test after {step} steps: {test_metrics}")
+        actor.save_hf(os.path.join(cfg.run_dir, "final"))
+        return test_metrics
+    finally:
+        trace_file.close()
+        logger.close()
+        reward_pool.close()
+        try:
+            weight_sync.close()
+            run(client.close(), timeout_s=30)
+        finally:
+            bg.close()
+            for s in supervisors:
+                s.stop()
+
+
+if __name__ == "__main__":
+    fire.Fire(main)
