@@ -115,10 +115,27 @@ def _python_paths(extra_paths: list[str]) -> list[str]:
     return sorted(p for p in paths if not any(p.startswith(q + "/") for q in paths))
 
 
+def _remount_read_only():
+    """Every mount read-only (in this namespace only), so that world-writable directories such as
+    /run/lock are not: the run's only writable place is its /tmp. /dev is left (/dev/null must stay
+    writable), as is /proc (replaced next)."""
+    with open("/proc/self/mountinfo") as f:
+        points = [line.split()[4] for line in f]
+    for point in points:
+        for escaped, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+            point = point.replace(escaped, char)
+        if point.split("/")[1] in ("dev", "proc"):
+            continue
+        try:
+            _mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+        except OSError:
+            pass  # a mount that cannot be remounted (hidden under another): its permissions still apply
+
+
 def _setup_mounts(uid: int, dir_mb: int, extra_paths: list[str]):
     """In the run's new mount namespace (nothing here reaches the host's): a fresh /proc for the new
     PID namespace; a fresh tmpfs on /tmp owned by the run's uid (its working directory, bounded in
-    size); empty read-only /var/tmp and /dev/shm; directories the uid cannot enter (root's 0700 home
+    size); every other mount read-only; empty read-only /var/tmp and /dev/shm; directories the uid cannot enter (root's 0700 home
     holding the interpreter, say) replaced by a read-only view of just the interpreter's files."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     hide = {}
@@ -133,6 +150,7 @@ def _setup_mounts(uid: int, dir_mb: int, extra_paths: list[str]):
             _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
             _mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
             os.close(fd)
+    _remount_read_only()
     try:
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     except OSError:
