@@ -212,7 +212,22 @@ def test_as_root_the_code_runs_as_an_unprivileged_uid_and_cannot_write_system_fi
     r = run_python("import os\nprint(os.getuid(), os.getgid())\nopen('/etc/agentrl_sandbox_probe', 'w')")
     uid, gid = map(int, r.stdout.split())
     assert uid == gid and uid >= SANDBOX_UID_BASE and r.isolation == "namespaces+uid"
-    assert "PermissionError" in r.stderr and not os.path.exists("/etc/agentrl_sandbox_probe")
+    assert r.stderr.endswith(("Read-only file system: '/etc/agentrl_sandbox_probe'\n",
+                              "Permission denied: '/etc/agentrl_sandbox_probe'\n"))
+    assert not os.path.exists("/etc/agentrl_sandbox_probe")
+
+
+@needs_root
+def test_as_root_world_writable_host_directories_are_read_only():
+    shared = [d for d in ("/run/lock", "/var/lock", "/var/tmp", "/dev/shm") if os.path.isdir(d)
+              and os.stat(d).st_mode & 0o002]
+    if not shared:
+        pytest.skip("no world-writable directory outside /tmp on this machine")
+    name = f"agentrl_sandbox_probe_{random.randrange(10**9)}"
+    r = run_python(f"for d in {shared!r}:\n    try:\n        open(d + '/{name}', 'w')\n        print(d)\n"
+                   "    except OSError:\n        pass")
+    assert r.stdout == "" and r.returncode == 0
+    assert not any(os.path.exists(f"{d}/{name}") for d in shared)
 
 
 @needs_root
