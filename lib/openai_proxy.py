@@ -161,6 +161,13 @@ class OpenAIProxy:
         # Rust tokenizer's thread pool would only compete with the trainer and a CPU server for cores
         # (docs/benchmarks.md).
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        self.train_sampling = None
+        if train_sampling is not None:
+            unknown = set(train_sampling) - set(_SAMPLING)
+            if unknown:
+                raise ValueError(f"train_sampling takes {', '.join(_SAMPLING)}; got {', '.join(sorted(unknown))}")
+            self.train_sampling = {**{name: default for name, (*_, default) in _SAMPLING.items()},
+                                   **{name: _SAMPLING[name][2](v) for name, v in train_sampling.items()}}
         self.client, self.tokenizer = client, tokenizer
         self.model_name = model_name
         self.max_context_tokens = max_context_tokens
@@ -169,13 +176,6 @@ class OpenAIProxy:
         self.end_of_turn, self.end_of_turn_id = end_of_turn_token(tokenizer, chat_template)
         self.tools_as_text = not template_renders_tools(tokenizer, chat_template)
         self.stop_token_ids = sorted(set(stop_token_ids or []) | {self.end_of_turn_id})
-        self.train_sampling = None
-        if train_sampling is not None:
-            unknown = set(train_sampling) - set(_SAMPLING)
-            if unknown:
-                raise ValueError(f"train_sampling takes {', '.join(_SAMPLING)}; got {', '.join(sorted(unknown))}")
-            self.train_sampling = {**{name: default for name, (*_, default) in _SAMPLING.items()},
-                                   **{name: _SAMPLING[name][2](v) for name, v in train_sampling.items()}}
         self.token_text = token_bytes_reader(tokenizer)  # id -> (text, UTF-8 bytes), for logprobs
         # A token covers at most as many characters as its vocabulary entry has (byte-level BPE entries
         # have one character per byte), so a conversation longer than budget x the longest entry cannot

@@ -6,7 +6,6 @@ Agents SDK's Runner) and /v1/completions."""
 import asyncio
 import json
 import logging
-import time
 
 import pytest
 from aiohttp import web
@@ -15,6 +14,7 @@ openai = pytest.importorskip("openai")
 
 from lib.client import InferenceClient  # noqa: E402
 from lib.openai_proxy import OpenAIProxy  # noqa: E402
+from lib.scripted_server import Reply  # noqa: E402
 from lib.tiny_model import TOOLS_CHAT_TEMPLATE  # noqa: E402
 from tests.test_openai_proxy import tokenizer, user  # noqa: E402, F401 (a fixture)
 
@@ -146,3 +146,247 @@ def test_a_cancelled_episode_records_nothing_and_logs_no_traceback(tokenizer, st
     assert sorted(server.cancelled) == [0, 1, 2, 3] and server.answered == []
     assert episode["segments"] == [] and episode["requests"] == 0
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text
+
+
+# --- against the scripted SGLang stand-in ---
+def scripted(tokenizer, script, agent, **proxy_kwargs):
+    from tests.test_openai_proxy import run_agent
+    return run_agent(tokenizer, script, agent, **proxy_kwargs)
+
+
+def refused_with(error) -> tuple:
+    return type(error).__name__, error.param, error.code
+
+
+# --- 2. sampling settings during training ---
+def test_a_training_session_samples_with_the_trainers_settings_and_refuses_others_by_name(tokenizer):
+    async def agent(proxy):
+        key, free = proxy.new_session(), proxy.new_session(train=False)
+        refusals, messages = [], []
+        async with openai.AsyncOpenAI(base_url=proxy.url, api_key=key, max_retries=0) as llm:
+            for fields in ({"temperature": 0.7}, {"top_p": 0.9}, {"extra_body": {"top_k": 20}},
+                           {"extra_body": {"min_p": 0.1}}, {"presence_penalty": 0.5},
+                           {"response_format": {"type": "json_object"}}):
+                with pytest.raises(openai.BadRequestError) as e:
+                    await llm.chat.completions.create(model="policy", messages=[user("Q")], **fields)
+                refusals.append(refused_with(e.value))
+                messages.append(e.value.message)
+            await llm.chat.completions.create(model="policy", messages=[user("Q")])  # left out: the trainer's
+            await llm.chat.completions.create(model="policy", messages=[user("Q")], temperature=0.8, top_p=1.0)
+        async with openai.AsyncOpenAI(base_url=proxy.url, api_key=free, max_retries=0) as llm:  # evaluation
+            await llm.chat.completions.create(model="policy", messages=[user("Q")], temperature=0.0,
+                                              extra_body={"top_k": 20})
+        return refusals, messages, proxy.end_session(key), proxy.end_session(free)
+
+    (refusals, messages, episode, _), server = scripted(tokenizer, [Reply("ok", eos=True)], agent,
+                                                        train_sampling={"temperature": 0.8})
+    assert [param for _, param, _ in refusals] == ["temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                                                   "response_format"]
+    assert all(code == "sampling_fixed_for_training" for _, _, code in refusals)
+    assert "temperature=0.7 is not the trainer's temperature=0.8" in messages[0]
+    trained_params, free_params = [b["sampling_params"] for b in server.requests[:2]], server.requests[2]["sampling_params"]
+    assert len(server.requests) == 3  # the refused requests never reached the server
+    for params in trained_params:
+        assert (params["temperature"], params["top_p"], params["top_k"]) == (0.8, 1.0, -1) and "min_p" not in params
+    assert (free_params["temperature"], free_params["top_k"]) == (0.0, 20)
+    assert episode["requests"] == 2
+
+
+def test_train_sampling_names_what_it_takes():
+    with pytest.raises(ValueError, match="train_sampling takes temperature"):
+        OpenAIProxy(None, None, train_sampling={"temp": 1.0})  # checked before the tokenizer is touched
+
+
+# --- 3. logprobs as OpenAI gives them ---
+def test_logprobs_carry_each_tokens_text_and_utf8_bytes_not_the_vocabularys_spelling(tokenizer):
+    text = "Pem Varo héllo 🎉 ok"
+
+    async def agent(proxy):
+        key = proxy.new_session()
+        async with openai.AsyncOpenAI(base_url=proxy.url, api_key=key, max_retries=0) as llm:
+            reply = await llm.chat.completions.create(model="policy", messages=[user("Q")], logprobs=True)
+            with pytest.raises(openai.BadRequestError) as top:
+                await llm.chat.completions.create(model="policy", messages=[user("Q")], logprobs=True, top_logprobs=2)
+        return reply, top.value, proxy.end_session(key)
+
+    (reply, top, episode), server = scripted(tokenizer, [Reply(text, eos=True)], agent)
+    entries = reply.choices[0].logprobs.content
+    assert len(entries) == len(server.answers[0]["output_ids"])
+    assert [e.logprob for e in entries] == pytest.approx([r[0] for r in server.answers[0]["meta_info"]["output_token_logprobs"]])
+    assert bytes(b for e in entries[:-1] for b in e.bytes).decode() == text  # the last is <|im_end|>
+    assert not any("Ġ" in e.token for e in entries) and " V" in [e.token for e in entries]  # the vocabulary says "ĠV"
+    split = [e.token for e in entries if e.token.startswith("bytes:")]  # é and 🎉 span several tokens here
+    assert split and all(len(e.bytes) == 1 for e in entries if e.token.startswith("bytes:"))
+    assert refused_with(top)[1] == "top_logprobs"
+
+
+def test_a_streamed_reply_that_is_only_a_tool_call_carries_its_logprobs(tokenizer):
+    from tests.test_openai_proxy import SEARCH_TOOL
+    call = '<tool_call>{"name": "search", "arguments": {"query": "Ostrel"}}</tool_call>'
+
+    async def agent(proxy):
+        key = proxy.new_session()
+        async with openai.AsyncOpenAI(base_url=proxy.url, api_key=key, max_retries=0) as llm:
+            stream = await llm.chat.completions.create(model="policy", messages=[user("Q")], tools=[SEARCH_TOOL],
+                                                       logprobs=True, stream=True)
+            return [c async for c in stream]
+
+    chunks, server = scripted(tokenizer, [Reply(call, eos=True)], agent)
+    calls = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert calls and calls[0][0].function.name == "search"
+    assert len(entries) == len(server.answers[0]["output_ids"])
+    assert "".join(e.token for e in entries[:-1]) == call
+
+
+# --- 4. n samples, errors on every route, tool validation ---
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_samples_are_n_choices_each_recorded_as_its_own_segment(tokenizer, stream):
+    async def agent(proxy):
+        key = proxy.new_session()
+        async with openai.AsyncOpenAI(base_url=proxy.url, api_key=key, max_retries=0) as llm:
+            reply = await llm.chat.completions.create(model="policy", messages=[user("Q")], n=3, seed=7, stream=stream)
+            if stream:
+                texts = {}
+                async for chunk in reply:
+                    for c in chunk.choices:
+                        texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+                texts = [texts[i] for i in range(3)]
+            else:
+                texts = [c.message.content for c in reply.choices]
+            # the agent goes on with the second sample: that segment continues
+            follow = await llm.chat.completions.create(model="policy", messages=[
+                user("Q"), {"role": "assistant", "content": texts[1]}, user("More")])
+        return texts, follow.choices[0].message.content, proxy.end_session(key)
+
+    script = [Reply("one", eos=True), Reply("two", eos=True), Reply("three", eos=True), Reply("four", eos=True)]
+    (texts, follow, episode), server = scripted(tokenizer, script, agent)
+    assert sorted(texts) == ["one", "three", "two"] and follow == "four"
+    assert sorted(b["sampling_params"]["sampling_seed"] for b in server.requests[:3]) == [7, 8, 9]
+    assert len(episode["segments"]) == 3 and episode["requests"] == 4
+    ids, _ = trained(episode)
+    assert sorted(ids) == sorted(t for a in server.answers for t in a["output_ids"])  # each sampled token once
+    continued = [s for s in episode["segments"] if tokenizer.decode(s["input_ids"][0]).endswith("four<|im_end|>")]
+    assert len(continued) == 1 and f"{texts[1]}<|im_end|>" in tokenizer.decode(continued[0]["input_ids"][0])
+
+
+def test_every_path_and_method_answers_in_openais_error_shape(tokenizer):
+    import aiohttp
+
+    async def agent(proxy):
+        key = proxy.new_session()
+        out = []
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as http:
+            for method, path in (("GET", "/v1/chat/completions"), ("POST", "/v1/nothing"), ("GET", "/"),
+                                 ("DELETE", "/v1/models"), ("PUT", "/agentrl/reward"), ("GET", "/v1/models/other")):
+                async with http.request(method, f"http://{proxy.host}:{proxy.port}{path}") as r:
+                    out.append((r.status, r.content_type, (await r.json())["error"]["message"]))
+        async with openai.AsyncOpenAI(base_url=proxy.url, api_key=key, max_retries=0) as llm:
+            with pytest.raises(openai.NotFoundError):
+                await llm.get("/nothing", cast_to=object)
+            model = await llm.models.retrieve("policy")
+        return out, model.id
+
+    (answers, model), _ = scripted(tokenizer, [Reply("x", eos=True)], agent)
+    assert [status for status, _, _ in answers] == [405, 404, 404, 405, 405, 404]
+    assert all(kind == "application/json" and message for _, kind, message in answers)
+    assert "takes POST" in answers[0][2] and model == "policy"
+
+
+BAD_TOOLS = [
+    ([{"type": "function", "function": {"name": "web search"}}], "name"),
+    ([{"type": "function", "function": {"name": "x" * 65}}], "name"),
+    ([{"type": "function", "function": {"name": "s", "parameters": {"type": "string"}}}], "parameters"),
+    ([{"type": "function", "function": {"name": "s", "parameters": "a schema"}}], "parameters"),
+    ([{"type": "function", "function": {"name": "s"}}, {"type": "function", "function": {"name": "s"}}], "unique"),
+    ([{"type": "retrieval"}], "only function tools"),
+]
+CALL = {"id": "call_1", "type": "function", "function": {"name": "search", "arguments": "{}"}}
+BAD_MESSAGES = [
+    ([user("Q"), {"role": "tool", "tool_call_id": "call_1", "content": "r"}], "must answer a tool call"),
+    ([user("Q"), {"role": "assistant", "content": None, "tool_calls": [CALL]},
+      {"role": "tool", "tool_call_id": "call_2", "content": "r"}], "answers none"),
+    ([user("Q"), {"role": "assistant", "content": None, "tool_calls": [CALL]}, user("and?")], "results are missing"),
+]
+
+
+def test_tools_and_tool_messages_are_checked_as_openai_checks_them(tokenizer):
+    from tests.test_openai_proxy import SEARCH_TOOL
+
+    async def agent(proxy):
+        key = proxy.new_session()
+        out = []
+        async with openai.AsyncOpenAI(base_url=proxy.url, api_key=key, max_retries=0) as llm:
+            for tools, _ in BAD_TOOLS:
+                with pytest.raises(openai.BadRequestError) as e:
+                    await llm.chat.completions.create(model="policy", messages=[user("Q")], tools=tools)
+                out.append((e.value.param, e.value.message))
+            for messages, _ in BAD_MESSAGES:
+                with pytest.raises(openai.BadRequestError) as e:
+                    await llm.chat.completions.create(model="policy", messages=messages, tools=[SEARCH_TOOL])
+                out.append((e.value.param, e.value.message))
+            ok = [user("Q"), {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                  {"role": "tool", "tool_call_id": "call_1", "content": "r"}]
+            await llm.chat.completions.create(model="policy", messages=ok, tools=[SEARCH_TOOL])
+        return out, proxy.end_session(key)
+
+    (out, episode), server = scripted(tokenizer, [Reply("x", eos=True)], agent)
+    for (param, message), (_, want) in zip(out, BAD_TOOLS + BAD_MESSAGES):
+        assert want in message and param in ("tools", "messages"), message
+    assert len(server.requests) == 1 and episode["requests"] == 1
+
+
+# --- 5. structured output, reasoning, a base URL per session ---
+def test_response_format_reaches_sglang_as_a_json_schema_and_the_cpu_server_names_itself_when_it_cannot(tokenizer):
+    from lib.cpu_server import parse_sampling_params
+    from lib.http_body import BadRequest
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+
+    async def agent(proxy):
+        key = proxy.new_session()
+        async with openai.AsyncOpenAI(base_url=proxy.url, api_key=key, max_retries=0) as llm:
+            await llm.chat.completions.create(model="policy", messages=[user("Q")], response_format={
+                "type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+            await llm.chat.completions.create(model="policy", messages=[user("Q")],
+                                              response_format={"type": "json_object"})
+
+    _, server = scripted(tokenizer, [Reply('{"answer": "Pem"}', eos=True)], agent)
+    assert [json.loads(b["sampling_params"]["json_schema"]) for b in server.requests] == [schema, {"type": "object"}]
+    with pytest.raises(BadRequest, match="json_schema.*not supported by lib.cpu_server.*use SGLang"):
+        parse_sampling_params({"json_schema": json.dumps(schema)}, vocab_size=100)
+
+
+def test_thinking_is_split_into_reasoning_content_and_the_conversation_stays_one_segment(tokenizer):
+    async def agent(proxy):
+        key = proxy.new_session()
+        async with openai.AsyncOpenAI(base_url=proxy.session_url(key), api_key="unused", max_retries=0) as llm:
+            first = await llm.chat.completions.create(model="policy", messages=[user("Q")])
+            message = first.choices[0].message
+            messages = [user("Q"), {"role": "assistant", "content": message.content}, user("Sure?")]
+            second = await llm.chat.completions.create(model="policy", messages=messages)
+        return message, second.choices[0].message.content, proxy.end_session(key)
+
+    script = [Reply("<think>The guild's founder is in the text.</think>Pem Varo.", eos=True), Reply("Yes.", eos=True)]
+    (message, second, episode), server = scripted(tokenizer, script, agent)
+    assert message.content == "Pem Varo." and message.model_extra["reasoning_content"] == "The guild's founder is in the text."
+    assert second == "Yes."
+    [segment] = episode["segments"]  # the thinking tokens stay in the record, as sampled
+    ids, _ = trained(episode)
+    assert ids == [t for a in server.answers for t in a["output_ids"]]
+    assert server.requests[1]["input_ids"][:len(server.requests[0]["input_ids"])] == server.requests[0]["input_ids"]
+
+
+def test_a_client_built_once_on_a_sessions_base_url_is_recorded_in_that_session(tokenizer):
+    async def agent(proxy):
+        keys = [proxy.new_session(), proxy.new_session()]
+        for i, key in enumerate(keys):
+            async with openai.AsyncOpenAI(base_url=proxy.session_url(key), api_key="sk-anything", max_retries=0) as llm:
+                await llm.chat.completions.create(model="policy", messages=[user(f"Q{i}")])
+        async with openai.AsyncOpenAI(base_url=proxy.session_url("agentrl-gone"), api_key="x", max_retries=0) as llm:
+            with pytest.raises(openai.AuthenticationError):
+                await llm.chat.completions.create(model="policy", messages=[user("Q")])
+        return [proxy.end_session(key) for key in keys]
+
+    episodes, _ = scripted(tokenizer, [Reply("a", eos=True), Reply("b", eos=True)], agent)
+    assert [e["requests"] for e in episodes] == [1, 1]
+    assert [tokenizer.decode(e["segments"][0]["input_ids"][0]).count(f"Q{i}") for i, e in enumerate(episodes)] == [1, 1]
