@@ -390,3 +390,63 @@ def test_a_client_built_once_on_a_sessions_base_url_is_recorded_in_that_session(
     episodes, _ = scripted(tokenizer, [Reply("a", eos=True), Reply("b", eos=True)], agent)
     assert [e["requests"] for e in episodes] == [1, 1]
     assert [tokenizer.decode(e["segments"][0]["input_ids"][0]).count(f"Q{i}") for i, e in enumerate(episodes)] == [1, 1]
+
+
+# --- 6. the Responses API (the OpenAI Agents SDK) and /v1/completions ---
+@pytest.mark.parametrize("streamed", [False, True])
+def test_an_openai_agents_sdk_agent_with_a_function_tool_runs_through_the_responses_api(tokenizer, streamed):
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)  # no trace export to OpenAI's servers
+    looked_up = []
+
+    @agents.function_tool
+    def search(query: str) -> str:
+        """Search the encyclopedia."""
+        looked_up.append(query)
+        return "Pem Varo founded the Ostrel Guild."
+
+    async def agent(proxy):
+        key = proxy.new_session()
+        async with openai.AsyncOpenAI(base_url=proxy.session_url(key), api_key="unused", max_retries=0) as llm:
+            model = agents.OpenAIResponsesModel(model="policy", openai_client=llm)
+            bot = agents.Agent(name="searcher", instructions="Answer with a name.", tools=[search], model=model)
+            if streamed:
+                run = agents.Runner.run_streamed(bot, "Who founded the Ostrel Guild?")
+                async for _ in run.stream_events():
+                    pass
+            else:
+                run = await agents.Runner.run(bot, "Who founded the Ostrel Guild?")
+        return run.final_output, proxy.end_session(key)
+
+    call = '<tool_call>{"name": "search", "arguments": {"query": "Ostrel Guild"}}</tool_call>'
+    (answer, episode), server = scripted(tokenizer, [Reply(call, eos=True), Reply("Pem Varo.", eos=True)], agent)
+    assert answer == "Pem Varo." and looked_up == ["Ostrel Guild"]
+    [segment] = episode["segments"]  # the second call continued the first: one conversation, trained once
+    ids, _ = trained(episode)
+    assert ids == [t for a in server.answers for t in a["output_ids"]]
+    assert server.requests[1]["input_ids"][:len(server.requests[0]["input_ids"])] == server.requests[0]["input_ids"]
+    seen = tokenizer.decode(segment["input_ids"][0])
+    assert seen.startswith("<|im_start|>system\nAnswer with a name.") and "Pem Varo founded the Ostrel Guild." in seen
+    assert episode["tool_calls"] == 1
+
+
+def test_completions_continue_their_own_text_and_keep_the_sampled_tokens(tokenizer):
+    async def agent(proxy):
+        key = proxy.new_session()
+        async with openai.AsyncOpenAI(base_url=proxy.url, api_key=key, max_retries=0) as llm:
+            prompt = "Q: Who founded the Ostrel Guild?\nA:"
+            first = await llm.completions.create(model="policy", prompt=prompt, max_tokens=8, logprobs=0)
+            prompt += first.choices[0].text + "\nQ: Sure?\nA:"
+            second = await llm.completions.create(model="policy", prompt=prompt, max_tokens=8, stream=True)
+            text = "".join([c.choices[0].text async for c in second if c.choices])
+            with pytest.raises(openai.BadRequestError) as echo:
+                await llm.completions.create(model="policy", prompt=prompt, echo=True)
+        return first, text, echo.value.param, proxy.end_session(key)
+
+    (first, text, echo, episode), server = scripted(tokenizer, [Reply(" Pem Varo"), Reply(" Yes")], agent)
+    assert first.choices[0].text == " Pem Varo" and text == " Yes" and echo == "echo"
+    assert "".join(first.choices[0].logprobs.tokens) == " Pem Varo" and first.choices[0].finish_reason == "length"
+    [segment] = episode["segments"]
+    assert trained(episode)[0] == [t for a in server.answers for t in a["output_ids"]]
+    assert server.requests[1]["input_ids"][:len(server.requests[0]["input_ids"]) + 8] == segment["input_ids"][0].tolist()[
+        :len(server.requests[0]["input_ids"]) + 8]
