@@ -107,7 +107,8 @@ class Config:
     eps_clip_high: float = 0.28
     kl_coef: float = 0.0  # k3 KL to the initial model; 0 = no reference model
     scale_adv_by_std: bool = True  # divide by the group's reward std; Dr. GRPO: False, with loss_agg seq-mean-token-sum-norm
-    drop_equal_groups: bool = False  # dynamic sampling: drop groups whose rewards are all equal
+    drop_equal_groups: bool = False  # dynamic sampling (DAPO): drop groups whose rewards are all equal, refill the batch
+    refill_rounds: int = 2  # dynamic sampling: at most this many more rollouts per step to refill the batch
     loss_agg: str = "token-mean"  # DAPO's; "seq-mean-token-mean" (GRPO), "seq-mean-token-sum-norm" (Dr. GRPO)
     behav_imp_weight_cap: float = 2.0  # cap of the server->trainer importance weight per token; 0 = no cap
     behav_imp_weight_mode: str = "truncate"  # above the cap: "truncate" to it (TIS) or "mask" the token out (AReaL)
@@ -123,8 +124,10 @@ class Config:
     weight_sync_bucket_mb: float = 512  # nccl: tensors per update call, one flattened broadcast each
     weight_sync_master_address: str = "127.0.0.1"  # nccl: the trainer's address as servers on other machines reach it
     # --- async mode ---
-    async_capacity: int = 0  # groups started and not yet trained on; 0 = 2 x batch_size
-    max_staleness: int = 1  # drop a group whose oldest token is more than this many versions old
+    # a group starts only if a step within max_staleness versions will train it (nothing generated
+    # is dropped as stale), and the trainer takes the oldest groups first (lib/async_rollout.py)
+    max_staleness: int = 1  # every token is trained at most this many versions after its weights'
+    async_capacity: int = 0  # groups started and not yet trained on; 0 = (max_staleness + 1) x batch_size
     # how the weight sync pauses the servers: "in_place" holds in-flight requests (their KV stays)
     # and they go on under the new weights, "abort" cuts them (the client re-sends prompt + output;
     # SGLang then waits ~1 s per pause) and flushes the prefix cache (docs/client.md)
@@ -417,6 +420,11 @@ async def arun_episode_openai(proxy: OpenAIProxy, tokenizer, reflection_ids, rew
 
 
 # --- group rollout ---
+def rewards_all_equal(group: list[dict]) -> bool:
+    """No learning signal in this group: GRPO gives every episode advantage 0."""
+    return bool(equal_reward_groups(torch.cat([e["rewards"] for e in group]), len(group)).all())
+
+
 async def rollout_group(client, tokenizer, reflection_ids, reward_pool, cfg, item, temperature, group_size) -> list[dict]:
     episode = arun_episode_openai if cfg.agent == "openai" else arun_episode  # `client` is then the proxy
     # Each episode under its deadline: one that runs past it fails the group (dropped and counted).
@@ -695,8 +703,9 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
         if cfg.mode == "async":
             producer = RolloutProducer(
                 bg, lambda item: rollout_group(*episode_args, item, cfg.temperature, cfg.group_size), item_at,
-                capacity=cfg.async_capacity or 2 * cfg.batch_size, max_staleness=cfg.max_staleness,
-                start_index=data_position, version=version)
+                capacity=cfg.async_capacity or (cfg.max_staleness + 1) * cfg.batch_size,
+                max_staleness=cfg.max_staleness, batch_groups=cfg.batch_size, start_index=data_position,
+                version=version)
 
     def out_of_time(start: float) -> bool:
         # Under torchrun rank 0's clock decides for every rank, so all ranks leave the loop together.
@@ -712,6 +721,25 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
         # A rollout starts all its episodes at once, so it ends by their deadline; if not, the event
         # loop is stuck: the run stops, naming the episodes still running and where each is.
         return run(rollout, timeout_s=rollout_deadline_s(cfg.episode_timeout_s), what=what)
+
+    def take_groups(num_groups: int, what: str) -> tuple[list, int]:
+        # (groups, how many failed): sync mode rolls out the next items now; async mode takes the
+        # oldest groups the producer has been generating.
+        nonlocal data_position
+        if producer is not None:
+            failed_before = producer.num_failed
+            groups = producer.get_groups(num_groups, timeout_s=rollout_deadline_s(cfg.episode_timeout_s))
+            data_position = producer.data_position()
+            return groups, producer.num_failed - failed_before
+        items = [item_at(data_position + i) for i in range(num_groups)]
+        try:
+            groups, failed = run_rollout(rollout_groups(*episode_args, items, cfg.temperature, cfg.group_size), what)
+        except RuntimeError:
+            for s in supervisors:
+                s.check()  # a dead server is the clearer cause
+            raise
+        data_position += num_groups
+        return groups, failed
 
     try:
         if is_main and step == 0 and cfg.eval_every:
@@ -737,22 +765,16 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
                 # been generating in the background, dropping any that are too stale.
                 # A group with a failed episode (server error, abort, past episode_timeout_s) is dropped
                 # and counted, never trained on.
-                if producer is None:
-                    items = [item_at(data_position + i) for i in range(cfg.batch_size)]
-                    try:
-                        groups, failed_groups = run_rollout(
-                            rollout_groups(*episode_args, items, cfg.temperature, cfg.group_size),
-                            f"step {step + 1}'s rollout")
-                    except RuntimeError:
-                        for s in supervisors:
-                            s.check()  # a dead server is the clearer cause
-                        raise
-                    data_position += cfg.batch_size
-                else:
-                    failed_before = producer.num_failed
-                    groups = producer.get_groups(cfg.batch_size, timeout_s=rollout_deadline_s(cfg.episode_timeout_s))
-                    failed_groups = producer.num_failed - failed_before
-                    data_position = producer.data_position()
+                wasted_before = producer.num_wasted_tokens if producer else 0
+                groups, failed_groups = take_groups(cfg.batch_size, f"step {step + 1}'s rollout")
+                # dynamic sampling (DAPO): a group whose rewards are all equal has no learning signal;
+                # more groups are rolled out (at most `refill_rounds` times) until batch_size have some
+                for _ in range(cfg.refill_rounds if cfg.drop_equal_groups else 0):
+                    missing = cfg.batch_size - sum(not rewards_all_equal(g) for g in groups)
+                    if missing <= 0:
+                        break
+                    more, failed = take_groups(missing, f"step {step + 1}'s refill")
+                    groups, failed_groups = groups + more, failed_groups + failed
                 episodes = [e for g in groups for e in g]
                 full = concat_padded_tensors([{k: v for k, v in e.items() if isinstance(v, torch.Tensor)}
                                               for e in episodes])
@@ -768,6 +790,9 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
                 if equal.all():
                     tqdm.write(f"step {step + 1}: every group's rewards are equal: no learning signal this step")
                 batch = {k: v[keep] for k, v in full.items()}
+                # sampled tokens of groups not trained on: dropped as stale, or by dynamic sampling
+                wasted_tokens = (producer.num_wasted_tokens if producer else 0) - wasted_before + int(
+                    full["loss_mask"][~keep].sum())
             if cfg.colocate_sleep and is_main:  # the server is idle until the sync: lend its memory to the trainer
                 run(client.release_memory_occupation())
             t_rollout = time.time() - t0
@@ -790,29 +815,32 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
 
             # 4. PPO update
             t2 = time.time()
-            stats = actor.update(rows) if trainable else {}
+            stats = actor.update(rows, step=step) if trainable else {}
             t_update = time.time() - t2
 
-            # 5. weight sync: pause generation, push the new weights, continue; bump the version
+            # 5. weight sync: pause generation, push the new weights, continue; bump the version. A step
+            # with nothing to train leaves the weights and the version as they are (a server that lent
+            # its memory, colocate_sleep, gets the same weights back).
             t3 = time.time()
-            version += 1
-            # sync mode has nothing in flight: "abort" leaves SGLang in a state it can always flush
-            pause_mode = cfg.pause_mode if producer is not None else "abort"
-            if is_main:
-                run(client.pause_generation(pause_mode))
-            if cfg.colocate_sleep:  # the server takes its memory back: weights first (the sync fills them), then its cache
-                torch.cuda.empty_cache()  # what the update freed goes back to the driver, for the server
+            if trainable or cfg.colocate_sleep:
+                version += int(trainable)
+                # sync mode has nothing in flight: "abort" leaves SGLang in a state it can always flush
+                pause_mode = cfg.pause_mode if producer is not None else "abort"
                 if is_main:
-                    run(client.resume_memory_occupation(["weights"]))
-            # a held request keeps its KV (and SGLang can flush only an idle server: its scheduler
-            # dies on a failed flush), so the prefix cache is flushed only where nothing is held
-            weight_sync.sync(version, flush_cache=pause_mode == "abort")
-            if cfg.colocate_sleep and is_main:
-                run(client.resume_memory_occupation(["kv_cache", "cuda_graph"]))
-            if is_main:
-                if producer is not None:
-                    producer.set_version(version)
-                run(client.continue_generation(version))  # requests cut or held by the pause go on
+                    run(client.pause_generation(pause_mode))
+                if cfg.colocate_sleep:  # the server takes its memory back: weights first (the sync fills them), then its cache
+                    torch.cuda.empty_cache()  # what the update freed goes back to the driver, for the server
+                    if is_main:
+                        run(client.resume_memory_occupation(["weights"]))
+                # a held request keeps its KV (and SGLang can flush only an idle server: its scheduler
+                # dies on a failed flush), so the prefix cache is flushed only where nothing is held
+                weight_sync.sync(version, flush_cache=pause_mode == "abort")
+                if cfg.colocate_sleep and is_main:
+                    run(client.resume_memory_occupation(["kv_cache", "cuda_graph"]))
+                if is_main:
+                    if producer is not None:
+                        producer.set_version(version)
+                    run(client.continue_generation(version))  # requests cut or held by the pause go on
             t_sync = time.time() - t3
             step += 1
 
@@ -822,6 +850,7 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
                 gen_tokens = int(full["loss_mask"].sum())
                 metrics = {
                     "rollout/reward": rewards.mean().item(),
+                    "rollout/episodes": len(episodes),
                     "rollout/acc_turn1": float(np.mean([e["correct_turn"] == 1 for e in episodes])),
                     "rollout/acc_final": float(np.mean([e["correct_turn"] > 0 for e in episodes])),
                     "rollout/turns": float(np.mean([e["num_turns"] for e in episodes])),
@@ -834,6 +863,7 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
                     "rollout/staleness_mean": token_staleness.mean().item() if token_staleness.numel() else 0.0,
                     "rollout/staleness_max": token_staleness.max().item() if token_staleness.numel() else 0.0,
                     "rollout/dropped_stale_groups": producer.num_dropped_stale if producer else 0,
+                    "rollout/wasted_tokens": wasted_tokens,
                     "rollout/failed_groups": failed_groups,
                     "reward/timeouts": reward_pool.num_timeouts - reward_timeouts,
                     "reward/worker_failures": reward_pool.num_failures - reward_failures,

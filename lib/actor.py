@@ -529,8 +529,12 @@ class Actor:
                                            and not offload_optimizer)
         if offload_optimizer:  # masters and AdamW's state (made up front) in page-locked CPU buffers
             self._host_buffers = into_host_buffers(self.optimizer, page_locked=self.device.type == "cuda")
+        # The schedule counts training steps when update() is given `step` (a script's step: skipped
+        # updates and steps with several mini-batches or none count once each), else update() calls.
+        self._schedule_step: int | None = None
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: _lr_factor(step, warmup_steps, total_steps, lr_schedule))
+            self.optimizer, lambda n: _lr_factor(n if self._schedule_step is None else self._schedule_step,
+                                                 warmup_steps, total_steps, lr_schedule))
 
     def _wrap(self, causal_lm: nn.Module, logits_chunk_tokens: int) -> PolicyForward:
         # Compiled layers: the first compile guards on the micro-batch's length N (torch 2.11's
@@ -595,7 +599,7 @@ class Actor:
                 out[rows, :lp.shape[1]] = lp.float().cpu()
         return out.to(input_ids.device)
 
-    def update(self, batch: dict) -> dict:
+    def update(self, batch: dict, step: int | None = None) -> dict:
         """One optimizer step on `batch`: input_ids, attention_mask, loss_mask, logprobs (behaviour),
         advantages ([B] or [B, T]), and optionally proximal_logprobs (default: the behaviour ones,
         i.e. plain PPO) and ref_logprobs (default: computed when kl_coef > 0 and a reference model
@@ -604,7 +608,14 @@ class Actor:
         Returns floats: loss (global), grad_norm, lr (the one this step used), num_micro_batches,
         and the token-weighted `ppo_loss` stats (clip_fraction, approx_kl, entropy, behaviour
         weights, ...; those are local to this rank under FSDP). A non-finite grad norm skips the step (`skipped` = 1).
+        `step` (0-based training step): the learning rate is the schedule's at that step, so the
+        schedule ends where the run does, whatever updates were skipped or split into mini-batches.
         """
+        if step is not None:
+            self._schedule_step = int(step)
+            for group, base_lr, factor in zip(self.optimizer.param_groups, self.scheduler.base_lrs,
+                                              self.scheduler.lr_lambdas):
+                group["lr"] = base_lr * factor(0)
         batch = dict(batch)
         batch.setdefault("proximal_logprobs", batch["logprobs"])
         if self.kl_coef and self.ref_policy is not None and "ref_logprobs" not in batch:

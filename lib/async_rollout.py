@@ -7,9 +7,17 @@ can block in `run(coro)` (sync mode) or keep training while episodes run (async 
 trainer, so generation continues while the trainer computes log-probs and updates. Each token
 carries the policy version that generated it (`versions [1, T]`, -1 on tokens the model did not
 sample); a group whose oldest token is more than `max_staleness` versions behind the trainer's
-current version when the trainer asks for it is dropped and counted. Capacity bounds staleness
-from the other side: the trainer consumes `batch_groups` per step, so a group started now is at
-most about `capacity / batch_groups` updates old when it is consumed.
+current version when the trainer asks for it would be off-policy beyond the bound.
+
+Nothing generated is thrown away for that (given `batch_groups`, the groups a training step takes):
+- admission: a group starts only if the steps still to come within its staleness bound have room
+  for it: at most what the current step still takes plus max_staleness x batch_groups groups
+  started and not yet trained on (AReaL's rule, counted in groups);
+- the trainer takes the oldest groups first, and waits for every group that would be too stale at
+  the next version (it may then take more than `batch_groups`).
+So every group is trained on within `max_staleness` versions of its start, and with max_staleness 0
+the producer runs exactly sync mode's schedule: a step's groups start after the previous update.
+A group found stale anyway (without `batch_groups`, or a resumed run) is dropped and counted.
 
 Deadlines (docs/reliability.md): `with_deadline` bounds one episode (`episode_timeout_s` of each
 script): past it the episode is cancelled and raises `EpisodeTimeout`, saying where it was stuck, so
@@ -307,21 +315,28 @@ class RolloutProducer:
 
     def __init__(self, bg_loop: BackgroundLoop, rollout_group: Callable[[dict], Awaitable[list[dict]]],
                  item_at: Callable[[int], dict], *, capacity: int, max_staleness: int, start_index: int = 0,
-                 version: int = 0):
+                 version: int = 0, batch_groups: int | None = None):
         if capacity < 1:
             raise ValueError(f"capacity must be at least 1 group, got {capacity}")
+        if batch_groups is not None and batch_groups < 1:
+            raise ValueError(f"batch_groups must be at least 1 group, got {batch_groups}")
         self.bg_loop = bg_loop
         self.rollout_group = rollout_group
         self.item_at = item_at
         self.capacity = capacity
         self.max_staleness = max_staleness
+        self.batch_groups = batch_groups  # None: no admission bound, groups taken as they finish
         self.version = version
+        # groups the trainer has taken at the current version, and how many it asks for in all (its
+        # batch, or more when it refills a batch: dynamic sampling)
+        self._taken_now, self._wanted_now = 0, batch_groups or 0
         self.num_dropped_stale = 0
+        self.num_wasted_tokens = 0  # sampled tokens of groups dropped as stale
         self.num_failed = 0
         self._num_ended = 0  # groups finished or failed: the progress a get_groups deadline waits for
         self._failed_in_a_row = 0
         self._next_index = start_index
-        self._started: set[int] = set()  # indices running or finished and waiting to be consumed
+        self._started: dict[int, int] = {}  # index running or finished, not consumed -> version at its start
         self._ready: collections.deque = collections.deque()  # (index, group)
         self._cond = threading.Condition()
         self._stopped = False
@@ -337,16 +352,37 @@ class RolloutProducer:
     def set_version(self, version: int):
         with self._cond:
             self.version = version
+            self._taken_now, self._wanted_now = 0, self.batch_groups or 0
+        self.bg_loop.loop.call_soon_threadsafe(self._wake)  # a new version opens admission
+
+    def _room(self) -> int:
+        """How many groups may be started and not yet trained on now (lock held)."""
+        if self.batch_groups is None:
+            return self.capacity
+        this_step = max(self._wanted_now - self._taken_now, 0)
+        return min(self.capacity, this_step + self.max_staleness * self.batch_groups)
+
+    def _must_take(self) -> set[int]:
+        """Groups that would be too stale at the next version: this step trains them (lock held)."""
+        if self.batch_groups is None:
+            return set()
+        return {i for i, start in self._started.items() if self.version + 1 - start > self.max_staleness}
 
     def get_groups(self, num_groups: int, timeout_s: float | None = None) -> list[list[dict]]:
-        """Block until `num_groups` fresh groups are ready; stale ones are dropped on the way. With
-        `timeout_s` (`rollout_deadline_s`): RolloutTimeout, naming what is running, when no group
-        finished or failed for that long (each episode has its own deadline: the loop is stuck)."""
+        """Block until `num_groups` groups are ready, the oldest first, and every group that would be
+        too stale at the next version is among them (then more than `num_groups` may come back).
+        A group already too stale is dropped and counted. With `timeout_s` (`rollout_deadline_s`):
+        RolloutTimeout, naming what is running, when no group finished or failed for that long (each
+        episode has its own deadline: the loop is stuck)."""
         out, stuck = [], False
         with self._cond:
             ended, since = self._num_ended, time.monotonic()
-            while len(out) < num_groups and not stuck:
-                while not self._ready and self._error is None:
+            must_take = self._must_take()
+            self._wanted_now = max(self._wanted_now, self._taken_now + num_groups)
+            while len(out) < num_groups or must_take & self._started.keys():
+                if self._error is not None:
+                    raise RuntimeError("the rollout producer failed") from self._error
+                if not self._ready:
                     if self._num_ended != ended:
                         ended, since = self._num_ended, time.monotonic()
                     remaining = None if timeout_s is None else since + timeout_s - time.monotonic()
@@ -354,18 +390,20 @@ class RolloutProducer:
                         stuck = True
                         break
                     self._cond.wait(min(remaining, 1.0) if remaining is not None else 1.0)
-                if stuck:
-                    break
-                if self._error is not None:
-                    raise RuntimeError("the rollout producer failed") from self._error
-                index, group = self._ready.popleft()
-                self._started.discard(index)
+                    continue
+                # the oldest ready group first (by its start version, then its item)
+                pos = min(range(len(self._ready)), key=lambda k: (self._started[self._ready[k][0]], self._ready[k][0]))
+                index, group = self._ready[pos]
+                del self._ready[pos]
+                del self._started[index]
+                self._taken_now += 1
                 self.bg_loop.loop.call_soon_threadsafe(self._wake)  # a slot is free: start the next group
                 if is_stale(group, self.version, self.max_staleness):
                     self.num_dropped_stale += 1
+                    self.num_wasted_tokens += sum(int((ep["versions"] >= 0).sum()) for ep in group)
                 else:
                     out.append(group)
-            in_flight = sorted(self._started - {index for index, _ in self._ready})
+            in_flight = sorted(self._started.keys() - {index for index, _ in self._ready})
         if stuck:  # described outside the lock: the loop's tasks take it
             raise RolloutTimeout(
                 f"the rollout producer gave {len(out)} of {num_groups} groups and no group finished or failed "
@@ -403,9 +441,9 @@ class RolloutProducer:
         try:
             while not self._stopped:
                 with self._cond:
-                    free = self.capacity - len(self._started)
+                    free = self._room() - len(self._started)
                     new = list(range(self._next_index, self._next_index + max(free, 0)))
-                    self._started.update(new)
+                    self._started.update({index: self.version for index in new})
                     self._next_index += len(new)
                 for index in new:
                     task = asyncio.ensure_future(self._run_one(index))
@@ -429,7 +467,7 @@ class RolloutProducer:
                 self.num_failed += 1
                 self._num_ended += 1
                 self._failed_in_a_row += 1
-                self._started.discard(index)
+                self._started.pop(index, None)
                 if self._failed_in_a_row >= 10:
                     self._error = e
                 self._cond.notify_all()

@@ -392,6 +392,18 @@ def test_actor_lr_warms_up_then_follows_the_cosine(model_dir):
     assert lrs == pytest.approx([0.5, 1.0] + cosine)
 
 
+def test_given_the_training_step_the_schedule_counts_steps_not_updates(model_dir):
+    # Step 0 takes two mini-batch updates, step 1 none (nothing to train), step 2 one: the learning
+    # rate of each update is the schedule's at its training step, and step 5 ends the cosine.
+    actor = Actor(model_dir, lr=1.0, warmup_steps=1, total_steps=6, lr_schedule="cosine")
+    batch = make_batch([5, 4], advantages=[1.0, -1.0])
+    cosine = lambda k: 0.5 * (1 + math.cos(math.pi * k / 5))  # noqa: E731
+    assert [actor.update(batch, step=0)["lr"], actor.update(batch, step=0)["lr"]] == pytest.approx([1.0, 1.0])
+    assert actor.update(batch, step=2)["lr"] == pytest.approx(cosine(1))
+    assert actor.update(batch, step=5)["lr"] == pytest.approx(cosine(4))
+    assert actor.update(batch, step=6)["lr"] == pytest.approx(0.0, abs=1e-12)
+
+
 def test_checkpoint_restores_weights_optimizer_scheduler_and_extra(model_dir, tmp_path):
     batch = make_batch([5, 4], advantages=[1.0, -1.0])
     actor = Actor(model_dir, lr=1e-3, warmup_steps=3)

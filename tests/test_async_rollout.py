@@ -127,3 +127,78 @@ def test_a_failing_group_is_counted_and_production_goes_on(bg_loop, capsys):
         assert producer.num_failed == 1
     finally:
         producer.stop()
+
+
+def test_admission_starts_only_groups_the_next_max_staleness_plus_one_steps_will_train(bg_loop):
+    started = []
+
+    async def rollout_group(item):
+        started.append(item["i"])
+        return [episode([-1, 0])]
+
+    producer = RolloutProducer(bg_loop, rollout_group, lambda i: {"i": i}, capacity=100, max_staleness=1,
+                               batch_groups=2).start()
+    try:
+        bg_loop.run(asyncio.sleep(0.1))
+        assert started == [0, 1, 2, 3]  # (max_staleness + 1) x batch_groups, whatever the capacity
+        assert len(producer.get_groups(2, timeout_s=10)) == 2
+        bg_loop.run(asyncio.sleep(0.1))
+        assert started == [0, 1, 2, 3]  # version 0's batch is taken: one step fewer to fill
+        producer.set_version(1)
+        bg_loop.run(asyncio.sleep(0.1))
+        assert started == [0, 1, 2, 3, 4, 5]
+    finally:
+        producer.stop()
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 2])
+def test_with_admission_no_group_is_dropped_as_stale_even_when_some_are_slow(bg_loop, max_staleness):
+    version = [0]  # the fake server tags every token with the version current when it is sampled
+
+    async def rollout_group(item):
+        await asyncio.sleep(0.002 * (item["i"] % 5) + (0.15 if item["i"] % 7 == 3 else 0))  # stragglers
+        first = version[0]
+        await asyncio.sleep(0.01)
+        return [dict(episode([-1, first, version[0]]), index=item["i"])]
+
+    producer = RolloutProducer(bg_loop, rollout_group, lambda i: {"i": i}, capacity=64,
+                               max_staleness=max_staleness, batch_groups=3).start()
+    try:
+        seen = []
+        for v in range(8):
+            groups = producer.get_groups(3, timeout_s=10)
+            assert len(groups) >= 3
+            assert all(v - oldest_version(g) <= max_staleness for g in groups)
+            seen += [g[0]["index"] for g in groups]
+            version[0] = v + 1
+            producer.set_version(v + 1)
+        assert producer.num_dropped_stale == 0 and producer.num_wasted_tokens == 0
+        assert len(seen) == len(set(seen))
+    finally:
+        producer.stop()
+
+
+def test_at_max_staleness_0_the_producer_runs_sync_modes_schedule(bg_loop):
+    # Sync mode: step v trains items [v*B, (v+1)*B), all sampled by version v's weights, started
+    # after update v-1. With max_staleness 0 the producer must do the same.
+    version, starts = [0], []
+
+    async def rollout_group(item):
+        starts.append((item["i"], version[0]))
+        await asyncio.sleep(0.001 * (7 - item["i"] % 7))  # finishing out of order
+        return [dict(episode([-1, version[0], version[0]]), index=item["i"])]
+
+    producer = RolloutProducer(bg_loop, rollout_group, lambda i: {"i": i}, capacity=8, max_staleness=0,
+                               batch_groups=4).start()
+    try:
+        for v in range(4):
+            groups = producer.get_groups(4, timeout_s=10)
+            assert sorted(g[0]["index"] for g in groups) == list(range(4 * v, 4 * v + 4))
+            assert all(oldest_version(g) == v for g in groups)
+            bg_loop.run(asyncio.sleep(0.05))  # the "update": nothing may start meanwhile
+            assert all(i < 4 * v + 4 for i, _ in starts)
+            version[0] = v + 1
+            producer.set_version(v + 1)
+        assert all(i // 4 == started_at for i, started_at in starts)
+    finally:
+        producer.stop()

@@ -443,6 +443,7 @@ def test_two_grpo_steps_run_end_to_end_and_resume(mode, weight_sync, pause_mode,
         assert r["logprob/server_trainer_abs_diff_mean"] < 0.05  # trainer and server agree on the policy
         assert r["rollout/staleness_max"] <= (1 if mode == "async" else 0)
         assert r["rollout/failed_groups"] == 0 and r["logprob/behaviour_weight_max"] > 0.5
+        assert r["rollout/dropped_stale_groups"] == 0 and r["rollout/wasted_tokens"] == 0  # admission control
         assert r["logprob/mismatch_kl_k3"] >= 0.0 and 0 <= r["logprob/behaviour_capped_fraction"] <= 1
     assert any("test/acc_final" in r for r in rows)
     assert os.path.exists(os.path.join(run_dir, "traces.jsonl"))
@@ -452,6 +453,24 @@ def test_two_grpo_steps_run_end_to_end_and_resume(mode, weight_sync, pause_mode,
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     assert [r["step"] for r in rows if "rollout/reward" in r] == [1, 2, 3]
     assert rows[-2]["logprob/server_trainer_abs_diff_mean"] < 0.05  # the resumed weights reached the server
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_refills_the_batch_and_a_step_with_nothing_to_train_keeps_the_version(tmp_path):
+    # group_size 1: every group's rewards are "all equal", so dynamic sampling drops each one and
+    # refills twice per step; nothing is ever trained, so the weights and the version stay.
+    run_dir = str(tmp_path / "dapo")
+    tr.main(config="configs/reflect_tiny.yaml", run_dir=run_dir, drop_equal_groups=True, refill_rounds=2,
+            **{**E2E, "group_size": 1, "checkpoint_every": 2})
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    steps = [r for r in rows if "rollout/reward" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["rollout/episodes"] == 2 * 3  # batch_size groups, then two refills of as many
+        assert r["rollout/kept_groups"] == 0 and r["rollout/wasted_tokens"] == r["rollout/gen_tokens"] > 0
+        assert "loss/pg" not in r
+    extra = torch.load(os.path.join(run_dir, "checkpoints", "latest", "trainer_state.pt"), weights_only=False)["extra"]
+    assert extra["version"] == 0 and extra["data_position"] == 2 * 2 * 3
 
 
 @pytest.mark.slow
