@@ -10,10 +10,13 @@ trained unchanged.
     ...
     episode = proxy.end_session(key)                      # {"segments": [trajectory, ...], "reward": ..., stats}
 
-Endpoints: `POST /v1/chat/completions` (plain and `stream: true` server-sent events), `GET
-/v1/models`, and `POST /agentrl/reward {"reward": x}` for agents that score themselves (the
-session's key as the API key). Every bad request gets a 4xx in OpenAI's error shape, naming the
-field; nothing about a session changes on a rejected request.
+Endpoints: `POST /v1/chat/completions`, `POST /v1/responses` (the OpenAI Agents SDK's), `POST
+/v1/completions` (each plain or `stream: true` server-sent events, sent once the reply is complete),
+`GET /v1/models`, and `POST /agentrl/reward {"reward": x}` for agents that score themselves (the
+session's key as the API key, or its base URL `proxy.session_url(key)` = `.../s/<key>/v1`). Every
+bad request, and every unknown path, gets a 4xx in OpenAI's error shape, naming the field; nothing
+about a session changes on a rejected request. With `train_sampling`, a training session samples
+with the trainer's settings only (another temperature, top_p, ... is a 400 naming it).
 
 Recording (docs/openai_proxy.md): a request whose messages extend an earlier request of the session
 (its messages, then the assistant reply the proxy gave, then new messages) continues that
