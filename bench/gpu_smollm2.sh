@@ -6,6 +6,9 @@
 #   learn    carry .gp2 (the second half): join, build the model by name (lib.model_names --from), build
 #            the bundled data, then start the learning runs in the background (setsid: they outlive the call)
 #   compare  agentrl vs TRL, single turn, each alone on a GPU; search; check_sglang
+#   async    (after kit and part, instead of learn) join + build as learn does, then: agentrl vs TRL
+#            single turn ($STEPS), bench/check_prefix_cache.py, and train_reflect async vs sync on
+#            SmolLM2 ($ASTEPS steps each, stale drops and steps/s), each lane on its own GPU
 #   wait S   sleep up to S seconds while runs go on, printing their progress
 #   collect  the runs' metrics, logs, traces (heads) and the TRL result into $OUT/smollm2_runs.tgz
 # One run per GPU (two SGLang servers on one GPU trip SGLang's memory check); with fewer GPUs
@@ -52,7 +55,7 @@ kit)
 part)
   mkdir -p /tmp/parts && cp .gp1/part_* /tmp/parts/ && ls -la /tmp/parts && ts "part kept"
   ;;
-learn)
+learn|async)
   [ -f /tmp/parts/part_aa ] || { echo "no /tmp/parts/part_aa: the machine went back; carry .kit+.whl, then .gp1 again"; exit 1; }
   cp .gp2/part_* /tmp/parts/ && cat /tmp/parts/part_* > /tmp/model.gguf && ls -la /tmp/model.gguf
   env_kit
@@ -60,6 +63,17 @@ learn)
   python3 -m lib.model_names $MODEL --from /tmp/model.gguf 2>&1 | grep -v "it/s\]" | tail -3
   ts "bundled data"
   python3 -c "from lib.math_data import default_math_dir; from lib.wiki_data import default_wiki_dir; print(default_math_dir(seed=0), default_wiki_dir(seed=0))"
+  if [ "$1" = async ]; then
+    SINGLE="--config configs/reflect_smollm2.yaml --max_turns 1 --max_steps $STEPS --eval_every 0 --checkpoint_every 0 --test_size 500 --test_at_start True --seed 0"
+    ours="$(run single_ours train_reflect.py $SINGLE)"
+    trl="s=\$(date +%s); PYTHONPATH=$PWD:/tmp/site python3 bench/bench_trl_reward.py --config configs/reflect_smollm2.yaml --model-path $MODEL --steps $STEPS --seed 0 --test-size 500 --trl-jsonl $R/single_trl.jsonl > $R/single_trl.log 2>&1; echo \"single_trl rc=\$? wall_s=\$(( \$(date +%s) - s ))\" >> $R/done.txt"
+    prefix="python3 bench/check_prefix_cache.py --model-path $MODEL > $R/prefix_cache.log 2>&1; echo \"prefix_cache rc=\$?\" >> $R/done.txt"
+    A="--config configs/reflect_smollm2.yaml --max_steps ${ASTEPS:-12} --eval_every 0 --checkpoint_every 0 --test_size 50 --test_at_start False --seed 0"
+    lane 0 "$ours"; lane 1 "$trl"
+    lane 2 "$prefix" "$(run reflect_async train_reflect.py $A --mode async)"
+    lane 3 "$(run reflect_sync train_reflect.py $A --mode sync)"
+    exit 0
+  fi
   ts "start runs"
   G=$(ngpu)
   runs=("$(run calc_s0 train_calc.py --config configs/calc_smollm2.yaml --seed 0 --max_steps $STEPS)"
@@ -94,7 +108,7 @@ wait)
       case $f in *lane*) continue;; esac
       echo "  $(basename $f): $(tr '\r' '\n' < $f | grep -E 'GRPO|step [0-9]+ dev|test |TRL step|Error|error' | tail -1 | cut -c1-160)"
     done
-    pgrep -f "train_|bench_trl|check_sglang" > /dev/null || { ts "nothing running"; break; }
+    pgrep -f "train_|bench_trl|check_sglang|check_prefix" > /dev/null || { ts "nothing running"; break; }
   done
   nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
   ;;
@@ -105,5 +119,5 @@ collect)
   ls -la "$OUT"; cat $R/done.txt 2>/dev/null
   ;;
 *)
-  echo "usage: bash bench/gpu_smollm2.sh kit|part|learn|compare|wait SECONDS|collect"; exit 2;;
+  echo "usage: bash bench/gpu_smollm2.sh kit|part|learn|async|compare|wait SECONDS|collect"; exit 2;;
 esac
