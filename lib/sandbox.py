@@ -119,20 +119,24 @@ def _remount_read_only():
     """Every mount read-only (in this namespace only), so that world-writable directories such as
     /run/lock are not: the run's only writable place is its /tmp. /dev is left (/dev/null must stay
     writable), as is /proc (replaced next)."""
+    keep = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": 1 << 10,
+            "nodiratime": 1 << 11, "relatime": 1 << 21, "strictatime": 1 << 24}
     with open("/proc/self/mountinfo") as f:
-        points = [line.split()[4] for line in f]
-    for point in points:
+        mounts = [(line.split()[4], line.split()[5].split(",")) for line in f]
+    for point, options in mounts:
         for escaped, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
             point = point.replace(escaped, char)
         if point.split("/")[1] in ("dev", "proc"):
             continue
         try:
-            _mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+            # the flags it had are kept: in a user namespace, dropping one is refused
+            flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | sum(keep.get(o, 0) for o in set(options))
+            _mount(None, point, None, flags)
         except OSError:
             pass  # a mount that cannot be remounted (hidden under another): its permissions still apply
 
 
-def _setup_mounts(uid: int, dir_mb: int, extra_paths: list[str]):
+def _setup_mounts(uid: int, gid: int, dir_mb: int, extra_paths: list[str]):
     """In the run's new mount namespace (nothing here reaches the host's): a fresh /proc for the new
     PID namespace; a fresh tmpfs on /tmp owned by the run's uid (its working directory, bounded in
     size); every other mount read-only; empty read-only /var/tmp and /dev/shm; directories the uid cannot enter (root's 0700 home
@@ -155,7 +159,7 @@ def _setup_mounts(uid: int, dir_mb: int, extra_paths: list[str]):
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     except OSError:
         pass  # a locked-down /proc (some containers): the host's stays, showing host processes
-    _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={dir_mb}m,mode=0700,uid={uid},gid={uid}")
+    _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={dir_mb}m,mode=0700,uid={uid},gid={gid}")
     for path in ("/var/tmp", "/dev/shm"):
         if os.path.isdir(path):
             _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, "size=4k,mode=0555")
@@ -204,9 +208,51 @@ def _become_user(req: dict, fds: dict, uid: int | None, nproc: int, cwd: str) ->
         os.setuid(uid)
     os.umask(0o077)
     _prctl(PR_SET_NO_NEW_PRIVS, 1)
+    _drop_capabilities()
     _set_limits(req, nproc)
     sys.path += req["site_paths"]
     return code.decode("utf-8", "surrogatepass")
+
+
+def _drop_capabilities():
+    """None left: not as root, the process has every capability in its new user namespace, with
+    which it could unmount the read-only views and the tmpfs set up for it."""
+    import ctypes
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    libc, check = _libc()
+    check("capset", libc.capset(header, (ctypes.c_uint32 * 6)()))
+
+
+_NAMESPACES_WORK = None  # set once by the warm interpreter; None: found out per run
+
+
+def _enter_namespaces(network: bool):
+    """New mount, PID (for the children), IPC and network namespaces; not as root, inside a new user
+    namespace in which the caller's uid and gid map to themselves (files keep their owners)."""
+    root = os.geteuid() == 0
+    uid, gid = os.getuid(), os.getgid()
+    flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | (0 if network else CLONE_NEWNET)
+    _unshare(flags if root else flags | CLONE_NEWUSER)
+    if not root:
+        for name, text in (("uid_map", f"{uid} {uid} 1"), ("setgroups", "deny"), ("gid_map", f"{gid} {gid} 1")):
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
+
+
+def _namespaces_work() -> bool:
+    """Whether this kernel and container let us create the namespaces and mount in them (containers
+    without CAP_SYS_ADMIN, kernels that forbid unprivileged user namespaces, or AppArmor rules that
+    strip their capabilities do not). Tried in a throwaway child."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _enter_namespaces(network=False)
+            _mount(None, "/", None, MS_REC | MS_PRIVATE)
+            _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=4k")
+            os._exit(0)
+        except BaseException:
+            os._exit(1)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
 
 
 def _report(status_fd: int, wait_status: int):
@@ -227,14 +273,12 @@ def _run_child(req: dict, fds: dict) -> str | None:
     try:
         os.write(status_fd, f"pid {os.getpid()}\n".encode())
         root = os.geteuid() == 0
-        namespaces, net = False, False
-        if root:
-            try:
-                _unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | (0 if req["network"] else CLONE_NEWNET))
-                namespaces, net = True, not req["network"]
-            except OSError:
-                pass
-        if not namespaces and not req["network"]:
+        namespaces = _NAMESPACES_WORK if _NAMESPACES_WORK is not None else _namespaces_work()
+        net = False
+        if namespaces:
+            _enter_namespaces(req["network"])
+            net = not req["network"]
+        elif not req["network"]:
             try:  # an unprivileged user may still get a network namespace inside a user namespace
                 _unshare(CLONE_NEWNET if root else CLONE_NEWUSER | CLONE_NEWNET)
                 net = True
@@ -250,7 +294,11 @@ def _run_child(req: dict, fds: dict) -> str | None:
                 uid = FALLBACK_UID
         isolation = ("namespaces" if namespaces else "rlimits") + ("+uid" if root else "")
         os.write(status_fd, f"net {int(net)} {isolation}\n".encode())
-        nproc = req["max_processes"] + (0 if root else _count_tasks(os.getuid()))
+        # RLIMIT_NPROC counts the tasks of the uid: not as root, in a user namespace that includes C
+        # and init (2); without one, every task of the caller's user
+        nproc = req["max_processes"]
+        if not root:
+            nproc += 2 if namespaces else _count_tasks(os.getuid())
         if not namespaces and root:
             os.chown(req["work_dir"], uid, uid)
         pid = os.fork()
@@ -259,7 +307,8 @@ def _run_child(req: dict, fds: dict) -> str | None:
                 return _become_user(req, fds, uid, nproc, req["work_dir"])
             # init: pid 1 of the new PID namespace
             _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-            _setup_mounts(uid, req["max_dir_mb"], req["site_paths"])
+            _setup_mounts(*((os.getuid(), os.getgid()) if uid is None else (uid, uid)), req["max_dir_mb"],
+                          req["site_paths"])
             user_pid = os.fork()
             if user_pid == 0:
                 return _become_user(req, fds, uid, nproc, "/tmp")
@@ -345,7 +394,9 @@ FD_NAMES = ("code", "out", "err", "status", "release")
 
 def _serve(sock_fd: int) -> str:
     """The warm interpreter: forks a run per request; returns the code only in a run's user process."""
+    global _NAMESPACES_WORK
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    _NAMESPACES_WORK = _namespaces_work()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # runs are reaped by the kernel
     import atexit, resource, types  # noqa: F401  imported once here, not in each run
     sock = socket.socket(fileno=sock_fd)

@@ -6,6 +6,7 @@ non-root path is tested by running the caller itself as `nobody` where this mach
 import asyncio
 import json
 import os
+import pwd
 import random
 import shutil
 import socket
@@ -347,12 +348,24 @@ out = {}
 for name, code, kwargs in [("print", "print(1 + 1)", {}), ("sleep", "import time; time.sleep(100)", {"timeout_s": 1}),
                            ("alloc", "x = bytearray(8 << 30)", {"memory_mb": 256}),
                            ("fork", "import os\\nwhile True: os.fork()", {"max_processes": 8, "timeout_s": 5}),
-                           ("cut", "print('x' * 100000)", {"max_output_bytes": 100})]:
+                           ("cut", "print('x' * 100000)", {"max_output_bytes": 100}),
+                           ("write", f"open({sys.argv[2]!r}, 'w').write('changed')", {}),
+                           ("kill_all", "import os; os.kill(-1, 9)", {}),  # only with namespaces: see the test
+                           ("after_kill_all", "print('alive')", {})]:
+    if name == "kill_all" and out["print"]["isolation"] != "namespaces":
+        continue
     r = sb.run_python(code, **kwargs)
-    out[name] = {"stdout": r.stdout, "timed_out": r.timed_out, "error": r.error, "isolation": r.isolation,
-                 "network_isolated": r.network_isolated}
+    out[name] = {"stdout": r.stdout, "stderr": r.stderr, "timed_out": r.timed_out, "error": r.error,
+                 "isolation": r.isolation, "network_isolated": r.network_isolated}
 print(json.dumps(out))
 """
+
+
+def nobody_gid() -> int | None:
+    try:
+        return pwd.getpwnam("nobody").pw_gid
+    except KeyError:
+        return None
 
 
 def python_for_nobody() -> str | None:
@@ -362,7 +375,8 @@ def python_for_nobody() -> str | None:
             continue
         try:
             ok = subprocess.run([candidate, "-I", "-S", "-c", "import sys; assert sys.version_info >= (3, 10)"],
-                                user="nobody", extra_groups=[], capture_output=True, timeout=20, cwd="/")
+                                user="nobody", group=nobody_gid(), extra_groups=[], capture_output=True, timeout=20,
+                                cwd="/")
         except (OSError, subprocess.SubprocessError):
             continue
         if ok.returncode == 0:
@@ -376,13 +390,26 @@ def test_as_another_user_the_limits_still_hold():
     python = python_for_nobody()
     if python is None:
         pytest.skip("no Python 3.10+ interpreter that the user nobody can run on this machine")
-    done = subprocess.run([python, "-I", "-S", "-c", NOBODY_SCRIPT, os.path.join(REPO, "lib", "sandbox.py")],
-                          user="nobody", extra_groups=[], capture_output=True, text=True, timeout=60, cwd="/",
+    victim_dir = tempfile.mkdtemp()
+    victim = os.path.join(victim_dir, "callers_file.txt")
+    with open(victim, "w") as f:
+        f.write("original")
+    for path in (victim_dir, victim):
+        os.chown(path, pwd.getpwnam("nobody").pw_uid, nobody_gid())
+    done = subprocess.run([python, "-I", "-S", "-c", NOBODY_SCRIPT, os.path.join(REPO, "lib", "sandbox.py"), victim],
+                          user="nobody", group=nobody_gid(), extra_groups=[], capture_output=True, text=True,
+                          timeout=60, cwd="/",
                           env={"PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
-    assert out["print"]["stdout"] == "2\n" and out["print"]["isolation"] == "rlimits"
+    assert out["print"]["stdout"] == "2\n" and out["print"]["isolation"] in ("namespaces", "rlimits")
     assert out["sleep"]["timed_out"]
     assert out["alloc"]["error"] == "memory limit 256 MB exceeded"
     assert out["fork"]["error"] == "process limit 8 reached"
     assert out["cut"]["error"] == "output cut at 100 bytes"
+    with open(victim) as f:
+        written = f.read()
+    shutil.rmtree(victim_dir)
+    if out["print"]["isolation"] == "namespaces":  # without them, the code may write the caller's files
+        assert written == "original" and "Error" in out["write"]["stderr"]
+        assert out["kill_all"]["stdout"] == "" and out["after_kill_all"]["stdout"] == "alive\n"
