@@ -96,7 +96,8 @@ def sdk_transports(proxy):
 
 
 # --- 1. a reply is trained only if its client received it ---
-@pytest.mark.parametrize("transport", ["httpx", "aiohttp", "in_process"])
+@pytest.mark.parametrize("transport", [pytest.param("httpx", marks=pytest.mark.slow),
+                                       pytest.param("aiohttp", marks=pytest.mark.slow), "in_process"])
 def test_sdk_timeouts_and_retries_leave_only_the_reply_the_agent_got(tokenizer, transport):
     ids = reply_ids(tokenizer)
     server = TimedServer(ids, delays_s=[3.0, 3.0, 0.0])  # two attempts time out, the third answers
@@ -393,7 +394,7 @@ def test_a_client_built_once_on_a_sessions_base_url_is_recorded_in_that_session(
 
 
 # --- 6. the Responses API (the OpenAI Agents SDK) and /v1/completions ---
-@pytest.mark.parametrize("streamed", [False, True])
+@pytest.mark.parametrize("streamed", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_an_openai_agents_sdk_agent_with_a_function_tool_runs_through_the_responses_api(tokenizer, streamed):
     agents = pytest.importorskip("agents")
     agents.set_tracing_disabled(True)  # no trace export to OpenAI's servers
