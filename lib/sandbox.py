@@ -5,10 +5,11 @@ a fresh working directory, away from the caller's process and files.
     result = await arun_python(code, timeout_s=5.0)                # same, never blocks the event loop
 
 A resource and accident sandbox, not a security boundary: see docs/sandbox.md for each limit, how it
-is enforced, and what is and is not prevented. In short, as root (the usual container) each run gets
-new mount, PID, IPC and network namespaces and an unprivileged uid of its own; /tmp is a fresh
-size-bounded tmpfs that is the working directory, and the caller's home is hidden. Not as root, the
-run has rlimits, a new session and (where the kernel lets users create namespaces) no network.
+is enforced, and what is and is not prevented. In short, each run gets new mount, PID, IPC and
+network namespaces (not as root, inside a user namespace, where the kernel allows it) and, as root,
+an unprivileged uid of its own; every mount is read-only but /tmp, a fresh size-bounded tmpfs that
+is the working directory; rlimits bound memory, processes, file size and CPU time. Without
+namespaces, only the rlimits, a new session and a temporary directory remain (`isolation` says).
 
 How a run starts: a warm interpreter (this file run as a script, `--server`) is started once per
 calling process and forks once per run; the caller hands it the code and the pipes over a Unix
@@ -16,12 +17,14 @@ socket. `warm=False` starts a fresh interpreter per run instead (about 4x slower
 bench/bench_sandbox.py measures both). The caller's own process is never forked, so it may have
 threads.
 
-Processes of one run (as root):
+Processes of one run (with namespaces):
     C       the run's session leader (caller's uid); waits for the caller to release it, then kills
             its whole process group. The caller kills this group too.
     init    pid 1 of the run's PID namespace: mounts, then waits for the user process and reports
             its exit status; when it exits the kernel kills every process left in the namespace.
-    user    the code, as the run's uid, with rlimits, cwd /tmp, stdin at EOF.
+    user    the code, as the run's uid (as root) or the caller's with no capabilities, with rlimits,
+            cwd /tmp, stdin at EOF.
+Without namespaces C forks the user process itself and reports its exit status.
 """
 import dataclasses
 import fcntl
@@ -62,9 +65,9 @@ class SandboxResult:
     timed_out: bool
     output_truncated: bool
     wall_s: float
-    error: str | None  # None, or what the sandbox enforced: "timed out after 2.0 s", "memory limit ..."
+    error: str | None  # None, or what the sandbox enforced: "timed out after 2 s", "memory limit ..."
     network_isolated: bool = False  # the code ran in a network namespace of its own (no interfaces up)
-    isolation: str = ""  # what was in force, e.g. "namespaces+uid" or "rlimits-only"; docs/sandbox.md
+    isolation: str = ""  # "namespaces+uid", "namespaces", "rlimits+uid" or "rlimits"; docs/sandbox.md
 
 
 # --- the child side: runs in the warm interpreter's forks (or a fresh interpreter with --one) ---
@@ -137,10 +140,11 @@ def _remount_read_only():
 
 
 def _setup_mounts(uid: int, gid: int, dir_mb: int, extra_paths: list[str]):
-    """In the run's new mount namespace (nothing here reaches the host's): a fresh /proc for the new
+    """In the run's new mount namespace (nothing here reaches the host's): directories the uid cannot
+    enter that hold the interpreter (root's 0700 home with pyenv, say) replaced by an empty one with
+    just the interpreter's directories bound in; every mount read-only; a fresh /proc for the new
     PID namespace; a fresh tmpfs on /tmp owned by the run's uid (its working directory, bounded in
-    size); every other mount read-only; empty read-only /var/tmp and /dev/shm; directories the uid cannot enter (root's 0700 home
-    holding the interpreter, say) replaced by a read-only view of just the interpreter's files."""
+    size); empty read-only /var/tmp and /dev/shm."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     hide = {}
     for path in _python_paths(extra_paths):

@@ -114,6 +114,19 @@ def test_bad_arguments_raise_errors_that_name_them():
         run_python(b"print(1)")
 
 
+def test_installed_packages_are_importable_only_with_site_packages():
+    code = "import pluggy\nprint('imported')"  # a dependency of pytest, so installed wherever this runs
+    assert "ModuleNotFoundError: No module named 'pluggy'" in run_python(code).stderr
+    assert run_python(code, site_packages=True).stdout == "imported\n"
+
+
+def test_run_python_from_several_threads_at_once():
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda i: run_python(f"print({i} * 2)"), range(8)))
+    assert [r.stdout for r in results] == [f"{i * 2}\n" for i in range(8)]
+
+
 # --- hostile code: each bounded, reported, and the caller unharmed ---
 
 def test_infinite_loop_is_killed_at_the_wall_clock():
