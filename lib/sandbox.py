@@ -42,7 +42,7 @@ CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x10000000
 CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
 
 # Each concurrent run as root gets a uid of its own, so RLIMIT_NPROC (a per-uid count) bounds that
 # run alone. Slots are claimed with a lock file, so concurrent callers on one machine do not share.
@@ -325,6 +325,7 @@ def _run_child(req: dict, fds: dict) -> str | None:
                     os._exit(0)
         for fd in ("code", "out", "err"):
             os.close(fds[fd])
+        reaped = False
         if not namespaces:  # C itself reports the user process's exit, unless released first
             pidfd = os.pidfd_open(pid)
             ready = selectors.DefaultSelector()
@@ -332,7 +333,14 @@ def _run_child(req: dict, fds: dict) -> str | None:
             ready.register(fds["release"], selectors.EVENT_READ)
             if any(key.fd == pidfd for key, _ in ready.select()):
                 _report(status_fd, os.waitpid(pid, 0)[1])
+                reaped = True
         os.read(fds["release"], 1)  # blocks until the caller is done (or dead)
+        if not reaped:
+            # Kill and reap our child here, so that no zombie is left to an init that may not reap
+            # (a container whose pid 1 is the trainer). With namespaces it is the namespace's init:
+            # waiting for it returns once the kernel has killed and reaped every process in there.
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
     except BaseException as e:
         try:
             os.write(status_fd, f"fail {type(e).__name__}: {e}\n".encode(errors="replace"))
@@ -400,6 +408,7 @@ def _serve(sock_fd: int) -> str:
     """The warm interpreter: forks a run per request; returns the code only in a run's user process."""
     global _NAMESPACES_WORK
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)  # a run's orphans come to us, and SIG_IGN below reaps them
     _NAMESPACES_WORK = _namespaces_work()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # runs are reaped by the kernel
     import atexit, resource, types  # noqa: F401  imported once here, not in each run
@@ -591,20 +600,15 @@ class _Run:
             self.timed_out = not self._ended() and not self.truncated
             self.kill()
             self.drain_deadline = now + DRAIN_S
-        if not ({self.out_r, self.err_r} & self.open_fds) or now >= self.drain_deadline:
+        if not self.open_fds or now >= self.drain_deadline:  # status EOF too: C and init are gone
             return None
         return self.drain_deadline
 
     def kill(self):
-        """Kills the run's process group while its leader C is alive (it waits for `release`, so its
-        pid cannot be reused yet), then releases C, which kills its group itself should it be
-        starting only now. As root, init's death ends the PID namespace and every process in it."""
+        """Releases C, which kills and reaps init (the kernel then kills every process in the PID
+        namespace) or, without namespaces, the code's process, then kills its own process group.
+        Should the caller die first, the release pipe closes all the same."""
         self.killed = True
-        if self.pgid is not None:
-            try:
-                os.killpg(self.pgid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
         if self.release_w in self.fds_to_close:
             os.close(self.release_w)
             self.fds_to_close.remove(self.release_w)
@@ -612,6 +616,13 @@ class _Run:
     def cleanup(self):
         if not self.killed:
             self.kill()
+        if self.status_r in self.open_fds and self.pgid is not None:
+            # C or init still holds the status pipe (a cancelled arun_python, or a C stuck past the
+            # drain time), so the group's pid is still theirs: kill it from here as well.
+            try:
+                os.killpg(self.pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         for fd in self.fds_to_close:
             os.close(fd)
         self.fds_to_close = []
