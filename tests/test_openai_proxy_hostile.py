@@ -375,3 +375,46 @@ def test_the_requirements_give_the_openai_sdk_its_aiohttp_transport_and_the_agen
         finally:
             await client.aclose()
     assert "aiohttp" in asyncio.run(transport())  # not httpx's own pool (docs/openai_proxy.md: what it costs)
+
+
+# --- the Responses API and /v1/completions: any body gets a 2xx or a 4xx ---
+_values = st.recursive(st.none() | st.booleans() | st.integers(-10 ** 20, 10 ** 20) | st.floats()
+                       | st.text(st.characters(exclude_categories=()), max_size=8),
+                       lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+                       max_leaves=10)
+_item = st.fixed_dictionaries({}, optional={
+    "type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "web_search", 5]),
+    "role": st.sampled_from(["user", "assistant", "system", "developer", "tool", "robot"]),
+    "content": st.one_of(st.text(max_size=8), st.lists(st.fixed_dictionaries(
+        {"type": st.sampled_from(["input_text", "output_text", "input_image"]), "text": st.text(max_size=8)}), max_size=2),
+        _values),
+    "call_id": st.sampled_from(["c1", "c2"]) | _values, "name": st.sampled_from(["search", "bad name"]) | _values,
+    "arguments": st.sampled_from(["{}", '{"q": "x"}', "not json"]) | _values, "output": _values})
+_responses_body = st.fixed_dictionaries({"input": st.one_of(st.text(max_size=8), st.lists(_item, max_size=4), _values)},
+                                        optional={"model": _values, "instructions": _values, "stream": _values,
+                                                  "tools": _values, "text": _values, "max_output_tokens": _values,
+                                                  "temperature": _values, "include": _values, "top_logprobs": _values,
+                                                  "previous_response_id": _values, "frobnicate": _values})
+_completions_body = st.fixed_dictionaries({"prompt": st.one_of(st.text(max_size=12), _values)},
+                                          optional={"model": _values, "stream": _values, "logprobs": _values, "n": _values,
+                                                    "echo": _values, "suffix": _values, "best_of": _values,
+                                                    "max_tokens": _values, "stop": _values, "seed": _values})
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(endpoint_body=st.one_of(_responses_body.map(lambda b: ("/responses", b)),
+                               _completions_body.map(lambda b: ("/completions", b))))
+def test_any_responses_or_completions_body_gets_a_2xx_or_a_4xx_that_changes_nothing(live_proxy, endpoint_body):
+    import requests
+
+    proxy, server = live_proxy
+    path, body = endpoint_body
+    key = proxy.new_session()
+    sent = len(server.requests)
+    r = requests.post(proxy.url + path, data=json.dumps(body, allow_nan=True),
+                      headers={"Authorization": f"Bearer {key}"}, timeout=10)
+    episode = proxy.end_session(key)
+    assert r.status_code in (200, 400), (r.status_code, r.text[:300])
+    if r.status_code == 400:
+        assert r.json()["error"]["message"]
+        assert len(server.requests) == sent and episode["requests"] == 0 and episode["segments"] == []
