@@ -316,7 +316,7 @@ def render_page(run_dirs: list[str], query: dict, indexes: dict, plotly_inline: 
     num_pages = max(1, -(-len(matching) // per_page))
     page = min(params["page"], num_pages - 1)
     shown = matching[page * per_page:(page + 1) * per_page]
-    groups = {}
+    groups = []
     by_run = {}
     for r_i, entry in shown:
         by_run.setdefault(r_i, []).append(entry)
@@ -326,11 +326,12 @@ def render_page(run_dirs: list[str], query: dict, indexes: dict, plotly_inline: 
         if record is None:  # the file was replaced since it was indexed
             runs[r_i]["bad"].append(f"traces.jsonl: the episode at byte {entry['offset']} changed while it was read")
             continue
+        # a box per run of consecutive episodes of one group: sorted by reward, a group's episodes can be apart
         key = (r_i, entry["step"], entry["group"])
-        if key not in groups:
-            groups[key] = {"run": r_i, "run_name": runs[r_i]["name"], "step": entry["step"], "group": entry["group"],
-                           "question": record.get("question"), "question_id": entry["question_id"],
-                           "gold": record.get("gold"), "episodes": []}
+        if not groups or groups[-1]["key"] != key:
+            groups.append({"key": key, "run": r_i, "run_name": runs[r_i]["name"], "step": entry["step"],
+                           "group": entry["group"], "question": record.get("question"),
+                           "question_id": entry["question_id"], "gold": record.get("gold"), "episodes": []})
         view = episode_view(record, colour_by, params["tokens_from"])
         link = {"run": r_i, "step": entry["step"], "group": entry["group"], "episode": entry["index"],
                 "colour": colour_by}
@@ -340,8 +341,8 @@ def render_page(run_dirs: list[str], query: dict, indexes: dict, plotly_inline: 
         view["permalink"] = "?" + urllib.parse.urlencode(link)
         view["anchor"] = f"ep-{r_i}-{entry['step']}-{entry['group']}-{entry['index']}"
         view["api"] = "/api/episode?" + urllib.parse.urlencode({k: v for k, v in link.items() if k != "colour"})
-        groups[key]["episodes"].append(view)
-    for g in groups.values():
+        groups[-1]["episodes"].append(view)
+    for g in groups:
         rewards = [e["reward"] for e in g["episodes"] if e["reward"] is not None]
         g["mean_reward"] = sum(rewards) / len(rewards) if rewards else None
     finishes = sorted({e["finish"] for e in run["entries"] if e["finish"]})
@@ -362,7 +363,7 @@ def render_page(run_dirs: list[str], query: dict, indexes: dict, plotly_inline: 
     config_keys.sort(key=lambda k: not differs(k))
     return template().render(
         runs=runs_meta, run_i=run_i, steps=steps, step="all" if step is None and steps_range is None else step,
-        finishes=finishes, filters=filters, colour_by=colour_by, groups=list(groups.values()), notice=notice,
+        finishes=finishes, filters=filters, colour_by=colour_by, groups=groups, notice=notice,
         test_keys=sorted({k for r in runs for k in r["tests"]}), num_matching=len(matching),
         first_shown=page * per_page + 1, last_shown=page * per_page + len(shown), page=page, num_pages=num_pages,
         nav=nav, sorts={k: v[0] for k, v in SORTS.items()}, sort=params["sort"], search=params["search"],
