@@ -459,6 +459,10 @@ def _claim_uid() -> tuple[int, int]:
     """A uid no other run holds now (a lock file per slot; the lock goes with the process)."""
     global _next_slot
     os.makedirs(UID_LOCK_DIR, mode=0o700, exist_ok=True)
+    st = os.lstat(UID_LOCK_DIR)
+    if not (os.path.stat.S_ISDIR(st.st_mode) and st.st_uid == 0 and st.st_mode & 0o077 == 0):
+        raise RuntimeError(f"{UID_LOCK_DIR} is not a directory owned by root with mode 0700 (someone else made "
+                           "it?); remove it and run again")
     with _slot_lock:
         for i in range(NUM_UID_SLOTS):
             slot = (_next_slot + i) % NUM_UID_SLOTS  # round robin: a just-freed uid is reused last
