@@ -3,13 +3,17 @@ along each path, against lib.scripted_server in another process (no model, so on
 handling is timed), wall and CPU time of this process per request.
 
     python bench/bench_proxy_requests.py            # 128 concurrent requests, 32 tokens each, 3 repetitions
+    python bench/bench_proxy_requests.py --model-path tiny --turns 4 --responses   # no warm start to build; 4-turn conversations
 
 Paths: `tokens` (lib's client posting the prompt ids, as the token loop does), `raw http` (an
 aiohttp client posting the chat request to lib/openai_proxy.py: the proxy's own cost on top of
 `tokens`), `sdk httpx`, `sdk aiohttp` and `sdk in_process` (the openai SDK posting it, over its
 default httpx transport, over `DefaultAioHttpClient`, and handed to the proxy without a socket by
 `proxy.http_client()`; train_reflect.openai_client builds each); with `--langchain`, LangChain's
-ChatOpenAI over httpx and over aiohttp. The paths alternate; the table gives the median repetition
+ChatOpenAI over httpx and over aiohttp; with `--responses`, the openai SDK's Responses API
+(`responses.create`, as the OpenAI Agents SDK calls it) over aiohttp. With `--turns N`, each
+session is an N-turn conversation (each request continues the last: the proxy renders the history
+and tokenizes only the new text), and the figures are per request. The paths alternate; the table gives the median repetition
 after a warm-up one.
 """
 import argparse
@@ -30,6 +34,7 @@ from lib.client import InferenceClient  # noqa: E402
 from lib.openai_proxy import OpenAIProxy  # noqa: E402
 
 QUESTION = "Tom has 3 apples and buys 4 more. How many apples does he have?"
+FOLLOW_UP = "\n<|im_start|>user\nCheck it.<|im_end|>\n<|im_start|>assistant\n"  # the token path's next turn
 
 
 def serve(model_path: str, reply_tokens: int, address_queue):
@@ -57,12 +62,22 @@ def main():
                         "examples/langgraph_search.py does, over its default httpx client and over a shared aiohttp one")
     p.add_argument("--no-gc-freeze", action="store_true",
                    help="leave out the gc.freeze() that train_reflect.main runs after its setup")
+    p.add_argument("--responses", action="store_true", help="also the openai SDK's Responses API (responses.create) over aiohttp")
+    p.add_argument("--turns", type=int, default=1, help="requests per session, each continuing the conversation")
+    p.add_argument("--model-path", default="",
+                   help="whose tokenizer and template: '' the embedded reflect warm start (built on first use: "
+                        "minutes to hours on a CPU), 'tiny' the tiny model's (no build), or an HF model dir")
     args = p.parse_args()
 
     import aiohttp
     from transformers import AutoTokenizer
 
-    model_path = tr.embedded_model(tr.load_config(tr.Config, "configs/reflect_tiny.yaml", {"warm_start_steps": 300}))
+    if args.model_path == "tiny":
+        from lib.tiny_model import default_tiny_model_dir
+        model_path = default_tiny_model_dir()
+    else:
+        model_path = args.model_path or tr.embedded_model(
+            tr.load_config(tr.Config, "configs/reflect_tiny.yaml", {"warm_start_steps": 300}))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     spawn = multiprocessing.get_context("spawn")
     address_queue = spawn.Queue()
@@ -81,25 +96,57 @@ def main():
         if not args.no_gc_freeze:
             gc.freeze()  # as train_reflect.main does before its loop
 
+        follow_up = tokenizer(FOLLOW_UP, add_special_tokens=False)["input_ids"]
+
         async def tokens():
-            await client.generate(list(prompt_ids), max_new_tokens=64, temperature=0.0, stop_token_ids=eos)
+            ids = list(prompt_ids)
+            for _ in range(args.turns):
+                gen = await client.generate(ids, max_new_tokens=64, temperature=0.0, stop_token_ids=eos)
+                ids += gen.output_ids + follow_up
+
+        def conversation(send):
+            """`args.turns` requests of one conversation; `send(messages)` -> the reply's text."""
+            async def run():
+                history = list(messages)
+                for _ in range(args.turns):
+                    text = await send(history)
+                    history += [{"role": "assistant", "content": text}, {"role": "user", "content": "Check it."}]
+            return run
 
         async def raw():
             key = proxy.new_session()
-            async with raw_http.post(f"{proxy.url}/chat/completions", headers={"Authorization": f"Bearer {key}"},
-                                     json={"model": "policy", "messages": messages, "max_tokens": 64,
-                                           "temperature": 0}) as response:
-                assert response.status == 200, await response.text()
-                await response.json()
+
+            async def send(history):
+                async with raw_http.post(f"{proxy.url}/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                                         json={"model": "policy", "messages": history, "max_tokens": 64,
+                                               "temperature": 0}) as response:
+                    assert response.status == 200, await response.text()
+                    return (await response.json())["choices"][0]["message"]["content"]
+            await conversation(send)()
             proxy.end_session(key)
 
         def sdk(http_client):
             async def request():
                 key = proxy.new_session()
                 llm = tr.openai_client(proxy, http_client).with_options(api_key=key)
-                await llm.chat.completions.create(model="policy", messages=messages, max_tokens=64, temperature=0)
+
+                async def send(history):
+                    reply = await llm.chat.completions.create(model="policy", messages=history, max_tokens=64,
+                                                              temperature=0)
+                    return reply.choices[0].message.content
+                await conversation(send)()
                 proxy.end_session(key)
             return request
+
+        async def responses():
+            key = proxy.new_session()
+            llm = tr.openai_client(proxy, "aiohttp").with_options(api_key=key)
+
+            async def send(history):
+                reply = await llm.responses.create(model="policy", input=history, max_output_tokens=64, temperature=0)
+                return reply.output_text
+            await conversation(send)()
+            proxy.end_session(key)
 
         shared_aiohttp = None
 
@@ -113,12 +160,16 @@ def main():
                 key = proxy.new_session()
                 llm = ChatOpenAI(model="policy", base_url=proxy.url, api_key=key, temperature=0, max_tokens=64,
                                  max_retries=0, http_async_client=shared_aiohttp if http_client == "aiohttp" else None)
-                await llm.ainvoke(messages)
+                async def send(history):
+                    return (await llm.ainvoke(history)).content
+                await conversation(send)()
                 proxy.end_session(key)
             return request
 
         paths = {"tokens": tokens, "raw http": raw, "sdk httpx": sdk("httpx"), "sdk aiohttp": sdk("aiohttp"),
                  "sdk in_process": sdk("in_process")}
+        if args.responses:
+            paths["sdk aiohttp responses"] = responses
         if args.langchain:
             paths.update({"langchain httpx": langchain("httpx"), "langchain aiohttp": langchain("aiohttp")})
         per_request = {name: [] for name in paths}  # [(wall ms, cpu ms)] per repetition
@@ -127,8 +178,9 @@ def main():
                 t0, c0 = time.perf_counter(), time.process_time()
                 await asyncio.gather(*[one() for _ in range(args.concurrent)])
                 if repetition:
-                    per_request[name].append((1e3 * (time.perf_counter() - t0) / args.concurrent,
-                                              1e3 * (time.process_time() - c0) / args.concurrent))
+                    requests = args.concurrent * args.turns
+                    per_request[name].append((1e3 * (time.perf_counter() - t0) / requests,
+                                              1e3 * (time.process_time() - c0) / requests))
         await raw_http.close()
         if shared_aiohttp is not None:
             await shared_aiohttp.aclose()
@@ -141,7 +193,8 @@ def main():
         per_request = asyncio.run(bench())
     finally:
         server.kill()
-    print(f"\n{args.concurrent} concurrent single-turn requests, {args.reply_tokens} tokens each, scripted server; "
+    print(f"\n{args.concurrent} concurrent sessions of {args.turns} turn(s), {args.reply_tokens} tokens a reply, "
+          f"scripted server, {os.path.basename(model_path.rstrip('/'))}'s tokenizer; "
           f"median of {args.repetitions} repetitions, gc.freeze {'off' if args.no_gc_freeze else 'on'}")
     print("| path | wall ms / request | this process's CPU ms / request |")
     print("| --- | --- | --- |")
