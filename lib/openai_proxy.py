@@ -321,6 +321,7 @@ class OpenAIProxy:
         """(status, a JSON object | server-sent events, `record` or None): `record()` keeps the turn
         for training, and the transport calls it as it hands the answer over, so a turn whose client
         left, or whose answer failed to build, is never trained on."""
+        endpoint = None
         try:
             endpoint, authorization = self._route(method, path, authorization)
             if endpoint == "/v1/models":
@@ -338,7 +339,10 @@ class OpenAIProxy:
         except PromptTooLong as e:  # told before its arguments were decoded
             refused = self._too_long(e.chars)
         except ChatFormatError as e:
-            refused = _Refused(400, str(e), param="messages")
+            if endpoint == "/v1/responses":  # its items were read as chat messages: say so, and name its field
+                refused = _Refused(400, f"input (read as chat messages, instructions first): {e}", param="input")
+            else:
+                refused = _Refused(400, str(e), param="messages")
         except RecursionError:  # a field nested hundreds deep that no check above named
             refused = _Refused(400, "the request nests lists or objects too deeply to render")
         except BadRequest as e:  # parse_json_body's, or a _Refused one with its field and code

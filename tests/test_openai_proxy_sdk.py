@@ -451,3 +451,22 @@ def test_completions_continue_their_own_text_and_keep_the_sampled_tokens(tokeniz
     assert trained(episode)[0] == [t for a in server.answers for t in a["output_ids"]]
     assert server.requests[1]["input_ids"][:len(server.requests[0]["input_ids"]) + 8] == segment["input_ids"][0].tolist()[
         :len(server.requests[0]["input_ids"]) + 8]
+
+
+def test_a_responses_request_it_cannot_serve_is_a_400_naming_its_field(tokenizer):
+    async def agent(proxy):
+        key = proxy.new_session()
+        out = []
+        async with openai.AsyncOpenAI(base_url=proxy.url, api_key=key, max_retries=0) as llm:
+            for fields in ({"input": [{"type": "function_call_output", "call_id": "c9", "output": "r"}]},
+                           {"input": "Q", "previous_response_id": "resp_1"},
+                           {"input": "Q", "tools": [{"type": "web_search"}]},
+                           {"input": [{"type": "image_generation_call", "id": "x"}]}):
+                with pytest.raises(openai.BadRequestError) as e:
+                    await llm.responses.create(model="policy", **fields)
+                out.append((e.value.param, e.value.message))
+        return out, proxy.end_session(key)
+
+    (out, episode), server = scripted(tokenizer, [Reply("x", eos=True)], agent)
+    assert [param for param, _ in out] == ["input", "previous_response_id", "tools", "input"]
+    assert "must answer a tool call" in out[0][1] and server.requests == [] and episode["requests"] == 0
