@@ -139,34 +139,49 @@ def _remount_read_only():
             pass  # a mount that cannot be remounted (hidden under another): its permissions still apply
 
 
+def _bind_read_only(paths_fds: list):
+    for path, fd in paths_fds:
+        os.makedirs(path, exist_ok=True)
+        _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+        _mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+        os.close(fd)
+
+
+FRESH_DIRS = ("/tmp", "/var/tmp", "/dev/shm")  # replaced by an empty tmpfs in every run
+
+
 def _setup_mounts(uid: int, gid: int, dir_mb: int, extra_paths: list[str]):
     """In the run's new mount namespace (nothing here reaches the host's): directories the uid cannot
     enter that hold the interpreter (root's 0700 home with pyenv, say) replaced by an empty one with
     just the interpreter's directories bound in; every mount read-only; a fresh /proc for the new
     PID namespace; a fresh tmpfs on /tmp owned by the run's uid (its working directory, bounded in
-    size); empty read-only /var/tmp and /dev/shm."""
+    size); empty read-only /var/tmp and /dev/shm; the interpreter's directories that lay under
+    those (a virtual environment in /tmp) bound back in, read-only."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
-    hide = {}
+    hide, under_fresh = {}, []
     for path in _python_paths(extra_paths):
+        if path in FRESH_DIRS:
+            continue
         ancestor = _unreachable_ancestor(path)
-        if ancestor is not None:
+        if any(path.startswith(d + "/") for d in FRESH_DIRS):
+            under_fresh.append((path, os.open(path, os.O_PATH | os.O_DIRECTORY)))
+        elif ancestor is not None:
             hide.setdefault(ancestor, []).append((path, os.open(path, os.O_PATH | os.O_DIRECTORY)))
     for ancestor, keep in hide.items():
         _mount("tmpfs", ancestor, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
-        for path, fd in keep:
-            os.makedirs(path, exist_ok=True)
-            _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
-            _mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
-            os.close(fd)
+        _bind_read_only(keep)
     _remount_read_only()
     try:
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     except OSError:
         pass  # a locked-down /proc (some containers): the host's stays, showing host processes
     _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={dir_mb}m,mode=0700,uid={uid},gid={gid}")
-    for path in ("/var/tmp", "/dev/shm"):
-        if os.path.isdir(path):
-            _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, "size=4k,mode=0555")
+    others = [d for d in FRESH_DIRS[1:] if os.path.isdir(d)]
+    for path in others:
+        _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=0555")
+    _bind_read_only(under_fresh)
+    for path in others:  # read-only only now: the binds above may have needed directories in them
+        _mount(None, path, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
 
 
 def _set_limits(req: dict, nproc: int):
@@ -195,7 +210,7 @@ def _count_tasks(uid: int) -> int:
     return count
 
 
-def _become_user(req: dict, fds: dict, uid: int | None, nproc: int, cwd: str) -> str:
+def _become_user(req: dict, fds: dict, uid: int | None, nproc: int, namespaces: bool) -> str:
     """In the user process: std streams, uid, limits; returns the code to run."""
     code = b""
     while chunk := os.read(fds["code"], 1 << 16):
@@ -205,7 +220,9 @@ def _become_user(req: dict, fds: dict, uid: int | None, nproc: int, cwd: str) ->
     os.dup2(fds["out"], 1)
     os.dup2(fds["err"], 2)
     os.closerange(3, 1 << 16)
-    os.chdir(cwd)
+    if namespaces:  # a session of its own in its PID namespace, so that killpg(0) cannot reach C
+        os.setsid()
+    os.chdir("/tmp" if namespaces else req["work_dir"])
     if uid is not None:
         os.setgroups([])
         os.setgid(uid)
@@ -308,14 +325,14 @@ def _run_child(req: dict, fds: dict) -> str | None:
         pid = os.fork()
         if pid == 0:
             if not namespaces:
-                return _become_user(req, fds, uid, nproc, req["work_dir"])
+                return _become_user(req, fds, uid, nproc, namespaces=False)
             # init: pid 1 of the new PID namespace
             _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
             _setup_mounts(*((os.getuid(), os.getgid()) if uid is None else (uid, uid)), req["max_dir_mb"],
                           req["site_paths"])
             user_pid = os.fork()
             if user_pid == 0:
-                return _become_user(req, fds, uid, nproc, "/tmp")
+                return _become_user(req, fds, uid, nproc, namespaces=True)
             for fd in ("code", "out", "err", "release"):
                 os.close(fds[fd])
             while True:  # reap orphans until the user process exits; then the kernel kills the rest
