@@ -294,7 +294,7 @@ def _run_child(req: dict, fds: dict) -> str | None:
     try:
         os.write(status_fd, f"pid {os.getpid()}\n".encode())
         root = os.geteuid() == 0
-        namespaces = _NAMESPACES_WORK if _NAMESPACES_WORK is not None else _namespaces_work()
+        namespaces = req["namespaces"] and (_NAMESPACES_WORK if _NAMESPACES_WORK is not None else _namespaces_work())
         net = False
         if namespaces:
             _enter_namespaces(req["network"])
@@ -513,7 +513,7 @@ class _Run:
     """One run's pipes, output and state, driven by run_python (selectors) or arun_python (the loop)."""
 
     def __init__(self, code, timeout_s, memory_mb, max_output_bytes, max_processes, max_file_mb, max_dir_mb,
-                 network, warm, site_packages):
+                 network, warm, site_packages, namespaces):
         _check_args(code, timeout_s, memory_mb, max_output_bytes, max_processes, max_file_mb, max_dir_mb)
         import tempfile  # not at the top: the warm interpreter must not import random (its forks share it)
         self.timeout_s, self.memory_mb, self.max_output_bytes = timeout_s, memory_mb, max_output_bytes
@@ -545,7 +545,8 @@ class _Run:
             self.open_fds = {self.out_r, self.err_r, self.status_r}
             self.request = {"timeout_s": timeout_s, "memory_mb": memory_mb, "max_file_mb": max_file_mb,
                             "max_processes": max_processes, "max_dir_mb": max_dir_mb, "network": bool(network),
-                            "uid": self.uid, "work_dir": self.work_dir, "site_paths": []}
+                            "uid": self.uid, "work_dir": self.work_dir, "site_paths": [],
+                            "namespaces": bool(namespaces)}
             if site_packages:
                 import sysconfig
                 self.request["site_paths"] = sorted({sysconfig.get_path("purelib"), sysconfig.get_path("platlib")})
@@ -694,13 +695,14 @@ class _Run:
 
 def run_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, max_output_bytes: int = 65536,
                max_processes: int = 16, max_file_mb: int = 16, network: bool = False, max_dir_mb: int = 64,
-               site_packages: bool = False, warm: bool = True) -> SandboxResult:
+               site_packages: bool = False, warm: bool = True, namespaces: bool = True) -> SandboxResult:
     """Runs `code` as `python -I -S -c code` would, bounded (docs/sandbox.md). Never raises for what the
     code does; raises ValueError/TypeError for bad arguments. `max_dir_mb` bounds the working
     directory's total size (as root); `site_packages=True` lets the code import this environment's
-    installed packages (sympy, numpy; read-only); `warm=False` starts a fresh interpreter for this run."""
+    installed packages (sympy, numpy; read-only); `warm=False` starts a fresh interpreter for this run;
+    `namespaces=False` runs without namespaces even where they work (weaker: docs/sandbox.md)."""
     run = _Run(code, timeout_s, memory_mb, max_output_bytes, max_processes, max_file_mb, max_dir_mb, network, warm,
-               site_packages)
+               site_packages, namespaces)
     ready = selectors.DefaultSelector()
     try:
         run.start()
@@ -718,7 +720,7 @@ def run_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, max_o
 
 async def arun_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, max_output_bytes: int = 65536,
                       max_processes: int = 16, max_file_mb: int = 16, network: bool = False, max_dir_mb: int = 64,
-                      site_packages: bool = False, warm: bool = True) -> SandboxResult:
+                      site_packages: bool = False, warm: bool = True, namespaces: bool = True) -> SandboxResult:
     """run_python on the event loop: the pipes are watched by the loop, nothing blocks it but the few
     milliseconds of starting the run. Cancelling the awaiting task kills the run."""
     import asyncio
@@ -726,7 +728,7 @@ async def arun_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512
     if warm:
         await asyncio.to_thread(_server_socket)  # the first call starts the warm interpreter (~50 ms)
     run = _Run(code, timeout_s, memory_mb, max_output_bytes, max_processes, max_file_mb, max_dir_mb, network, warm,
-               site_packages)
+               site_packages, namespaces)
     woken = asyncio.Event()
     watched = set()
 

@@ -368,6 +368,22 @@ def test_the_warm_interpreter_is_restarted_if_it_dies():
     assert run_python("print(2)").stdout == "2\n"
 
 
+# --- without namespaces (namespaces=False, as on machines that refuse them): the rlimits still hold ---
+
+def test_without_namespaces_the_limits_still_hold(monkeypatch):
+    made = []
+    real_mkdtemp = tempfile.mkdtemp
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda *a, **k: made.append(real_mkdtemp(*a, **k)) or made[-1])
+    r = run_python("import os\nprint(os.getcwd())", namespaces=False)
+    assert r.isolation == ("rlimits+uid" if ROOT else "rlimits") and r.stdout == made[0] + "\n"
+    assert not os.path.exists(made[0])
+    assert run_python("import time\ntime.sleep(100)", timeout_s=1, namespaces=False).timed_out
+    assert run_python("x = bytearray(8 << 30)", memory_mb=256, namespaces=False).error == "memory limit 256 MB exceeded"
+    r = run_python("import os\nwhile True:\n    os.fork()", max_processes=8, timeout_s=5, namespaces=False)
+    assert r.error == "process limit 8 reached"
+    assert run_python("print('x' * 10000)", max_output_bytes=10, namespaces=False).stdout == "x" * 10
+
+
 # --- not as root ---
 
 NOBODY_SCRIPT = """
