@@ -203,7 +203,9 @@ class OpenAIProxy:
         # handler_cancellation: a client that disconnects cancels its handler, and with it the request to
         # the inference server (which then aborts it: SGLang and lib/cpu_server.py do), instead of
         # generating a turn nobody receives.
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        # shutdown_timeout: close() cancels the requests still generating (nothing of them is recorded)
+        # after 0.1 s, instead of waiting for them up to aiohttp's default of 60 s (0 would mean no limit).
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=0.1)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()

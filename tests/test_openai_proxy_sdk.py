@@ -6,6 +6,7 @@ Agents SDK's Runner) and /v1/completions."""
 import asyncio
 import json
 import logging
+import time
 
 import pytest
 from aiohttp import web
@@ -470,3 +471,28 @@ def test_a_responses_request_it_cannot_serve_is_a_400_naming_its_field(tokenizer
     (out, episode), server = scripted(tokenizer, [Reply("x", eos=True)], agent)
     assert [param for param, _ in out] == ["input", "previous_response_id", "tools", "input"]
     assert "must answer a tool call" in out[0][1] and server.requests == [] and episode["requests"] == 0
+
+
+def test_closing_the_proxy_cancels_generations_in_flight_instead_of_waiting_for_them(tokenizer):
+    server = TimedServer(reply_ids(tokenizer), delays_s=[5.0])
+
+    async def agent(proxy):
+        key = proxy.new_session()
+        async with openai.AsyncOpenAI(base_url=proxy.url, api_key=key, max_retries=0) as llm:
+            request = asyncio.create_task(llm.chat.completions.create(model="policy", messages=[user("Q")]))
+            while not server.bodies:
+                await asyncio.sleep(0.01)
+            t0 = time.perf_counter()
+            await proxy.close()  # the end of a run, with an episode still waiting for its turn
+            closed_after_s = time.perf_counter() - t0
+            with pytest.raises(openai.APIConnectionError):
+                await request
+        for _ in range(100):
+            if server.cancelled:
+                break
+            await asyncio.sleep(0.01)
+        return closed_after_s, proxy.end_session(key)
+
+    closed_after_s, episode = with_proxy(tokenizer, server, agent)
+    assert closed_after_s < 1.0  # was 5 s here (aiohttp waited for the handler, up to 60 s)
+    assert server.cancelled == [0] and server.answered == [] and episode["requests"] == 0
