@@ -455,13 +455,18 @@ _slot_lock = threading.Lock()
 _next_slot = 0
 
 
-def _server_socket() -> socket.socket:
-    """The warm interpreter's socket, started on first use (and again if it died, or after a fork)."""
+def _server_socket(replace: socket.socket | None = None) -> socket.socket:
+    """The warm interpreter's socket, started on first use, and again if it died, after a fork of
+    the caller, or when `replace` (its socket) failed."""
     import subprocess  # here and below, caller-only modules are imported where used: a fresh
     # interpreter per run (warm=False) runs this file and would pay for them (asyncio: ~20-60 ms)
     with _server_lock:
-        if _server["owner_pid"] == os.getpid() and _server["process"].poll() is None:
-            return _server["sock"]
+        if _server["owner_pid"] == os.getpid():
+            if _server["process"].poll() is None and _server["sock"] is not replace:
+                return _server["sock"]
+            _server["sock"].close()  # the old one, if still alive, sees EOF and exits
+            _server["process"].kill()
+            _server["process"].wait()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         _server["process"] = subprocess.Popen(
             [sys.executable, "-I", "-S", __file__, "--server", str(theirs.fileno())], pass_fds=[theirs.fileno()],
@@ -563,15 +568,11 @@ class _Run:
             message = json.dumps(self.request).encode()
             ancdata = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, memoryview(bytearray(
                 b"".join(fd.to_bytes(4, sys.byteorder) for fd in self.child_fds))))]
-            for attempt in range(2):
-                try:
-                    _server_socket().sendmsg([message], ancdata)
-                    break
-                except OSError:  # the warm interpreter died (killed by someone): start another once
-                    if attempt:
-                        raise
-                    with _server_lock:
-                        _server["owner_pid"] = None
+            sock = _server_socket()
+            try:
+                sock.sendmsg([message], ancdata)
+            except OSError:  # the warm interpreter died (killed by someone): start another, once
+                _server_socket(replace=sock).sendmsg([message], ancdata)
         else:
             request = dict(self.request, fds=dict(zip(FD_NAMES, self.child_fds)))
             self.process = subprocess.Popen(
@@ -581,7 +582,8 @@ class _Run:
             self.pgid = self.process.pid
         for fd in self.child_fds:  # the child has its copies; ours would hide the pipes' EOF
             os.close(fd)
-            self.fds_to_close.remove(fd) if fd in self.fds_to_close else None
+            if fd in self.fds_to_close:
+                self.fds_to_close.remove(fd)
 
     def read(self, fd) -> bool:
         """Reads what `fd` has; False at its EOF."""
