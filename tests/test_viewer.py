@@ -332,16 +332,20 @@ def chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 
 
-def browser(url: str, *args: str) -> str:
-    out = subprocess.run([chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                          "--virtual-time-budget=8000", *args, url], capture_output=True, text=True, timeout=180)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout
+def playwright_missing() -> bool:
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return True
+    return False
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(chromium() is None, reason="no chromium (apt-get install chromium)")
+@pytest.mark.skipif(playwright_missing(), reason="no playwright (pip install playwright)")
 def test_the_page_renders_plots_and_trajectories_of_every_run_in_a_headless_browser(runs, tmp_path):
+    from playwright.sync_api import sync_playwright
+
     server = make_server(list(runs.values()), port=0)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     base = f"http://127.0.0.1:{server.server_address[1]}/"
@@ -349,25 +353,36 @@ def test_the_page_renders_plots_and_trajectories_of_every_run_in_a_headless_brow
         start = time.time()
         urllib.request.urlopen(base, timeout=60).read()
         served_s = time.time() - start
-        for i, name in enumerate(runs):  # the latest step of each run (a chromium start is ~3 s: one page each)
-            dom = browser(f"{base}?run={i}&step=all" if name.startswith(("search", "reflect_sync")) else f"{base}?run={i}",
-                          "--dump-dom")
-            assert dom.count('class="main-svg"') >= 10, name  # Plotly drew the panels (two svgs per plot)
-            assert 'data-title="reward"' in dom and 'data-title="step time (s)"' in dom
-            assert re.search(r'class="group" data-step="2"', dom), name
-            assert 'class="turn model"' in dom and 'class="tok"' in dom, name
-            if name.startswith("search"):  # every episode of both steps; tool output has loss mask 0
-                assert dom.count('class="episode"') == 16 and 'class="turn tool"' in dom and 'class="tok masked"' in dom
-                assert "search tool failed" in dom and "tool failure" in dom and "max_tokens" in dom
-            elif name.startswith("reflect_sync"):
-                assert dom.count('class="episode"') == 8 and 'class="turn reflection"' in dom
-            else:
-                assert dom.count('class="episode"') == 4 and 'class="group" data-step="1"' not in dom
-        truncated = browser(f"{base}?run=0&step=all&finish=max_tokens&failures=&colour=gap", "--dump-dom")
-        assert 'data-finish="max_tokens"' in truncated and 'data-finish="answer"' not in truncated
-        shots = SCREENSHOT_DIR or str(tmp_path)
-        path = os.path.join(shots, "viewer.png")
-        browser(base + "?run=0&step=2", f"--screenshot={path}", "--window-size=1400,2200")
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=chromium(), args=["--no-sandbox"])
+            page = browser.new_page(viewport={"width": 1400, "height": 2200})
+
+            def dom(url: str) -> str:
+                page.goto(url)
+                page.wait_for_function("document.querySelectorAll('.plot .main-svg').length >= 10", timeout=30_000)
+                return page.content()
+
+            for i, name in enumerate(runs):  # the latest step of each run
+                html = dom(f"{base}?run={i}&step=all" if name.startswith(("search", "reflect_sync")) else f"{base}?run={i}")
+                assert html.count('class="main-svg"') >= 10, name  # Plotly drew the panels (two svgs per plot)
+                assert 'data-title="reward"' in html and 'data-title="step time (s)"' in html
+                assert re.search(r'class="group" data-step="2"', html), name
+                assert 'class="turn model"' in html and 'class="tok"' in html, name
+                if name.startswith("search"):  # every episode of both steps; tool output has loss mask 0
+                    assert html.count('class="episode"') == 16 and 'class="turn tool"' in html
+                    assert 'class="tok masked"' in html and "search tool failed" in html
+                    assert "tool failure" in html and "max_tokens" in html
+                elif name.startswith("reflect_sync"):
+                    assert html.count('class="episode"') == 8 and 'class="turn reflection"' in html
+                else:
+                    assert html.count('class="episode"') == 4 and 'class="group" data-step="1"' not in html
+            truncated = dom(f"{base}?run=0&step=all&finish=max_tokens&failures=&colour=gap")
+            assert 'data-finish="max_tokens"' in truncated and 'data-finish="answer"' not in truncated
+            shots = SCREENSHOT_DIR or str(tmp_path)
+            path = os.path.join(shots, "viewer.png")
+            dom(base + "?run=0&step=2")
+            page.screenshot(path=path)
+            browser.close()
         assert os.path.getsize(path) > 20_000, "a blank screenshot"
         print(f"page served in {served_s:.2f} s; screenshots in {shots}")
     finally:

@@ -82,6 +82,7 @@ def write_run(run_dir, records, metric_rows, config=None) -> str:
 
 def metric_row(step: int, scale: float) -> dict:
     return {"step": step, "time/wall_s": 60.0 * step * scale, "rollout/reward": scale * step / STEPS,
+            "reward/timeouts": 0.0,  # its group "reward/*" is not the panel "reward"
             "logprob/server_trainer_abs_diff_mean": 1e-4 * 1.3 ** step,  # spans two decades: log y
             "logprob/behaviour_weight_mean": 1.000002 + step * 1e-6,  # long tick labels
             "tool/calls": 2.0 + step % 3, "tool/failures": float(step % 2), EVIL_METRIC: 1.0}
@@ -142,8 +143,10 @@ def open_page(page, url: str, plots: bool = True):
         page.wait_for_function("document.querySelectorAll('.plot .main-svg').length >= 8", timeout=20_000)
 
 
-def shot(page, name: str, tmp_path, full_page: bool = False, clip_to: str | None = None):
+def shot(page, name: str, tmp_path, full_page: bool = False, clip_to: str | None = None, scroll_to: str | None = None):
     path = os.path.join(SCREENSHOT_DIR or str(tmp_path), name)
+    if scroll_to:
+        page.locator(scroll_to).first.evaluate("e => e.scrollIntoView()")
     if clip_to:
         page.locator(clip_to).first.screenshot(path=path)
     else:
@@ -238,10 +241,12 @@ def test_d8_series_come_as_json_plotly_from_the_viewer_unknown_metrics_by_prefix
     status = page.inner_text("#series-status")
     assert f"({STEPS} + 3 rows)" in status
     # a metric the viewer does not know is plotted in its prefix group, its name as text
-    tool = plot(page, "tool")
+    tool = plot(page, "tool/*")
     assert sorted({t["name"] for t in tool["data"]}) == ["tool/calls", "tool/failures"]
+    assert {t["name"] for t in plot(page, "reward")["data"]} == {"rollout/reward"}
+    assert {t["name"] for t in plot(page, "reward/*")["data"]} == {"reward/timeouts"}
     titles = page.eval_on_selector_all("#extra-plots .plot", "ds => ds.map(d => d.dataset.title)")
-    assert "tool" in titles and EVIL_METRIC in titles
+    assert "tool/*" in titles and EVIL_METRIC in titles
     evil = plot(page, EVIL_METRIC)
     page.wait_for_timeout(200)
     assert page.title().startswith("agentrl viewer") and "pwned" not in page.title()
@@ -250,12 +255,12 @@ def test_d8_series_come_as_json_plotly_from_the_viewer_unknown_metrics_by_prefix
     assert page.locator("#extra-plots img").count() == 0
     assert evil["data"][0]["name"].startswith("&lt;img")
     # hiding a run removes it from every panel
-    assert len(plot(page, "tool")["data"]) == 4
+    assert len(plot(page, "tool/*")["data"]) == 4
     page.locator('.run-toggle[data-run="1"]').uncheck()
-    for title in ("reward", "tool", "server-trainer |Δ log-prob|"):
+    for title in ("reward", "tool/*", "server-trainer |Δ log-prob|"):
         assert all("long · " in t["hover"] for t in plot(page, title)["data"]), title
     page.locator('.run-toggle[data-run="1"]').check()
-    assert len(plot(page, "tool")["data"]) == 4
+    assert len(plot(page, "tool/*")["data"]) == 4
 
 
 def test_smoothing_log_y_wall_time_unified_hover_toolbar_and_csv_of_the_shown_series(page, base, tmp_path):
@@ -361,7 +366,7 @@ def test_search_sort_and_pages_newest_first_with_a_count(page, base, tmp_path):
     assert rewards == sorted(rewards, reverse=True) and rewards[0] == 1.0
     open_page(page, base + "?run=0&step=all&sort=length_desc", plots=False)
     assert "thinks then answers 41" in page.inner_text(".episode") or page.locator(".episode").count() == MAX_EPISODES_SHOWN
-    shot(page, "viewer_trajectories.png", tmp_path)
+    shot(page, "viewer_trajectories.png", tmp_path, scroll_to="#filters")
 
 
 def test_a_permalink_shows_one_episode_and_prev_next_walk_the_traced_steps(page, base):
@@ -394,7 +399,7 @@ def test_the_same_question_across_steps_and_across_runs_side_by_side(page, base,
     assert {(run, step) for run, step, _ in groups if run == "1"} == {("1", "3")}
     lefts = {run: {left for r, _, left in groups if r == run} for run in ("0", "1")}
     assert len(lefts["0"]) == len(lefts["1"]) == 1 and lefts["0"] != lefts["1"]  # a run a column
-    shot(page, "viewer_compare.png", tmp_path)
+    shot(page, "viewer_compare.png", tmp_path, scroll_to="#filters")
 
 
 def test_a_token_level_diff_of_two_ticked_episodes(page, base, tmp_path):
