@@ -4,8 +4,9 @@ lib.sandbox ships) against a fresh interpreter per run (`warm=False`), with the 
     python bench/bench_sandbox.py [--runs 50] [--concurrency 16]
 
 Rows: bare `python -I -S -c` with no sandbox (the floor of a fresh process), run_python warm and
-fresh, arun_python warm back to back, and `--concurrency` arun_python calls at once (runs/s). The
-first call of each mode (starting the warm interpreter) is excluded. Prints a markdown table.
+fresh, arun_python warm back to back on one event loop; then `--concurrency` arun_python calls at
+once (runs/s). The modes take turns, run by run, so that a machine whose load changes (a shared
+box) weighs on each alike; one warm-up call of each is excluded. Prints a markdown table.
 """
 import argparse
 import asyncio
@@ -23,13 +24,15 @@ from lib.sandbox import SANDBOX_ENV, arun_python, run_python  # noqa: E402
 CODE = "print(1+1)"
 
 
-def times_ms(fn, runs: int) -> list[float]:
-    fn()  # warm-up: starts the warm interpreter, fills the page cache
-    out = []
+def times_ms(modes: dict, runs: int) -> dict[str, list[float]]:
+    for fn in modes.values():
+        fn()  # warm-up: starts the warm interpreter, fills the page cache
+    out = {name: [] for name in modes}
     for _ in range(runs):
-        start_s = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - start_s) * 1000)
+        for name, fn in modes.items():
+            start_s = time.perf_counter()
+            fn()
+            out[name].append((time.perf_counter() - start_s) * 1000)
     return out
 
 
@@ -58,15 +61,15 @@ def main():
     p.add_argument("--concurrency", type=int, default=16)
     args = p.parse_args()
     bare = [sys.executable, "-I", "-S", "-c", CODE]
-    rows = [
-        row("bare `python -I -S -c` (no sandbox)",
-            times_ms(lambda: subprocess.run(bare, capture_output=True, env=SANDBOX_ENV, check=True), args.runs)),
-        row("run_python, warm interpreter forks per run (shipped)", times_ms(lambda: check(run_python(CODE)), args.runs)),
-        row("run_python(warm=False), fresh interpreter per run",
-            times_ms(lambda: check(run_python(CODE, warm=False)), args.runs)),
-        row("arun_python, warm, back to back",
-            times_ms(lambda: check(asyncio.run(arun_python(CODE))), args.runs)),
-    ]
+    loop = asyncio.new_event_loop()
+    modes = {
+        "bare `python -I -S -c` (no sandbox)": lambda: subprocess.run(bare, capture_output=True, env=SANDBOX_ENV,
+                                                                      check=True),
+        "run_python, warm interpreter forks per run (shipped)": lambda: check(run_python(CODE)),
+        "run_python(warm=False), fresh interpreter per run": lambda: check(run_python(CODE, warm=False)),
+        "arun_python, warm, back to back on one loop": lambda: check(loop.run_until_complete(arun_python(CODE))),
+    }
+    rows = [row(name, ms) for name, ms in times_ms(modes, args.runs).items()]
     print(f"trivial run `{CODE}`, {os.cpu_count()} CPUs, isolation: {run_python(CODE).isolation}\n")
     print("| mode | median ms | p90 ms | runs |\n| --- | --- | --- | --- |")
     print("\n".join(rows))

@@ -727,7 +727,7 @@ async def arun_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512
     milliseconds of starting the run. Cancelling the awaiting task kills the run."""
     import asyncio
     loop = asyncio.get_running_loop()
-    if warm:
+    if warm and not (_server["owner_pid"] == os.getpid() and _server["process"].poll() is None):
         await asyncio.to_thread(_server_socket)  # the first call starts the warm interpreter (~50 ms)
     run = _Run(code, timeout_s, memory_mb, max_output_bytes, max_processes, max_file_mb, max_dir_mb, network, warm,
                site_packages, namespaces)
