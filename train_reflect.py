@@ -53,6 +53,7 @@ class Config:
     # --- run ---
     run_dir: str = "runs/reflect"  # metrics.jsonl, traces.jsonl, checkpoints/
     seed: int = 0
+    seeded_sampling: bool = False  # each request's sampling seed from (seed, item index, sample, position): runs repeat
     max_steps: int = 200  # GRPO steps
     time_budget_s: float = 0.0  # stop training after this many seconds (then test); 0 = no limit
     mode: str = "sync"  # "sync": rollout, then update; "async": rollouts keep running during the update
@@ -271,7 +272,7 @@ def shows_work(completion: str) -> bool:
 
 # --- one episode ---
 async def arun_episode(client: InferenceClient, tokenizer, reflection_ids: list[int], reward_pool: RewardPool,
-                       cfg: Config, item: dict, temperature: float) -> dict:
+                       cfg: Config, item: dict, temperature: float, trajectory_id: str | None = None) -> dict:
     """One trajectory (docs/trajectory.md): answer, and after a wrong answer reflect and answer again.
     Token ids in, token ids out: generated tokens enter the trajectory exactly as the server sampled
     them, with its log-probs; the end-of-turn and reflection tokens have loss_mask 0. A turn ends
@@ -287,7 +288,7 @@ async def arun_episode(client: InferenceClient, tokenizer, reflection_ids: list[
         logprobs.extend(lps if lps is not None else [0.0] * len(ids))
         versions.extend(vers if vers is not None else [-1] * len(ids))
 
-    trajectory_id = uuid.uuid4().hex
+    trajectory_id = trajectory_id or uuid.uuid4().hex  # a training item's: "<item index>/<sample>"
     score, turns, finish, texts = 0.0, 0, "max_turns", []
     try:
         for turn in range(cfg.max_turns):
@@ -426,11 +427,15 @@ def rewards_all_equal(group: list[dict]) -> bool:
 
 
 async def rollout_group(client, tokenizer, reflection_ids, reward_pool, cfg, item, temperature, group_size) -> list[dict]:
-    episode = arun_episode_openai if cfg.agent == "openai" else arun_episode  # `client` is then the proxy
     # Each episode under its deadline: one that runs past it fails the group (dropped and counted).
-    return list(await asyncio.gather(*[
-        with_deadline(episode(client, tokenizer, reflection_ids, reward_pool, cfg, item, temperature),
-                      cfg.episode_timeout_s, item) for _ in range(group_size)]))
+    if cfg.agent == "openai":  # `client` is then the proxy
+        episodes = [arun_episode_openai(client, tokenizer, reflection_ids, reward_pool, cfg, item, temperature)
+                    for _ in range(group_size)]
+    else:
+        episodes = [arun_episode(client, tokenizer, reflection_ids, reward_pool, cfg, item, temperature,
+                                 trajectory_id=f"{item['index']}/{k}" if "index" in item else None)
+                    for k in range(group_size)]
+    return list(await asyncio.gather(*[with_deadline(e, cfg.episode_timeout_s, item) for e in episodes]))
 
 
 async def rollout_groups(client, tokenizer, reflection_ids, reward_pool, cfg, items, temperature, group_size):
@@ -620,7 +625,7 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
     def item_at(index: int) -> dict:
         # The data order is a function of (seed, index), so a resumed run sees the same questions.
         epoch, offset = divmod(index, len(train_items))
-        return train_items[epoch_order(epoch)[offset]]
+        return {**train_items[epoch_order(epoch)[offset]], "index": index}
 
     # Servers (rank 0): started here and killed with this process, or given by the user. A resumed run
     # seeds the server's sampling by its step, so it does not replay the start of the run.
@@ -649,7 +654,8 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
     # trainer (this thread) can update while episodes run.
     bg = BackgroundLoop()
     run = bg.run
-    client = InferenceClient(addrs, max_concurrent_requests=cfg.max_concurrent_requests) if is_main else None
+    client = InferenceClient(addrs, max_concurrent_requests=cfg.max_concurrent_requests,
+                             sampling_seed=cfg.seed if cfg.seeded_sampling else None) if is_main else None
     reward_pool = RewardPool(cfg.reward_workers, cfg.reward_timeout_s, preload=reward_fn) if is_main else None
     actor = Actor(model_path, lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
                   total_steps=cfg.max_steps, lr_schedule=cfg.lr_schedule, grad_clip=cfg.grad_clip,

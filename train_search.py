@@ -51,6 +51,7 @@ class Config:
     # --- run ---
     run_dir: str = "runs/search"  # metrics.jsonl, traces.jsonl, checkpoints/
     seed: int = 0
+    seeded_sampling: bool = False  # each request's sampling seed from (seed, item index, sample, position): runs repeat
     max_steps: int = 200  # GRPO steps
     time_budget_s: float = 0.0  # stop training after this many seconds (then test); 0 = no limit
     mode: str = "sync"  # "sync": rollout, then update; "async": rollouts keep running during the update
@@ -321,7 +322,7 @@ def compute_reward(answer: str | None, golds: str | list[str], metric: str = "f1
 
 # --- one episode ---
 async def arun_episode(client: InferenceClient, session, tokenizer, cfg: Config, item: dict,
-                       retrieval_addr: str, temperature: float) -> dict:
+                       retrieval_addr: str, temperature: float, trajectory_id: str | None = None) -> dict:
     """One multi-turn trajectory (docs/trajectory.md). Token ids in, token ids out: generated tokens
     enter the trajectory exactly as the server sampled them, with its log-probs; tool output is
     tokenized on its own and masked out of the loss. A turn is one `client.generate` call: its
@@ -329,7 +330,7 @@ async def arun_episode(client: InferenceClient, session, tokenizer, cfg: Config,
     string or EOS across all of them."""
     prompt_ids = build_prompt_ids(tokenizer, item["question"], cfg.apply_chat_template, PROMPTS[cfg.prompt])
     input_ids, loss_mask, logprobs, versions = list(prompt_ids), [0] * len(prompt_ids), [0.0] * len(prompt_ids), [-1] * len(prompt_ids)
-    trajectory_id = uuid.uuid4().hex
+    trajectory_id = trajectory_id or uuid.uuid4().hex  # a training item's: "<item index>/<sample>"
     answer, finish, turns, tool_calls, tool_failures, texts = None, "max_turns", 0, 0, 0, []
     try:
         for _ in range(cfg.max_turns):
@@ -402,8 +403,9 @@ def rewards_all_equal(group: list[dict]) -> bool:
 async def rollout_group(client, session, tokenizer, cfg, item, retrieval_addr, temperature, group_size) -> list[dict]:
     # Each episode under its deadline: one that runs past it fails the group (dropped and counted).
     return list(await asyncio.gather(*[
-        with_deadline(arun_episode(client, session, tokenizer, cfg, item, retrieval_addr, temperature),
-                      cfg.episode_timeout_s, item) for _ in range(group_size)]))
+        with_deadline(arun_episode(client, session, tokenizer, cfg, item, retrieval_addr, temperature,
+                                   trajectory_id=f"{item['index']}/{k}" if "index" in item else None),
+                      cfg.episode_timeout_s, item) for k in range(group_size)]))
 
 
 async def rollout_groups(client, session, tokenizer, cfg, items, retrieval_addr, temperature, group_size):
@@ -615,7 +617,7 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
     def item_at(index: int) -> dict:
         # The data order is a function of (seed, index), so a resumed run sees the same questions.
         epoch, offset = divmod(index, len(train_items))
-        return train_items[epoch_order(epoch)[offset]]
+        return {**train_items[epoch_order(epoch)[offset]], "index": index}
 
     # Servers (rank 0): started here and killed with this process, or given by the user. A resumed run
     # seeds the server's sampling by its step, so it does not replay the start of the run.
@@ -657,7 +659,8 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
     # trainer (this thread) can update while episodes run.
     bg = BackgroundLoop()
     run = bg.run
-    client = InferenceClient(addrs, max_concurrent_requests=cfg.max_concurrent_requests) if is_main else None
+    client = InferenceClient(addrs, max_concurrent_requests=cfg.max_concurrent_requests,
+                             sampling_seed=cfg.seed if cfg.seeded_sampling else None) if is_main else None
     actor = Actor(model_path, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(cfg.adam_betas),
                   adam_eps=cfg.adam_eps, warmup_steps=cfg.warmup_steps, total_steps=cfg.max_steps,
                   lr_schedule=cfg.lr_schedule, grad_clip=cfg.grad_clip,

@@ -30,10 +30,18 @@ do not know it.
 import asyncio
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 
 import aiohttp
+
+
+def request_seed(seed: int, trajectory_id, position: int) -> int:
+    """SGLang's per-request `sampling_seed` (a non-negative int64) for the request of trajectory
+    `trajectory_id` whose input is `position` tokens long."""
+    digest = hashlib.blake2b(f"{seed}/{trajectory_id}/{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2 ** 63 - 1)
 
 
 @dataclasses.dataclass
@@ -67,7 +75,7 @@ class GenerationAborted(InferenceServerError):
 class InferenceClient:
     def __init__(self, addresses: list[str], *, max_concurrent_requests: int = 256, request_timeout_s: float = 3600.0,
                  max_retries: int = 3, retry_backoff_s: float = 1.0, connect_timeout_s: float = 30.0,
-                 version_cache_key: bool = True):
+                 version_cache_key: bool = True, sampling_seed: int | None = None):
         if isinstance(addresses, str):
             addresses = [addresses]
         if not addresses:
@@ -80,6 +88,7 @@ class InferenceClient:
         self.retry_backoff_s = retry_backoff_s
         self.version = 0
         self.version_cache_key = version_cache_key
+        self.sampling_seed = sampling_seed
         self._routes: dict = {}  # trajectory_id -> address
         self._live_trajectories = {a: 0 for a in self.addresses}
         self._in_flight = {a: 0 for a in self.addresses}
@@ -115,6 +124,9 @@ class InferenceClient:
         server reported as `length` (SGLang checks length first). Give the same `trajectory_id` for
         every turn of one episode (and call `end_trajectory` at its end) to keep it on one server.
         `extra_sampling_params` go into SGLang's sampling_params as they are (e.g. min_p).
+        With the client's `sampling_seed`, each request of a trajectory is sampled with the seed
+        `request_seed(sampling_seed, trajectory_id, its input length)`: a run whose trajectory ids
+        are a function of its data (item index, sample) samples the same tokens again.
 
         An abort that is not a pause (a server-side timeout, a failed forward, `abort_request`)
         raises `GenerationAborted`: that turn's output is not what the policy would have written,
@@ -152,6 +164,9 @@ class InferenceClient:
                             "return_text_in_logprobs": bool(stop)}
                     if self.version_cache_key:  # prefixes cached under other weights are not reused
                         body["extra_key"] = f"policy-v{version}"
+                    if self.sampling_seed is not None and trajectory_id is not None and "sampling_seed" not in sampling:
+                        body["sampling_params"]["sampling_seed"] = request_seed(
+                            self.sampling_seed, trajectory_id, len(prompt) + len(output_ids))
                     answer = await self._request("POST", address, "/generate", body)
                 finally:
                     self._semaphore.release()

@@ -8,6 +8,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import safetensors.torch
 import torch
 
 import train_reflect as tr
@@ -453,6 +454,30 @@ def test_two_grpo_steps_run_end_to_end_and_resume(mode, weight_sync, pause_mode,
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     assert [r["step"] for r in rows if "rollout/reward" in r] == [1, 2, 3]
     assert rows[-2]["logprob/server_trainer_abs_diff_mean"] < 0.05  # the resumed weights reached the server
+
+
+@pytest.mark.slow
+def test_async_at_max_staleness_0_reproduces_sync_exactly(tmp_path):
+    # Same seeds, seeded sampling: the same trajectories each step and the same weights at the end.
+    runs = {}
+    for mode in ("sync", "async"):
+        run_dir = str(tmp_path / mode)
+        tr.main(config="configs/reflect_tiny.yaml", run_dir=run_dir, mode=mode, max_staleness=0, seeded_sampling=True,
+                **{**E2E, "max_steps": 3, "checkpoint_every": 0, "test_size": 2})
+        rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+        traces = [json.loads(line) for line in open(os.path.join(run_dir, "traces.jsonl"))]
+        weights = safetensors.torch.load_file(os.path.join(run_dir, "final", "model.safetensors"))
+        runs[mode] = ([r for r in rows if "rollout/reward" in r], traces, weights)
+    (sync_rows, sync_traces, sync_weights), (async_rows, async_traces, async_weights) = runs["sync"], runs["async"]
+    assert len(sync_rows) == len(async_rows) == 3
+    for a, b in zip(sync_rows, async_rows):
+        assert a["rollout/reward"] == b["rollout/reward"] and a["rollout/gen_tokens"] == b["rollout/gen_tokens"] > 0
+        assert b["rollout/staleness_max"] == 0 and a["loss/loss"] == pytest.approx(b["loss/loss"], abs=1e-6)
+    assert sum(r["loss/grad_norm"] for r in sync_rows) > 0  # the weights moved
+    step_tokens = lambda traces: sorted((t["step"], t["tokens"]["id"], t["tokens"]["ver"]) for t in traces)  # noqa: E731
+    assert sync_traces and step_tokens(sync_traces) == step_tokens(async_traces)
+    for name, w in sync_weights.items():
+        torch.testing.assert_close(async_weights[name], w, rtol=0, atol=1e-6)
 
 
 @pytest.mark.slow
