@@ -17,7 +17,7 @@ from lib.client import InferenceClient  # noqa: E402
 from lib.openai_proxy import OpenAIProxy  # noqa: E402
 from lib.scripted_server import Reply  # noqa: E402
 from lib.tiny_model import TOOLS_CHAT_TEMPLATE  # noqa: E402
-from tests.test_openai_proxy import tokenizer, user  # noqa: E402, F401 (a fixture)
+from tests.test_openai_proxy import smollm2_tokenizer, tokenizer, user  # noqa: E402, F401 (fixtures)
 
 
 class TimedServer:
@@ -496,3 +496,33 @@ def test_closing_the_proxy_cancels_generations_in_flight_instead_of_waiting_for_
     closed_after_s, episode = with_proxy(tokenizer, server, agent)
     assert closed_after_s < 1.0  # was 5 s here (aiohttp waited for the handler, up to 60 s)
     assert server.cancelled == [0] and server.answered == [] and episode["requests"] == 0
+
+
+@pytest.mark.parametrize("model", ["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
+def test_the_logprob_bytes_of_any_texts_tokens_add_up_to_its_utf8_as_tokenized(request, tokenizer, model):
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from lib.chat_format import token_bytes_reader
+    tok = tokenizer if model == "tiny" else request.getfixturevalue("smollm2_tokenizer")
+    read = token_bytes_reader(tok)
+
+    @settings(max_examples=200, deadline=None, database=None)
+    @given(text=st.text(st.characters(exclude_categories=("Cs",)), max_size=40))
+    def check(text):
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        entries = [read(i) for i in ids]
+        # the text as tokenized: the tokenizer's normalizer may have changed it (NFC: U+2F800 is U+4E3D), and a
+        # vocabulary without some byte drops it (SmolLM2 has no 0xF1): the decoding shows what the tokens hold
+        assert bytes(b for _, raw in entries for b in raw).decode(errors="replace") == tok.decode(ids)
+        for token, raw in entries:  # the text is the bytes, or says which bytes they are
+            assert token == (bytes(raw).decode() if _utf8(raw) else "bytes:" + "".join(f"\\x{b:02x}" for b in raw))
+    check()
+
+
+def _utf8(raw: list[int]) -> bool:
+    try:
+        bytes(raw).decode()
+        return True
+    except UnicodeDecodeError:
+        return False
