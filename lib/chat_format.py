@@ -4,6 +4,7 @@
     continuation_ids(tokenizer, history, messages, tools)   # only the tokens that follow `history`'s last assistant turn
     parse_tool_calls(text)                          # Qwen2.5 / Hermes `<tool_call>{json}</tool_call>` -> OpenAI tool_calls
     template_renders_tools(tokenizer)               # False: pass tools_as_text=True to the two renderers above
+    token_bytes_reader(tokenizer)(token_id)         # (text, UTF-8 bytes) of a sampled token, as OpenAI's logprobs show it
 
 Messages arrive in OpenAI's shape (content as a string, a list of text parts or null; assistant
 `tool_calls` with `arguments` as a JSON string) and are rendered in the shape HF chat templates
