@@ -115,6 +115,23 @@ def test_non_utf8_bytes_are_replaced():
     assert r.stdout == "a\ufffd\ufffdb\n" and r.returncode == 0
 
 
+def test_odd_code_is_reported_not_raised():
+    assert run_python("print(1)\x00").stderr == "SyntaxError: source code string cannot contain null bytes\n"
+    r = run_python("print('\ud800')")  # a lone surrogate, as a model's broken output may hold
+    assert r.returncode == 1 and "surrogates not allowed" in r.stderr
+
+
+def test_the_limits_are_set_as_asked():
+    code = ("import resource as r\nfor n in ('CPU', 'AS', 'FSIZE', 'NPROC', 'NOFILE', 'CORE'):\n"
+            "    print(n, *r.getrlimit(getattr(r, 'RLIMIT_' + n)))")
+    r = run_python(code, timeout_s=2.5, memory_mb=300, max_file_mb=3, max_processes=5)
+    limits = {line.split()[0]: tuple(map(int, line.split()[1:])) for line in r.stdout.splitlines()}
+    assert limits["CPU"] == (4, 5)  # ceil(2.5) + 1 s, then SIGKILL a second later
+    assert limits["AS"] == (300 << 20,) * 2 and limits["FSIZE"] == (3 << 20,) * 2
+    assert limits["NOFILE"] == (256, 256) and limits["CORE"] == (0, 0)
+    assert limits["NPROC"][0] >= 5  # not as root without namespaces, the caller's tasks are added
+
+
 def test_bad_arguments_raise_errors_that_name_them():
     for kwargs, name in [({"timeout_s": -1}, "timeout_s"), ({"timeout_s": float("nan")}, "timeout_s"),
                          ({"memory_mb": 0}, "memory_mb"), ({"max_output_bytes": "64k"}, "max_output_bytes"),
@@ -123,6 +140,8 @@ def test_bad_arguments_raise_errors_that_name_them():
             run_python("print(1)", **kwargs)
     with pytest.raises(TypeError, match="code must be a str"):
         run_python(b"print(1)")
+    with pytest.raises(ValueError, match="code is longer than"):
+        run_python("#" * (2 << 20))
 
 
 def test_installed_packages_are_importable_only_with_site_packages():
@@ -267,6 +286,19 @@ def test_as_root_the_callers_home_and_tmp_are_hidden(tmp_path):
                    "print([n for n in os.listdir(os.path.expanduser('~root')) if not n.startswith('.pyenv')])")
     assert r.stdout.splitlines()[0] == f"False {os.path.expanduser('~root')}"
     assert r.stdout.splitlines()[1] in ("[]", "") or "PermissionError" in r.stderr
+
+
+def test_concurrent_runs_do_not_see_each_others_files_or_the_callers_processes(isolation):
+    require_namespaces(isolation)
+
+    async def main():
+        writer = arun_python("open('/tmp/secret', 'w').write('s')\nimport time\ntime.sleep(0.5)")
+        reader = arun_python(f"import os, time\ntime.sleep(0.2)\nprint(os.listdir('/tmp'), "
+                             f"os.path.exists('/proc/{os.getpid()}'), sorted(int(p) for p in os.listdir('/proc') "
+                             "if p.isdigit()))")
+        return await asyncio.gather(writer, reader)
+    _, r = asyncio.run(main())
+    assert r.stdout == "[] False [1, 2]\n"  # its own /tmp; in /proc only its init and itself
 
 
 @needs_root
