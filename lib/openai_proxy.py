@@ -550,8 +550,7 @@ class OpenAIProxy:
             max_tokens = max_tokens or integer(name, 1)
         extra = {}
         constrained = _constrained_decoding(body, fields)
-        if constrained:
-            extra["json_schema"] = constrained
+        extra.update(constrained)
         return {
             "n": n, "sampling": self._sampling(session, body, constrained), "seed": seed,
             "max_tokens": max_tokens or self.default_max_tokens, "stop": stop or None, "extra": extra,
@@ -587,7 +586,7 @@ class OpenAIProxy:
                                     f"evaluation episode may set it: proxy.new_session(train=False)",
                                param=name, code="sampling_fixed_for_training")
         if constrained:
-            raise _Refused(400, "structured output (response_format / text.format json) constrains sampling to a grammar "
+            raise _Refused(400, "structured output (response_format / text.format json, regex) constrains sampling to a grammar "
                                 "the trainer does not apply when it recomputes log-probs, so training on it would get "
                                 "wrong importance weights; parse the model's text instead, or use it in an evaluation "
                                 "episode: proxy.new_session(train=False)", param=constrained_field(body),
@@ -808,13 +807,13 @@ _ENDPOINTS = {"/v1/chat/completions": "POST", "/v1/responses": "POST", "/v1/comp
 # its length limit, and whether its tools are flat ({"type": "function", "name": ...}: Responses).
 _CHAT_FIELDS = {
     "read": {"model", "messages", "max_tokens", "max_completion_tokens", "stop", "seed", "n", "stream", "stream_options",
-             "tools", "tool_choice", "logprobs", "top_logprobs", "response_format", *_SAMPLING},
+             "tools", "tool_choice", "logprobs", "top_logprobs", "response_format", "regex", *_SAMPLING},
     "neutral": {"logit_bias": ({},), "functions": (), "function_call": (), "reasoning_effort": (),
                 "modalities": (["text"],), "audio": (), "prediction": (), "web_search_options": ()},
     "max_tokens": ("max_completion_tokens", "max_tokens"), "flat_tools": False}
 _COMPLETION_FIELDS = {
     "read": {"model", "prompt", "max_tokens", "stop", "seed", "n", "stream", "stream_options", "logprobs", "echo",
-             "suffix", "best_of", *_SAMPLING},
+             "suffix", "best_of", "regex", *_SAMPLING},
     "neutral": {"logit_bias": ({},)}, "max_tokens": ("max_tokens",), "flat_tools": False}
 _RESPONSES_FIELDS = {
     "read": {"model", "input", "instructions", "max_output_tokens", "tools", "tool_choice", "stream", "stream_options",
@@ -886,10 +885,22 @@ def _check_tool_messages(messages: list[dict]):
         calls, caller = ([c["id"] for c in m["tool_calls"]], i) if m.get("tool_calls") else (None, None)
 
 
-def _constrained_decoding(body: dict, fields: dict) -> str | None:
-    """The JSON schema (as text, SGLang's sampling_params.json_schema) that `response_format` (chat,
-    completions) or `text.format` (Responses) asks the reply to follow, or None for plain text."""
-    field = constrained_field(body)
+def _constrained_decoding(body: dict, fields: dict) -> dict:
+    """SGLang's sampling params for structured output: `json_schema` (as text) for `response_format`
+    (chat, completions) or `text.format` (Responses), `regex` for the `regex` extension (SGLang's
+    and vLLM's extra_body), or {} for plain text."""
+    regex = body.get("regex")
+    if regex is not None and (not isinstance(regex, str) or not regex or lone_surrogate(regex)):
+        raise _Refused(400, "regex must be a non-empty string (a regular expression the reply must match)", param="regex")
+    schema = _json_schema(body, fields)
+    if schema is not None and regex is not None:
+        raise _Refused(400, "give one of response_format and regex: the server constrains a reply to one grammar",
+                       param="regex")
+    return {"json_schema": schema} if schema is not None else {"regex": regex} if regex is not None else {}
+
+
+def _json_schema(body: dict, fields: dict) -> str | None:
+    field = "text.format" if "text" in body else "response_format"
     spec = (body.get("text") or {}).get("format") if fields is _RESPONSES_FIELDS and isinstance(body.get("text"), dict) \
         else body.get("response_format")
     if fields is _RESPONSES_FIELDS and body.get("text") is not None and not isinstance(body.get("text"), dict):
@@ -910,7 +921,7 @@ def _constrained_decoding(body: dict, fields: dict) -> str | None:
 
 
 def constrained_field(body: dict) -> str:
-    return "text.format" if "text" in body else "response_format"
+    return "regex" if body.get("regex") is not None else "text.format" if "text" in body else "response_format"
 
 
 def _usage(plan: dict, turns: list[dict]) -> dict:

@@ -351,9 +351,16 @@ def test_response_format_reaches_sglang_as_a_json_schema_and_the_cpu_server_name
                 "type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
             await llm.chat.completions.create(model="policy", messages=[user("Q")],
                                               response_format={"type": "json_object"})
+            await llm.completions.create(model="policy", prompt="Q:", extra_body={"regex": "[A-Z][a-z]+"})
+            with pytest.raises(openai.BadRequestError) as both:
+                await llm.chat.completions.create(model="policy", messages=[user("Q")], extra_body={"regex": "a+"},
+                                                  response_format={"type": "json_object"})
+        return both.value.param
 
-    _, server = scripted(tokenizer, [Reply('{"answer": "Pem"}', eos=True)], agent)
-    assert [json.loads(b["sampling_params"]["json_schema"]) for b in server.requests] == [schema, {"type": "object"}]
+    both, server = scripted(tokenizer, [Reply('{"answer": "Pem"}', eos=True)], agent)
+    assert [json.loads(b["sampling_params"]["json_schema"]) for b in server.requests[:2]] == [schema, {"type": "object"}]
+    assert server.requests[2]["sampling_params"]["regex"] == "[A-Z][a-z]+" and "json_schema" not in server.requests[2]["sampling_params"]
+    assert both == "regex" and len(server.requests) == 3
     with pytest.raises(BadRequest, match="json_schema.*not supported by lib.cpu_server.*use SGLang"):
         parse_sampling_params({"json_schema": json.dumps(schema)}, vocab_size=100)
 
