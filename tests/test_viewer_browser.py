@@ -290,6 +290,13 @@ def test_smoothing_log_y_wall_time_unified_hover_toolbar_and_csv_of_the_shown_se
     hover = page.locator('.plot[data-title="reward"] .hoverlayer').text_content()
     assert "long · rollout/reward" in hover and "short · rollout/reward" in hover  # both runs at one step
     shot(page, "viewer_plots.png", tmp_path)
+    # a long series is drawn thinned, its peak kept, every point of a zoomed range drawn
+    thinned = page.evaluate("""() => {
+        const x = [...Array(5000).keys()], y = x.map(i => i === 1234 ? 99 : Math.sin(i));
+        const whole = decimate({x, y, raw: y}, null), zoomed = decimate({x, y, raw: y}, [2000, 2999]);
+        return [whole.x.length, whole.y.includes(99), zoomed.x.filter(v => v >= 2000 && v <= 2999).length];
+    }""")
+    assert thinned[0] <= 600 and thinned[1] and thinned[2] == 1000
     # the Plotly toolbar downloads a PNG; CSV exports the shown series
     plot(page, "reward")
     reward = page.locator('.plot[data-title="reward"]')
