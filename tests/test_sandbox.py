@@ -116,7 +116,8 @@ def test_non_utf8_bytes_are_replaced():
 
 
 def test_odd_code_is_reported_not_raised():
-    assert run_python("print(1)\x00").stderr == "SyntaxError: source code string cannot contain null bytes\n"
+    r = run_python("print(1)\x00")  # SyntaxError or ValueError, by Python version
+    assert r.returncode == 1 and r.stderr.endswith("Error: source code string cannot contain null bytes\n")
     r = run_python("print('\ud800')")  # a lone surrogate, as a model's broken output may hold
     assert r.returncode == 1 and "surrogates not allowed" in r.stderr
 
