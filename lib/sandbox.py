@@ -13,13 +13,14 @@ namespaces, only the rlimits, a new session and a temporary directory remain (`i
 
 How a run starts: a warm interpreter (this file run as a script, `--server`) is started once per
 calling process and forks once per run; the caller hands it the code and the pipes over a Unix
-socket. `warm=False` starts a fresh interpreter per run instead (about 4x slower, same guarantees;
+socket. `warm=False` starts a fresh interpreter per run instead (about 5x slower, same guarantees;
 bench/bench_sandbox.py measures both). The caller's own process is never forked, so it may have
 threads.
 
 Processes of one run (with namespaces):
     C       the run's session leader (caller's uid); waits for the caller to release it, then kills
-            its whole process group. The caller kills this group too.
+            and reaps init, then kills its own process group. The caller kills that group itself
+            only while C or init still holds the status pipe (so never a reused pid).
     init    pid 1 of the run's PID namespace: mounts, then waits for the user process and reports
             its exit status; when it exits the kernel kills every process left in the namespace.
     user    the code, as the run's uid (as root) or the caller's with no capabilities, with rlimits,
