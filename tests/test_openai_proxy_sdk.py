@@ -402,8 +402,9 @@ def test_a_client_built_once_on_a_sessions_base_url_is_recorded_in_that_session(
 
 
 # --- 6. the Responses API (the OpenAI Agents SDK) and /v1/completions ---
-@pytest.mark.parametrize("streamed", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_an_openai_agents_sdk_agent_with_a_function_tool_runs_through_the_responses_api(tokenizer, streamed):
+@pytest.mark.parametrize("api, streamed", [("responses", False), pytest.param("responses", True, marks=pytest.mark.slow),
+                                           pytest.param("chat", False, marks=pytest.mark.slow)])
+def test_an_openai_agents_sdk_agent_with_a_function_tool_runs_through_the_proxy(tokenizer, api, streamed):
     agents = pytest.importorskip("agents")
     agents.set_tracing_disabled(True)  # no trace export to OpenAI's servers
     looked_up = []
@@ -417,7 +418,8 @@ def test_an_openai_agents_sdk_agent_with_a_function_tool_runs_through_the_respon
     async def agent(proxy):
         key = proxy.new_session()
         async with openai.AsyncOpenAI(base_url=proxy.session_url(key), api_key="unused", max_retries=0) as llm:
-            model = agents.OpenAIResponsesModel(model="policy", openai_client=llm)
+            model = (agents.OpenAIResponsesModel if api == "responses" else agents.OpenAIChatCompletionsModel)(
+                model="policy", openai_client=llm)
             bot = agents.Agent(name="searcher", instructions="Answer with a name.", tools=[search], model=model)
             if streamed:
                 run = agents.Runner.run_streamed(bot, "Who founded the Ostrel Guild?")
