@@ -380,7 +380,9 @@ async def arun_episode_openai(proxy: OpenAIProxy, tokenizer, reflection_ids, rew
     tokens it is arun_episode's, id for id (tests/test_reflect.py checks)."""
     from openai import BadRequestError  # only this path needs the SDK
 
-    key = proxy.new_session()  # one episode = one session; its key is the agent's API key
+    # one episode = one session; its key is the agent's API key. A training session samples at the
+    # trainer's temperature only (the proxy refuses others); evaluation (greedy) is not trained on.
+    key = proxy.new_session(train=temperature != 0.0)
     llm = openai_client(proxy, cfg.openai_http_client).with_options(api_key=key)
     messages = [{"role": "user", "content": PROMPT_TEMPLATE.format(question=item["question"])}]
     score, turns, finish, texts = 0.0, 0, "max_turns", []
@@ -694,7 +696,8 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
         # The agent's chat requests go to this OpenAI-compatible server, which generates through
         # `client` and records every sampled token; its context budget is the episode's.
         proxy = OpenAIProxy(client, tokenizer, stop_token_ids=cfg.stop_token_ids, max_context_tokens=cfg.max_tokens,
-                            default_max_tokens=cfg.max_new_tokens_per_turn)
+                            default_max_tokens=cfg.max_new_tokens_per_turn,
+                            train_sampling={"temperature": cfg.temperature})
         run(proxy.start())
     episode_args = (proxy or client, tokenizer, reflection_ids, reward_pool, cfg)
     if is_main:

@@ -234,7 +234,7 @@ async def arun_episode(proxy: OpenAIProxy, http, retrieval_addr: str, cfg: Confi
     """Run the agent once as it would run anywhere; the proxy session records it. The result's
     `segments` are training sequences (one per unbroken conversation; a LangGraph ReAct loop only
     appends, so one) that share the episode's reward."""
-    key = proxy.new_session()
+    key = proxy.new_session(train=temperature != 0.0)  # evaluation (greedy) is not trained on
     llm = ChatOpenAI(model="policy", base_url=proxy.url, api_key=key, temperature=temperature,
                      max_tokens=cfg.max_new_tokens_per_turn, max_retries=0, http_async_client=chat_http_client())
     counts = {"searches": 0, "failures": 0}
@@ -449,7 +449,8 @@ def main(config: str | None = "configs/langgraph_search_tiny.yaml", **overrides)
     run = bg.run
     client = InferenceClient(addrs)
     proxy = OpenAIProxy(client, tokenizer, stop_token_ids=cfg.stop_token_ids, max_context_tokens=cfg.max_tokens,
-                        default_max_tokens=cfg.max_new_tokens_per_turn)
+                        default_max_tokens=cfg.max_new_tokens_per_turn,
+                        train_sampling={"temperature": cfg.temperature})
     run(proxy.start())
 
     async def open_http():
