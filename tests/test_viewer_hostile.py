@@ -314,6 +314,17 @@ def test_metric_and_run_names_reach_the_page_as_json_data_that_cannot_end_its_sc
     assert "name: esc(t.key)" in page and "title: {text: esc(title)" in page
 
 
+@pytest.mark.parametrize("config", [b"{oops", b"[1, 2]", b"[" * 100_000, b'{"lr": "<script>alert(1)</script>"}',
+                                    b'{"a": ' * 50 + b"1" + b"}" * 50, b"\xff\xfe"])
+def test_a_config_file_that_is_not_a_mapping_or_holds_markup_is_named_or_escaped_and_the_page_renders(tmp_path, config):
+    run = write_run(tmp_path / "run", [record()])
+    with open(os.path.join(run, "config.json"), "wb") as f:
+        f.write(config)
+    page = render_page([run], {}, {})
+    assert 'class="group"' in page and "<script>alert" not in page
+    assert "(unreadable)" in page or "&lt;script&gt;alert(1)" in page or "a.a.a.a" in page
+
+
 # --- the JSON endpoints ---
 @pytest.mark.parametrize("path, param", [
     ("/api/series?run=nan", "run"), ("/api/series?run=5", "run"), ("/api/series?run=-1", "run"),
