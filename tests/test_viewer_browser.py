@@ -229,7 +229,7 @@ def test_d7_a_200_kb_tool_output_is_folded_after_its_first_characters(page, base
     assert len(tool.inner_text()) > 199_000 and tool.bounding_box()["height"] > height_folded
 
 
-def test_d8_series_come_as_json_plotly_from_the_viewer_unknown_metrics_by_prefix_and_a_run_can_be_hidden(page, base):
+def test_d8_series_come_as_json_plotly_from_the_viewer_unknown_metrics_by_prefix_and_a_run_can_be_hidden(page, base, tmp_path):
     requests = []
     page.on("request", lambda r: requests.append(r.url))
     open_page(page, base + "?step=12")
@@ -254,6 +254,8 @@ def test_d8_series_come_as_json_plotly_from_the_viewer_unknown_metrics_by_prefix
                                .querySelector('.gtitle').textContent""", EVIL_METRIC) == EVIL_METRIC
     assert page.locator("#extra-plots img").count() == 0
     assert evil["data"][0]["name"].startswith("&lt;img")
+    plot(page, "tool/*")
+    shot(page, "viewer_other_metrics.png", tmp_path, clip_to="#extra-plots")
     # hiding a run removes it from every panel
     assert len(plot(page, "tool/*")["data"]) == 4
     page.locator('.run-toggle[data-run="1"]').uncheck()
@@ -281,7 +283,7 @@ def test_smoothing_log_y_wall_time_unified_hover_toolbar_and_csv_of_the_shown_se
     short_x = [t for t in wall["data"] if "short" in t["hover"]][-1]["x"]
     assert short_x == [0.5, 1.0, 1.5]  # the short run's own clock
     page.select_option("#xaxis", "step")
-    page.locator("#smoothing").fill("0")
+    page.locator("#smoothing").fill("0.6")  # the screenshot shows it
     info = plot(page, "reward")
     assert info["layout"]["hovermode"] == "x unified"
     box = page.locator('.plot[data-title="reward"] .nsewdrag').first.bounding_box()
@@ -290,6 +292,7 @@ def test_smoothing_log_y_wall_time_unified_hover_toolbar_and_csv_of_the_shown_se
     hover = page.locator('.plot[data-title="reward"] .hoverlayer').text_content()
     assert "long · rollout/reward" in hover and "short · rollout/reward" in hover  # both runs at one step
     shot(page, "viewer_plots.png", tmp_path)
+    page.locator("#smoothing").fill("0")
     # a long series is drawn thinned, its peak kept, every point of a zoomed range drawn
     thinned = page.evaluate("""() => {
         const x = [...Array(5000).keys()], y = x.map(i => i === 1234 ? 99 : Math.sin(i));
