@@ -27,23 +27,26 @@ Processes of one run (with namespaces):
             cwd /tmp, stdin at EOF.
 Without namespaces C forks the user process itself and reports its exit status.
 """
+import atexit
 import dataclasses
 import fcntl
 import json
 import math
 import os
+import resource
 import selectors
 import signal
 import socket
 import sys
 import threading
 import time
+import types
 
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x10000000
 CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
-PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 36, 38
 
 # Each concurrent run as root gets a uid of its own, so RLIMIT_NPROC (a per-uid count) bounds that
 # run alone. Slots are claimed with a lock file, so concurrent callers on one machine do not share.
@@ -186,7 +189,6 @@ def _setup_mounts(uid: int, gid: int, dir_mb: int, extra_paths: list[str]):
 
 
 def _set_limits(req: dict, nproc: int):
-    import resource
     cpu_s = math.ceil(req["timeout_s"]) + 1  # wall time kills first; this bounds a runaway thread pool
     mem = req["memory_mb"] << 20
     for name, soft, hard in [("RLIMIT_CPU", cpu_s, cpu_s + 1), ("RLIMIT_AS", mem, mem),
@@ -220,7 +222,12 @@ def _become_user(req: dict, fds: dict, uid: int | None, nproc: int, namespaces: 
     os.dup2(devnull, 0)
     os.dup2(fds["out"], 1)
     os.dup2(fds["err"], 2)
-    os.closerange(3, 1 << 16)
+    views = {}
+    if uid is not None and not namespaces:  # nothing hides or rebinds anything: see _fd_views
+        views = _fd_views(req["site_paths"])
+    _libc()  # ctypes, imported while the stdlib is surely reachable
+    os.closerange(3, min(views.values(), default=1 << 16))
+    os.closerange(256, 1 << 16)
     if namespaces:  # a session of its own in its PID namespace, so that killpg(0) cannot reach C
         os.setsid()
     os.chdir("/tmp" if namespaces else req["work_dir"])
@@ -231,9 +238,35 @@ def _become_user(req: dict, fds: dict, uid: int | None, nproc: int, namespaces: 
     os.umask(0o077)
     _prctl(PR_SET_NO_NEW_PRIVS, 1)
     _drop_capabilities()
+    if views:
+        _prctl(PR_SET_DUMPABLE, 1)  # /proc/self/fd is root's after a change of uid, unless dumpable
+        sys.path = [_through_views(p, views) for p in sys.path]
+        for module in list(sys.modules.values()):  # packages already imported find their submodules
+            if isinstance(getattr(module, "__path__", None), list):
+                module.__path__[:] = [_through_views(p, views) for p in module.__path__]
     _set_limits(req, nproc)
-    sys.path += req["site_paths"]
+    sys.path += [_through_views(p, views) for p in req["site_paths"]]
     return code.decode("utf-8", "surrogatepass")
+
+
+def _fd_views(extra_paths: list[str]) -> dict[str, int]:
+    """Without namespaces, as root: the interpreter's directories that the run's uid cannot reach
+    (pyenv under root's 0700 home) stay importable through /proc/self/fd/N, a link that does not
+    check the directories above N. Opened now, as root, at the top fd numbers (below RLIMIT_NOFILE)."""
+    views = {}
+    for path in _python_paths(extra_paths):
+        if _unreachable_ancestor(path) is not None:
+            fd = os.open(path, os.O_PATH | os.O_DIRECTORY)
+            views[path] = os.dup2(fd, 255 - len(views))
+            os.close(fd)
+    return views
+
+
+def _through_views(path: str, views: dict[str, int]) -> str:
+    for root, fd in views.items():
+        if path == root or path.startswith(root + "/"):
+            return f"/proc/self/fd/{fd}" + path[len(root):]
+    return path
 
 
 def _drop_capabilities():
@@ -362,8 +395,11 @@ def _run_child(req: dict, fds: dict) -> str | None:
     except BaseException as e:
         try:
             os.write(status_fd, f"fail {type(e).__name__}: {e}\n".encode(errors="replace"))
-        except OSError:
-            pass
+        except OSError:  # the user process had closed it already: say it on its stderr
+            try:
+                os.write(2, f"sandbox: {type(e).__name__}: {e}\n".encode(errors="replace"))
+            except OSError:
+                pass
     os.killpg(0, signal.SIGKILL)
     os._exit(1)
 
@@ -373,8 +409,6 @@ def _exec_user_code(code: str):
     sys.exit's code, then what the interpreter's exit does that the code can see (non-daemon threads
     joined, atexit functions, streams flushed), but not the teardown of every module, which would
     cost a warm interpreter's fork 20 ms."""
-    import atexit
-    import types
     main = types.ModuleType("__main__")
     sys.modules["__main__"] = main
     sys.argv = ["-c"]
@@ -429,7 +463,7 @@ def _serve(sock_fd: int) -> str:
     _prctl(PR_SET_CHILD_SUBREAPER, 1)  # a run's orphans come to us, and SIG_IGN below reaps them
     _NAMESPACES_WORK = _namespaces_work()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # runs are reaped by the kernel
-    import atexit, resource, types  # noqa: F401  imported once here, not in each run
+    _libc()  # ctypes imported once here, not in each run
     sock = socket.socket(fileno=sock_fd)
     while True:
         msg, ancdata, _, _ = sock.recvmsg(1 << 16, socket.CMSG_SPACE(len(FD_NAMES) * 4))
