@@ -463,9 +463,9 @@ class OpenAIProxy:
         if message.get("reasoning_content"):
             output.append({"type": "reasoning", "id": "rs_" + uuid.uuid4().hex, "status": "completed",
                            "summary": [], "content": [{"type": "reasoning_text", "text": message["reasoning_content"]}]})
-        if message["content"]:
+        if message["content"] or not message.get("tool_calls"):  # an empty reply is an empty message, as OpenAI's
             output.append({"type": "message", "id": "msg_" + uuid.uuid4().hex, "role": "assistant", "status": "completed",
-                           "content": [{"type": "output_text", "text": message["content"], "annotations": [],
+                           "content": [{"type": "output_text", "text": message["content"] or "", "annotations": [],
                                         "logprobs": turn["logprobs"] if params["logprobs"] else []}]})
         for call in message.get("tool_calls", []):
             output.append({"type": "function_call", "id": "fc_" + call["id"], "call_id": call["id"],
