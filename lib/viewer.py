@@ -2,18 +2,21 @@
 
     python -m lib.viewer runs/search_tiny [runs/other ...]      # then open http://127.0.0.1:8765
     python -m lib.viewer runs/search_tiny --out page.html       # or one self-contained file
+    python -m lib.viewer runs/search_tiny --out page.html --steps 10-20
 
 A page served on 127.0.0.1: every request reads the run dirs again (only what was appended), so a
-refresh shows a live run's new steps, and only the steps on screen are rendered however long the
-run. Plots are Plotly (its JS comes from the pip package: no CDN, works offline); HTML is a Jinja2
-template with autoescaping, because model output is untrusted. Everything it needs is in the run
-dir (metrics.jsonl, traces.jsonl), so a run copied from another machine is shown the same way.
+refresh shows a live run's new steps. The page (a Jinja2 template with autoescaping, because model
+output is untrusted) holds the episodes on screen; the plots' series come as JSON from
+/api/series (only the rows the page does not have yet) and are drawn in the page by Plotly (its JS
+comes from the pip package: no CDN, works offline); /api/episode gives one episode's tokens (the
+token diff). Everything it needs is in the run dir (metrics.jsonl, traces.jsonl, config.json), so a
+run copied from another machine is shown the same way.
 """
 import argparse
 import functools
 import html
-import json
 import ipaddress
+import json
 import math
 import operator
 import os
@@ -30,7 +33,6 @@ from lib.viewer_data import (PANELS, SORTS, MetricsIndex, TraceIndex, decode_lin
                               is_number, metric_series, sort_entries)
 
 RUN_COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
-DASHES = ["solid", "dash", "dot", "dashdot", "longdash"]
 MAX_EPISODES_SHOWN = 64  # a page of episodes; a filter over every step can match thousands (paged)
 MAX_EPISODES_OUT = 1000  # episodes in one --out file
 FOLD_CHARS = 2000  # a turn's text past this many characters is folded
