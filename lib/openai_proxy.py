@@ -538,8 +538,10 @@ class OpenAIProxy:
             top_logprobs, logprobs = integer("logprobs", 0, 5), logprobs is not None
         else:
             top_logprobs = integer("top_logprobs", 0, 20)
-            logprobs = bool(logprobs) or (fields is _RESPONSES_FIELDS and "message.output_text.logprobs"
-                                          in (body.get("include") or []))
+            include = body.get("include") or []
+            if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
+                raise _Refused(400, "include must be a list of strings", param="include")
+            logprobs = bool(logprobs) or "message.output_text.logprobs" in include
         if top_logprobs:
             raise _Refused(400, "top_logprobs is not available: lib.client asks the inference server for each sampled "
                                 "token's log-prob only (logprobs: true gives those); leave top_logprobs out or 0",
@@ -548,12 +550,10 @@ class OpenAIProxy:
         max_tokens = None
         for name in fields["max_tokens"]:
             max_tokens = max_tokens or integer(name, 1)
-        extra = {}
-        constrained = _constrained_decoding(body, fields)
-        extra.update(constrained)
+        constrained = _constrained_decoding(body, fields)  # SGLang's json_schema or regex, or {}
         return {
             "n": n, "sampling": self._sampling(session, body, constrained), "seed": seed,
-            "max_tokens": max_tokens or self.default_max_tokens, "stop": stop or None, "extra": extra,
+            "max_tokens": max_tokens or self.default_max_tokens, "stop": stop or None, "extra": constrained,
             "tools": tools, "parse_tools": bool(tools) and tool_choice != "none",
             "stream": bool(stream), "include_usage": bool(stream_options.get("include_usage")), "logprobs": logprobs,
         }
@@ -597,6 +597,7 @@ class OpenAIProxy:
         messages = to_template_messages(messages, self.max_prompt_chars)
         _check_tool_messages(messages)
         return messages
+
     # --- generation ---
     async def _generate(self, session: _Session, params: dict) -> tuple[dict, list[dict]]:
         """The request's prompt (planned against the session's record), its `n` samples, and each

@@ -471,14 +471,15 @@ def test_a_responses_request_it_cannot_serve_is_a_400_naming_its_field(tokenizer
             for fields in ({"input": [{"type": "function_call_output", "call_id": "c9", "output": "r"}]},
                            {"input": "Q", "previous_response_id": "resp_1"},
                            {"input": "Q", "tools": [{"type": "web_search"}]},
-                           {"input": [{"type": "image_generation_call", "id": "x"}]}):
+                           {"input": [{"type": "image_generation_call", "id": "x"}]},
+                           {"input": "Q", "include": 5}):
                 with pytest.raises(openai.BadRequestError) as e:
                     await llm.responses.create(model="policy", **fields)
                 out.append((e.value.param, e.value.message))
         return out, proxy.end_session(key)
 
     (out, episode), server = scripted(tokenizer, [Reply("x", eos=True)], agent)
-    assert [param for param, _ in out] == ["input", "previous_response_id", "tools", "input"]
+    assert [param for param, _ in out] == ["input", "previous_response_id", "tools", "input", "include"]
     assert "must answer a tool call" in out[0][1] and server.requests == [] and episode["requests"] == 0
 
 
