@@ -418,3 +418,33 @@ def test_any_responses_or_completions_body_gets_a_2xx_or_a_4xx_that_changes_noth
     if r.status_code == 400:
         assert r.json()["error"]["message"]
         assert len(server.requests) == sent and episode["requests"] == 0 and episode["segments"] == []
+
+
+_FIELDS = {"/chat/completions": ({"messages": [{"role": "user", "content": "Q"}]}, [
+               "temperature", "top_p", "top_k", "min_p", "presence_penalty", "repetition_penalty", "max_tokens", "stop",
+               "seed", "n", "stream", "stream_options", "tools", "tool_choice", "logprobs", "top_logprobs",
+               "response_format", "regex", "logit_bias", "user"]),
+           "/responses": ({"input": "Q"}, [
+               "instructions", "tools", "tool_choice", "stream", "text", "max_output_tokens", "temperature", "include",
+               "top_logprobs", "metadata", "truncation", "reasoning"]),
+           "/completions": ({"prompt": "Q:"}, [
+               "max_tokens", "stop", "seed", "n", "stream", "logprobs", "echo", "suffix", "best_of", "regex", "top_k"])}
+
+
+@settings(max_examples=80, deadline=None, database=None)
+@given(case=st.sampled_from(sorted(_FIELDS)).flatmap(
+    lambda path: st.tuples(st.just(path), st.sampled_from(_FIELDS[path][1]), _values)))
+def test_any_value_of_any_field_on_a_valid_request_gets_a_2xx_or_a_4xx_naming_it(live_proxy, case):
+    import requests
+
+    proxy, server = live_proxy
+    path, field, value = case
+    key = proxy.new_session()
+    sent = len(server.requests)
+    r = requests.post(proxy.url + path, data=json.dumps({**_FIELDS[path][0], field: value}, allow_nan=True),
+                      headers={"Authorization": f"Bearer {key}"}, timeout=10)
+    episode = proxy.end_session(key)
+    assert r.status_code in (200, 400), (r.status_code, r.text[:300])
+    if r.status_code == 400:
+        assert r.json()["error"]["param"] in (field, f"{field}.format", "text.format"), r.text[:300]
+        assert len(server.requests) == sent and episode["requests"] == 0
