@@ -69,19 +69,19 @@ def series_payload(run_i: int, run: dict, since: int = 0, generation: int | None
     `generation` is not the index's current one: the file was replaced or cut), as
     {name: [steps, values]}, values None where not finite. The page asks again with `since` = `rows`
     and appends: a refresh sends only the steps written since the last one."""
-    metrics = run["metrics"]
-    rows = metrics.rows
-    reset = generation != metrics.generation
+    state = run["metrics"]  # one snapshot: its rows are of its generation
+    rows = state["rows"]
+    reset = generation != state["generation"]
     since = 0 if reset else min(since, len(rows))
     series = {k: [steps, values] for k, (steps, values) in metric_series(rows[since:]).items()}
-    return {"run": run_i, "name": run["name"], "generation": metrics.generation, "reset": reset, "since": since,
+    return {"run": run_i, "name": run["name"], "generation": state["generation"], "reset": reset, "since": since,
             "rows": len(rows), "series": series, "last_step": run["last_step"], "tests": run["tests"],
             "bad": run["bad"][:20], "num_bad": len(run["bad"])}
 
 
 def metric_keys(runs: list[dict]) -> list[str]:
     """Every metric name any run has logged, sorted (the page lays out its panels from these)."""
-    return sorted(set().union(*(run["metrics"].keys for run in runs)))
+    return sorted(set().union(*(run["metrics"]["keys"] for run in runs)))
 
 
 # --- token colours ---
@@ -197,9 +197,10 @@ def load_run(run_dir: str, indexes: dict) -> dict:
     # setdefault is atomic: two first requests for a run share one index
     index = indexes.setdefault(("traces", run_dir), TraceIndex(os.path.join(run_dir, "traces.jsonl"))).refresh()
     metrics = indexes.setdefault(("metrics", run_dir), MetricsIndex(os.path.join(run_dir, "metrics.jsonl"))).refresh()
-    tests = metrics.tests
-    return {"dir": run_dir, "name": os.path.basename(os.path.abspath(run_dir)), "metrics": metrics, "index": index,
-            "entries": index.entries, "bad": metrics.bad + index.bad, "last_step": metrics.last_step,
+    state = metrics.state  # read once: a refresh by another request replaces it
+    tests = state["tests"]
+    return {"dir": run_dir, "name": os.path.basename(os.path.abspath(run_dir)), "metrics": state, "index": index,
+            "entries": index.entries, "bad": state["bad"] + index.bad, "last_step": state["last_step"],
             "tests": {k: v if (is_number(v) and math.isfinite(v)) or isinstance(v, str) else str(v)
                       for k, v in tests.items()}}
 

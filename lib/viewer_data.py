@@ -93,38 +93,40 @@ class MetricsIndex:
     """metrics.jsonl read as it grows: `refresh()` parses only the bytes appended since the last call
     (a running trainer appends a row a step) and starts over when the file was replaced or cut (a
     resumed run). `generation` changes on every start-over, so a client holding rows [0, n) of one
-    generation asks for the rest with `since=n` and gets everything again after a resume. `rows` and
-    `bad` are replaced, never changed in place: readers need no lock."""
+    generation asks for the rest with `since=n` and gets everything again after a resume. What a
+    reader sees is `state`, one dict replaced whole (never changed in place): a page reads it without
+    a lock, and its rows always belong to its generation."""
 
     def __init__(self, path: str):
         self.path = path
-        self.rows: list[dict] = []
-        self.bad: list[str] = []
-        self.keys: set[str] = set()  # every metric name logged
-        self.tests: dict = {}  # test/* values, the last of each
-        self.last_step: int | None = None  # of the last row with a rollout/reward
-        self.generation = 0
+        # rows; why lines were skipped; every metric name; test/* values (the last of each); the step of
+        # the last row with a rollout/reward
+        self.state = {"generation": 0, "rows": [], "bad": [], "keys": set(), "tests": {}, "last_step": None}
         self._read_to = self._lines = 0
         self._inode = None
         self._lock = threading.Lock()
 
+    rows = property(lambda self: self.state["rows"])
+    bad = property(lambda self: self.state["bad"])
+    keys = property(lambda self: self.state["keys"])
+    tests = property(lambda self: self.state["tests"])
+    last_step = property(lambda self: self.state["last_step"])
+    generation = property(lambda self: self.state["generation"])
+
     def refresh(self):
         with self._lock:
-            if not os.path.exists(self.path):
-                if self._inode is not None or self.rows:
-                    self.generation += 1
-                self.rows, self.bad, self._read_to, self._lines, self._inode = [], [], 0, 0, None
-                self.keys, self.tests, self.last_step = set(), {}, None
+            old = self.state
+            exists = os.path.exists(self.path)
+            st = os.stat(self.path) if exists else None
+            if not exists or st.st_ino != self._inode or st.st_size < self._read_to:  # start over
+                started = self._inode is not None or old["rows"] or old["bad"]
+                old = {"generation": old["generation"] + bool(started), "rows": [], "bad": [], "keys": set(),
+                       "tests": {}, "last_step": None}
+                self._read_to, self._lines, self._inode = 0, 0, st.st_ino if exists else None
+            if not exists or st.st_size == self._read_to:
+                self.state = old
                 return self
-            st = os.stat(self.path)
-            if st.st_ino != self._inode or st.st_size < self._read_to:
-                if self._inode is not None:
-                    self.generation += 1
-                self.rows, self.bad, self._read_to, self._lines, self._inode = [], [], 0, 0, st.st_ino
-                self.keys, self.tests, self.last_step = set(), {}, None
-            if st.st_size == self._read_to:
-                return self
-            rows, bad = list(self.rows), list(self.bad)
+            rows, bad = list(old["rows"]), list(old["bad"])
             with open(self.path, "rb") as f:
                 f.seek(self._read_to)
                 offset = self._read_to
@@ -137,15 +139,16 @@ class MetricsIndex:
                         rows.append(row)
                     offset += len(line)
             # what every page shows of the run, kept up to date here so a page does not walk every row
-            keys, tests, last_step = set(self.keys), dict(self.tests), self.last_step
-            for row in rows[len(self.rows):]:
+            keys, tests, last_step = set(old["keys"]), dict(old["tests"]), old["last_step"]
+            for row in rows[len(old["rows"]):]:
                 keys.update(row)
                 tests.update((k[len("test/"):], v) for k, v in row.items() if k.startswith("test/"))
                 if "rollout/reward" in row and (last_step is None or row["step"] > last_step):
                     last_step = row["step"]
             keys.discard("step")
-            self.rows, self.bad, self._read_to = rows, bad, offset
-            self.keys, self.tests, self.last_step = keys, tests, last_step
+            self._read_to = offset
+            self.state = {"generation": old["generation"], "rows": rows, "bad": bad, "keys": keys, "tests": tests,
+                          "last_step": last_step}
         return self
 
 
