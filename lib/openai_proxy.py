@@ -29,7 +29,9 @@ training sequence with the episode's reward. A turn is recorded only as its answ
 client: a client that disconnects cancels its generation, and a reply that fails to build is a 500
 that records nothing (docs/reliability.md has the limits on hostile requests).
 """
+import array
 import asyncio
+import collections
 import itertools
 import json
 import math
@@ -192,6 +194,7 @@ class OpenAIProxy:
         self.host, self.port = host, port
         self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
         self.sessions: dict[str, _Session] = {}
+        self._prompt_cache: collections.OrderedDict = collections.OrderedDict()  # (message keys, tools) -> ids
         self.url = ""
         self._runner = None
 
@@ -670,12 +673,25 @@ class OpenAIProxy:
                     return delta, None
             return None, render_ids(self.tokenizer, messages, tools, self.chat_template,
                                     tools_as_text=self.tools_as_text)
+        # A GRPO group sends the same first request group_size times: a short fresh prompt is rendered
+        # and tokenized once, then taken from this cache (the same messages and tools give the same ids;
+        # not with tool calls, whose ids a template may render and message keys leave out).
+        cacheable = (best is None and chars <= _PROMPT_CACHE_CHARS
+                     and not any(m.get("tool_calls") or m["role"] == "tool" for m in messages))
+        cache_key = (keys, tools_key) if cacheable else None
+        if cache_key is not None and cache_key in self._prompt_cache:
+            self._prompt_cache.move_to_end(cache_key)
+            delta, rendered = None, list(self._prompt_cache[cache_key])
         # A long conversation is rendered and tokenized on a thread (encode lets go of the GIL there), so
         # that the event loop goes on serving the other sessions (a 30 MB message held it for 54 s).
-        if chars > LONG_TEXT_CHARS:
+        elif chars > LONG_TEXT_CHARS:
             delta, rendered = await asyncio.to_thread(tokenize)
         else:
             delta, rendered = tokenize()
+            if cache_key is not None:
+                self._prompt_cache[cache_key] = array.array("q", rendered)
+                if len(self._prompt_cache) > _PROMPT_CACHE_SIZE:
+                    self._prompt_cache.popitem(last=False)
         plan = {"segment": None, "in_place": False, "prefix": None, "keys": keys, "tools_key": tools_key,
                 "prompt": rendered, "text": None}
         if delta is not None:
@@ -802,6 +818,9 @@ _SAMPLING = {"temperature": (0.0, 2.0, float, 1.0), "top_p": (0.0, 1.0, float, 1
              "min_p": (0.0, 1.0, float, 0.0), "presence_penalty": (-2.0, 2.0, float, 0.0),
              "frequency_penalty": (-2.0, 2.0, float, 0.0), "repetition_penalty": (0.0, 2.0, float, 1.0)}
 MAX_N = 16  # samples a request: each is a whole generation and a segment of its own
+# Fresh prompts kept rendered (least recently used out): at most this many, each of at most this many
+# characters of messages and tools (as JSON), so at most ~16 MB of ids.
+_PROMPT_CACHE_SIZE, _PROMPT_CACHE_CHARS = 256, 8192
 _ENDPOINTS = {"/v1/chat/completions": "POST", "/v1/responses": "POST", "/v1/completions": "POST", "/v1/models": "GET",
               "/v1/models/{model}": "GET", "/agentrl/reward": "POST"}
 # Per API: fields read, fields refused with a 400 unless they hold their neutral value, the names of

@@ -536,3 +536,26 @@ def _utf8(raw: list[int]) -> bool:
         return True
     except UnicodeDecodeError:
         return False
+
+
+def test_a_groups_shared_first_prompt_is_rendered_once_and_gets_the_same_ids(tokenizer, monkeypatch):
+    from lib import openai_proxy
+    from tests.test_openai_proxy import SEARCH_TOOL
+    rendered = []
+    render = openai_proxy.render_ids
+    monkeypatch.setattr(openai_proxy, "render_ids", lambda *a, **k: rendered.append(1) or render(*a, **k))
+
+    async def agent(proxy):
+        async def episode(tools):
+            key = proxy.new_session()
+            async with openai.AsyncOpenAI(base_url=proxy.url, api_key=key, max_retries=0) as llm:
+                await llm.chat.completions.create(model="policy", messages=[user("Q")], **tools)
+            return proxy.end_session(key)
+        await asyncio.gather(*(episode({}) for _ in range(4)))
+        await asyncio.gather(*(episode({"tools": [SEARCH_TOOL]}) for _ in range(2)))
+
+    _, server = scripted(tokenizer, [Reply("ok", eos=True)], agent)
+    plain, tooled = [b["input_ids"] for b in server.requests[:4]], [b["input_ids"] for b in server.requests[4:]]
+    assert len(rendered) == 2  # once per distinct (messages, tools)
+    assert all(ids == plain[0] for ids in plain) and all(ids == tooled[0] for ids in tooled)
+    assert plain[0] == render(tokenizer, [user("Q")], None, TOOLS_CHAT_TEMPLATE) and tooled[0] != plain[0]
