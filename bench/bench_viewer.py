@@ -8,6 +8,7 @@ The runs are synthetic (written here, no model): per step one metrics row of ~45
 the scripts log, plus a fork's `tool/*`), one traced group of 4 episodes of ~120 tokens.
 """
 import argparse
+import gzip
 import json
 import math
 import os
@@ -52,10 +53,16 @@ def write_run(run_dir: str, steps: int, seed: int):
                                "ver": [step - 1 if m else -1 for m in mask]}}) + "\n")
 
 
-def timed_get(url: str) -> tuple[float, int, bytes]:
+def timed_get(url: str, gzipped: bool = False) -> tuple[float, int, bytes]:
+    """Seconds, bytes on the wire and the body; `gzipped`: ask for gzip, as a browser does."""
     start = time.perf_counter()
-    body = urllib.request.urlopen(url, timeout=120).read()
-    return time.perf_counter() - start, len(body), body
+    request = urllib.request.Request(url, headers={"Accept-Encoding": "gzip"} if gzipped else {})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        body = response.read()
+        sent = len(body)
+        if response.headers.get("Content-Encoding") == "gzip":
+            body = gzip.decompress(body)
+    return time.perf_counter() - start, sent, body
 
 
 def browser_load(url: str) -> dict | None:
@@ -109,6 +116,8 @@ def main():
         rows.append(("first page (HTML, latest step's episodes), cold: indexes both files", s, n))
         s, n, _ = timed_get(base + "/")
         rows.append(("page again (nothing appended)", s, n))
+        s, n, _ = timed_get(base + "/", gzipped=True)
+        rows.append(("page again, gzipped", s, n))
         series = []
         total_s = total_n = 0
         for i in range(len(dirs)):
@@ -116,6 +125,11 @@ def main():
             series.append(json.loads(body))
             total_s, total_n = total_s + s, total_n + n
         rows.append(("series of both runs (/api/series, every step)", total_s, total_n))
+        total_s = total_n = 0
+        for i in range(len(dirs)):
+            s, n, _ = timed_get(f"{base}/api/series?run={i}", gzipped=True)
+            total_s, total_n = total_s + s, total_n + n
+        rows.append(("the same, gzipped (a browser asks for it)", total_s, total_n))
         with open(os.path.join(dirs[0], "metrics.jsonl"), "a") as f:  # the trainer writes one more step
             f.write(json.dumps({"step": args.steps + 1, "rollout/reward": 0.5, "time/wall_s": 1e4}) + "\n")
         total_s = total_n = 0

@@ -6,6 +6,7 @@ after the socket timeout; metric and run names reach Plotly as text; a foreign H
 Records are written by hand here (no model, no tokenizer), so the module runs in seconds.
 """
 import contextlib
+import gzip
 import http.client
 import json
 import os
@@ -354,6 +355,25 @@ def test_series_of_non_finite_metrics_are_valid_json_with_nulls_and_a_refresh_se
             f.write(b'{"step": 1, "d": 5}\n')
         cut = json.loads(get(server, f"/api/series?run=0&since={again['rows']}&generation={again['generation']}")[1])
         assert cut["reset"] and cut["series"] == {"d": [[1], [5.0]]}
+
+
+def test_big_responses_go_gzipped_to_a_client_that_asks_and_plain_to_one_that_does_not(tmp_path):
+    rows = b"".join(json.dumps({"step": s, "rollout/reward": s / 3}).encode() + b"\n" for s in range(5000))
+    run = write_run(tmp_path / "run", [record()], rows)
+    with serving([run]) as server:
+        for accept in ("gzip, deflate", None):
+            conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=30)
+            headers = {"Host": f"127.0.0.1:{server.server_address[1]}", **({"Accept-Encoding": accept} if accept else {})}
+            conn.request("GET", "/api/series?run=0", headers=headers)
+            response = conn.getresponse()
+            body = response.read()
+            conn.close()
+            if accept:
+                assert response.getheader("Content-Encoding") == "gzip" and len(body) == int(response.getheader("Content-Length"))
+                body = gzip.decompress(body)
+            else:
+                assert response.getheader("Content-Encoding") is None
+            assert json.loads(body)["series"]["rollout/reward"][0][-1] == 4999
 
 
 API_QUERY_KEYS = st.sampled_from(["run", "since", "generation", "step", "group", "episode", "tokens_from", "colour", "x"])
