@@ -75,10 +75,20 @@ def series_payload(run_i: int, run: dict, since: int = 0, generation: int | None
     rows = state["rows"]
     reset = generation != state["generation"]
     since = 0 if reset else min(since, len(rows))
-    series = {k: [steps, values] for k, (steps, values) in metric_series(rows[since:]).items()}
+    series = {k: [steps, values] for k, (steps, values) in series_from(state, since).items()}
     return {"run": run_i, "name": run["name"], "generation": state["generation"], "reset": reset, "since": since,
             "rows": len(rows), "series": series, "last_step": run["last_step"], "tests": run["tests"],
             "bad": run["bad"][:20], "num_bad": len(run["bad"])}
+
+
+def series_from(state: dict, since: int) -> dict:
+    """metric_series of a metrics state's rows from `since`. From row 0 (every first load of a page)
+    it is built once per state and kept in it: a state is replaced, not changed, when the file grows."""
+    if since:
+        return metric_series(state["rows"][since:])
+    if "series" not in state:  # two requests at once may both build it: the same value
+        state["series"] = metric_series(state["rows"])
+    return state["series"]
 
 
 def metric_keys(runs: list[dict]) -> list[str]:

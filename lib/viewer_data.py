@@ -94,8 +94,8 @@ class MetricsIndex:
     (a running trainer appends a row a step) and starts over when the file was replaced or cut (a
     resumed run). `generation` changes on every start-over, so a client holding rows [0, n) of one
     generation asks for the rest with `since=n` and gets everything again after a resume. What a
-    reader sees is `state`, one dict replaced whole (never changed in place): a page reads it without
-    a lock, and its rows always belong to its generation."""
+    reader sees is `state`, one dict replaced whole (its rows never changed in place): a page reads it
+    without a lock, and its rows always belong to its generation."""
 
     def __init__(self, path: str):
         self.path = path
