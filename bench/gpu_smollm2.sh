@@ -69,9 +69,13 @@ learn|async)
     trl="s=\$(date +%s); PYTHONPATH=$PWD:/tmp/site python3 bench/bench_trl_reward.py --config configs/reflect_smollm2.yaml --model-path $MODEL --steps $STEPS --seed 0 --test-size 500 --trl-jsonl $R/single_trl.jsonl > $R/single_trl.log 2>&1; echo \"single_trl rc=\$? wall_s=\$(( \$(date +%s) - s ))\" >> $R/done.txt"
     prefix="python3 bench/check_prefix_cache.py --model-path $MODEL > $R/prefix_cache.log 2>&1; echo \"prefix_cache rc=\$?\" >> $R/done.txt"
     A="--config configs/reflect_smollm2.yaml --max_steps ${ASTEPS:-12} --eval_every 0 --checkpoint_every 0 --test_size 50 --test_at_start False --seed 0"
-    lane 0 "$ours"; lane 1 "$trl"
-    lane 2 "$prefix" "$(run reflect_async train_reflect.py $A --mode async)"
-    lane 3 "$(run reflect_sync train_reflect.py $A --mode sync)"
+    if [ "$(ngpu)" -ge 4 ]; then
+      lane 0 "$ours"; lane 1 "$trl"
+      lane 2 "$prefix" "$(run reflect_async train_reflect.py $A --mode async)"
+      lane 3 "$(run reflect_sync train_reflect.py $A --mode sync)"
+    else  # one GPU: the prefix check and async vs sync, one after another
+      lane 0 "$prefix" "$(run reflect_async train_reflect.py $A --mode async)" "$(run reflect_sync train_reflect.py $A --mode sync)"
+    fi
     exit 0
   fi
   ts "start runs"
