@@ -273,7 +273,7 @@ def test_the_warm_start_key_changes_when_the_demonstration_code_changes(monkeypa
 def test_two_grpo_steps_on_the_cpu_server(tmp_path):
     run_dir = str(tmp_path / "run")
     args = [sys.executable, "train_tir.py", "--run_dir", run_dir, "--batch_size", "2", "--group_size", "2",
-            "--max_turns", "3", "--max_new_tokens_per_turn", "16", "--max_tokens", "128", "--eval_every", "0",
+            "--max_turns", "3", "--max_new_tokens_per_turn", "16", "--max_tokens", "256", "--eval_every", "0",
             "--test_size", "2", "--warm_start_steps", "2", "--warm_start_batch_size", "2", "--checkpoint_every", "0",
             "--lr", "1e-4", "--filter_void_turns", "True", "--max_steps", "2", "--tensorboard", "False"]
     out = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
