@@ -13,6 +13,11 @@ class MetricsLogger:
         `mlflow`: also log metrics and traces to MLflow, at `MLFLOW_TRACKING_URI` when it is set, else in
         `run_dir/mlflow.db` (`mlflow ui --backend-store-uri sqlite:///RUN_DIR/mlflow.db` shows it)."""
         os.makedirs(run_dir, exist_ok=True)
+        # the run's settings beside its metrics (the viewer's config table reads it); written whole or not at all
+        tmp = os.path.join(run_dir, "config.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(config, f, indent=1, default=str)
+        os.replace(tmp, os.path.join(run_dir, "config.json"))
         self.path = continue_jsonl(os.path.join(run_dir, "metrics.jsonl"), resume_step)
         self._file = open(self.path, "a")
         self._start_s = time.time()

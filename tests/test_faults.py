@@ -78,6 +78,15 @@ def test_a_fresh_run_moves_an_earlier_runs_rows_aside_and_a_resume_drops_rows_af
     assert len(moved) == 1 and [json.loads(line)["step"] for line in open(tmp_path / moved[0])] == [0, 1, 2]
 
 
+def test_a_runs_settings_are_written_beside_its_metrics_as_json(tmp_path):
+    from lib.metrics import MetricsLogger
+
+    logger = MetricsLogger(str(tmp_path), {"lr": 1e-5, "mode": "async", "stop": (2, 0)}, tensorboard=False)
+    logger.close()
+    assert json.load(open(tmp_path / "config.json")) == {"lr": 1e-5, "mode": "async", "stop": [2, 0]}
+    assert not os.path.exists(tmp_path / "config.json.tmp")
+
+
 # --- the cache ---
 
 def test_warm_start_cache_keys_do_not_depend_on_where_the_cache_lives(tmp_path, monkeypatch):
