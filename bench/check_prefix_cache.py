@@ -57,6 +57,45 @@ def gap(a: list[float], b: list[float]) -> tuple[float, float]:
     return d.mean().item(), d.max().item()
 
 
+def measure(model_path: str, *, base_gpu_id: int = 0, mem_fraction_static: float = 0.3, prefix_tokens: int = 400,
+            probe_tokens: int = 100, noise: float = 0.02, extra_args=tuple(SGLANG_KIT_ARGS)) -> dict:
+    """{row name: (log-probs, cached prompt tokens)} for the rows printed by main(); "fresh" is the reference."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    text = " ".join(f"Fact {i}: the river Ostrel flows {i * 7} miles north of Tarqua." for i in range(200))
+    ids = tokenizer(text)["input_ids"]
+    prefix, probe = ids[:prefix_tokens], ids[prefix_tokens:prefix_tokens + probe_tokens]
+
+    work = tempfile.mkdtemp(prefix="prefix_cache_")
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for w in model.parameters():
+            w.add_(torch.randn_like(w.float()).mul_(noise * w.float().std().nan_to_num(0.0)).to(w.dtype))
+    model.save_pretrained(os.path.join(work, "b"))
+    tokenizer.save_pretrained(os.path.join(work, "b"))
+
+    server = launch_sglang(model_path, base_gpu_id=base_gpu_id, mem_fraction_static=mem_fraction_static,
+                           dtype="bfloat16", random_seed=0, extra_args=list(extra_args),
+                           log_path=os.path.join(work, "sglang.log"))
+    rows = {}
+    try:
+        a = server.address
+        rows["weights A"] = teacher_forced(a, prefix, probe, "probe-a")  # for the whole A-vs-B gap
+        teacher_forced(a, prefix, probe, "policy-v0")  # P (and T) cached under A with the run's key
+        answer = post(a, "/update_weights_from_disk", {"model_path": os.path.join(work, "b"), "flush_cache": False})
+        assert answer.get("success"), answer
+        rows["old key"] = teacher_forced(a, prefix, probe, "policy-v0")
+        rows["new key"] = teacher_forced(a, prefix, probe, "policy-v1")
+        rows["new key again"] = teacher_forced(a, prefix, probe, "policy-v1")  # B's own cache reused
+        post(a, "/flush_cache", None)
+        rows["fresh"] = teacher_forced(a, prefix, probe, "policy-v1")
+    finally:
+        server.terminate()
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", required=True, help="a local HF model or a known name (smollm2-135m-instruct)")
@@ -67,50 +106,21 @@ def main():
     p.add_argument("--noise", type=float, default=0.02, help="B = A + noise x std(tensor) x N(0, 1)")
     p.add_argument("--extra-args", default=" ".join(SGLANG_KIT_ARGS))
     args = p.parse_args()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model_path = resolve_model_path(args.model_path)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    text = " ".join(f"Fact {i}: the river Ostrel flows {i * 7} miles north of Tarqua." for i in range(200))
-    ids = tokenizer(text)["input_ids"]
-    prefix, probe = ids[:args.prefix_tokens], ids[args.prefix_tokens:args.prefix_tokens + args.probe_tokens]
-
-    work = tempfile.mkdtemp(prefix="prefix_cache_")
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for w in model.parameters():
-            w.add_(torch.randn_like(w.float()).mul_(args.noise * w.float().std().nan_to_num(0.0)).to(w.dtype))
-    model.save_pretrained(os.path.join(work, "b"))
-    tokenizer.save_pretrained(os.path.join(work, "b"))
-
-    server = launch_sglang(model_path, base_gpu_id=args.base_gpu_id, mem_fraction_static=args.mem_fraction_static,
-                           dtype="bfloat16", random_seed=0, extra_args=args.extra_args.split(),
-                           log_path=os.path.join(work, "sglang.log"))
-    try:
-        a = server.address
-        old_a, _ = teacher_forced(a, prefix, probe, "probe-a")  # A's log-probs, for the whole A-vs-B gap
-        teacher_forced(a, prefix, probe, "policy-v0")  # P (and T) cached under A with the run's key
-        answer = post(a, "/update_weights_from_disk", {"model_path": os.path.join(work, "b"), "flush_cache": False})
-        assert answer.get("success"), answer
-        stale, stale_cached = teacher_forced(a, prefix, probe, "policy-v0")
-        keyed, keyed_cached = teacher_forced(a, prefix, probe, "policy-v1")
-        keyed_again, again_cached = teacher_forced(a, prefix, probe, "policy-v1")  # B's own cache reused
-        post(a, "/flush_cache", None)
-        fresh, fresh_cached = teacher_forced(a, prefix, probe, "policy-v1")
-    finally:
-        server.terminate()
-
-    print(f"{args.model_path}: prefix {len(prefix)} tokens, {len(probe)} probe tokens, B = A + {args.noise:g} std noise")
-    print(f"| request after the update | cached prompt tokens | mean abs diff vs fresh | max |")
+    rows = measure(resolve_model_path(args.model_path), base_gpu_id=args.base_gpu_id,
+                   mem_fraction_static=args.mem_fraction_static, prefix_tokens=args.prefix_tokens,
+                   probe_tokens=args.probe_tokens, noise=args.noise, extra_args=args.extra_args.split())
+    fresh = rows["fresh"][0]
+    print(f"{args.model_path}: prefix {args.prefix_tokens} tokens, {args.probe_tokens} probe tokens, "
+          f"B = A + {args.noise:g} std noise")
+    print("| request after the update | cached prompt tokens | mean abs diff vs fresh | max |")
     print("|---|---|---|---|")
-    for name, lps, cached in (("old key (no per-version key): reuses A's KV", stale, stale_cached),
-                              ("new key policy-v1 (lib.client)", keyed, keyed_cached),
-                              ("new key again (B's own cache)", keyed_again, again_cached),
-                              ("fresh after flush_cache", fresh, fresh_cached)):
+    for name, label in (("old key", "old key (no per-version key): reuses A's KV"),
+                        ("new key", "new key policy-v1 (lib.client)"),
+                        ("new key again", "new key again (B's own cache)"), ("fresh", "fresh after flush_cache")):
+        lps, cached = rows[name]
         mean, mx = gap(lps, fresh)
-        print(f"| {name} | {cached} | {mean:.4f} | {mx:.4f} |")
-    mean, mx = gap(old_a, fresh)
+        print(f"| {label} | {cached} | {mean:.4f} | {mx:.4f} |")
+    mean, mx = gap(rows["weights A"][0], fresh)
     print(f"| (weights A vs B, whole difference) | - | {mean:.4f} | {mx:.4f} |")
 
 

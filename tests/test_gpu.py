@@ -254,3 +254,17 @@ def test_nccl_sync_into_sglang(model_dir):
         _nccl_sync_roundtrip(server.address, model_dir, bound=0.1)
     finally:
         server.terminate()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang not installed")
+def test_a_prefix_cached_under_old_weights_is_not_reused_after_an_update(model_dir):
+    # bench/check_prefix_cache.py's measurement: after a weight update without a flush (as async runs
+    # update), a request with the old cache key reuses the prefix computed under the old weights; with
+    # lib.client's per-version key nothing old is reused and the log-probs are the fresh ones.
+    from bench.check_prefix_cache import gap, measure
+
+    rows = measure(model_dir, extra_args=KIT_ARGS)
+    fresh = rows["fresh"][0]
+    assert rows["old key"][1] > 0 and gap(rows["old key"][0], fresh)[0] > 0  # the defect, still in SGLang
+    assert rows["new key"][1] == 0
+    assert gap(rows["new key"][0], fresh)[1] < 1e-3
