@@ -5,7 +5,8 @@
 #   part     carry .gp1 (the first half of the model's GGUF file, `split -b 50000000`): keep it in /tmp/parts
 #   learn    carry .gp2 (the second half): join, build the model by name (lib.model_names --from), build
 #            the bundled data, then start the learning runs in the background (setsid: they outlive the call)
-#   compare  agentrl vs TRL, single turn, each alone on a GPU; search; check_sglang
+#   compare  agentrl vs TRL, single turn, each alone on a GPU; search; check_sglang (ONLY_TRL=1: the
+#            first two, one after the other on GPU 0)
 #   async    (after kit and part, instead of learn) join + build as learn does, then: agentrl vs TRL
 #            single turn ($STEPS), bench/check_prefix_cache.py, and train_reflect async vs sync on
 #            SmolLM2 ($ASTEPS steps each, stale drops and steps/s), each lane on its own GPU
@@ -99,7 +100,8 @@ compare)
   trl="s=\$(date +%s); PYTHONPATH=$PWD:/tmp/site python3 bench/bench_trl_reward.py --config configs/reflect_smollm2.yaml --model-path $MODEL --steps $STEPS --seed 0 --test-size 500 --trl-jsonl $R/single_trl.jsonl > $R/single_trl.log 2>&1; echo \"single_trl rc=\$? wall_s=\$(( \$(date +%s) - s ))\" >> $R/done.txt"
   search="$(run search_s0 train_search.py --model_path $MODEL --server sglang --base_gpu_id 0 --mem_fraction_static 0.3 --trainer_dtype bfloat16 --max_steps 20 --batch_size 16 --group_size 8 --lr 1e-5 --max_turns 4 --max_tokens 2048 --max_new_tokens_per_turn 256 --eval_every 10 --eval_size 100 --test_size 300 --test_at_start True --seed 0)"
   check="OUT=$R/check_sglang python3 bench/check_sglang.py --model-path $MODEL --base-gpu-id 0 > $R/check_sglang.log 2>&1; echo \"check_sglang rc=\$?\" >> $R/done.txt"
-  if [ "$G" -ge 4 ]; then lane 0 "$ours"; lane 1 "$trl"; lane 2 "$search"; lane 3 "$check"
+  if [ "${ONLY_TRL:-0}" = 1 ]; then lane 0 "$ours" "$trl"  # agentrl then TRL, one GPU
+  elif [ "$G" -ge 4 ]; then lane 0 "$ours"; lane 1 "$trl"; lane 2 "$search"; lane 3 "$check"
   elif [ "$G" -ge 2 ]; then lane 0 "$ours" "$search"; lane 1 "$trl" "$check"
   else lane 0 "$ours" "$trl" "$check" "$search"; fi
   ;;
