@@ -1,0 +1,525 @@
+"""Train your own agent with GRPO: copy this file and replace `run_agent`, the only task part.
+
+`run_agent(base_url, api_key, item, temperature)` runs one episode of your agent against an
+OpenAI-compatible server and returns its reward. Write it with any SDK or framework (the `openai`
+SDK, LangChain/LangGraph, the OpenAI Agents SDK through the Responses API): the server is
+lib/openai_proxy.py, which generates with the policy on the inference server and records every
+token the model sampled. Each episode is one proxy session; what it recorded (one or more
+segments: one per unbroken conversation) is trained with the episode's GRPO advantage.
+
+The default agent is a small math solver on the bundled arithmetic word problems, written with
+the plain `openai` SDK: it answers, and after a wrong answer is told so and tries once more;
+reward 1 for the gold number after `####` (0.9 at the second try).
+
+    python train_agent.py                                 # embedded default: tiny model, CPU, no hub
+    python train_agent.py --model_path Qwen/Qwen2.5-1.5B-Instruct --server sglang --trainer_dtype bfloat16
+
+Sync GRPO in one trainer process (async mode and torchrun: train_reflect.py). Reads top to bottom:
+config, your agent, one episode, group rollout, training rows, evaluation, data, model, main()
+with the GRPO loop. docs/train_agent.md: how to plug in other frameworks, what is trained, the
+deadline and the sampling lock.
+"""
+import asyncio
+import dataclasses
+import functools
+import gc
+import json
+import math
+import os
+import random
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run from anywhere: lib/ is next door
+
+import fire
+import numpy as np
+import openai
+import torch
+from tqdm import tqdm
+
+from lib.actor import (Actor, equal_reward_groups, grpo_advantages, logprob_mismatch, mismatch_warning,
+                       read_checkpoint_extra)
+from lib.async_rollout import BackgroundLoop, gather_groups, rollout_deadline_s, with_deadline
+from lib.client import InferenceClient, model_eos_ids
+from lib.config import load_config, to_dict
+from lib.launch import launch_cpu_server, launch_sglang
+from lib.metrics import MetricsLogger, continue_jsonl
+from lib.model_names import resolve_model_path
+from lib.openai_proxy import OpenAIProxy, sdk_aiohttp_client
+from lib.padding import concat_padded_tensors
+from lib.ranks import server_seed
+from lib.supervise import Supervisor
+from lib.traces import episode_record, write_traces
+from lib.weight_sync import ServerWeightSync
+
+
+@dataclass
+class Config:
+    # --- run ---
+    run_dir: str = "runs/agent"  # metrics.jsonl, traces.jsonl, checkpoints/, final/
+    seed: int = 0
+    max_steps: int = 200  # GRPO steps
+    resume: bool = False  # continue from the latest checkpoint in run_dir
+    checkpoint_every: int = 10  # steps; 0 = never
+    # --- model and inference server ---
+    model_path: str = ""  # HF dir, hub id or known name; "" = the embedded tiny model with train_reflect.py's warm start
+    server: str = "cpu"  # "cpu" (lib/cpu_server), "sglang", or "external" (server_addrs)
+    server_addrs: list = field(default_factory=list)  # external servers, ["http://host:port", ...]
+    server_device: str = "cpu"  # device of the CPU-capable server ("cuda" works too)
+    server_threads: int = 1  # torch threads of the CPU server (the trainer keeps the rest)
+    base_gpu_id: int = 1  # first GPU of the SGLang server (the trainer uses GPU 0)
+    tp_size: int = 1
+    mem_fraction_static: float | None = None
+    sglang_extra_args: str = "--attention-backend triton --sampling-backend pytorch --grammar-backend none"
+    max_concurrent_requests: int = 256
+    trainer_dtype: str = "float32"  # "bfloat16" on GPUs
+    trainer_threads: int = 0  # torch threads of the trainer; 0 = torch's default
+    # --- data ---
+    data_dir: str = ""  # dir with {train,dev,test}.jsonl, one item (a JSON object given to run_agent) a line; "" = bundled math problems
+    # --- episode ---
+    max_tokens: int = 1024  # context budget of one episode's conversation (the proxy's): a request past it gets a 400
+    max_new_tokens_per_turn: int = 128  # a model call's max_tokens when the agent sets none
+    stop_token_ids: list = field(default_factory=list)  # ids that end a turn; [] = the model's EOS set
+    temperature: float = 1.0  # training sessions sample with exactly this (the proxy refuses another value)
+    eval_temperature: float = 0.0  # evaluation sessions (not trained on): 0 = greedy
+    # One episode's deadline, from its start (which includes waiting for the server behind every other
+    # episode started with it): past it the episode is cancelled and its group is dropped, counted in
+    # rollout/failed_groups, instead of hanging the run; 0 = none. The default agent's longest wait is
+    # the test evaluation's (500 episodes at once, 2 turns of 64 tokens): about 105 s on 2 busy CPU
+    # cores for train_reflect.py's identical agent. Raise it for long agents on a slow server.
+    episode_timeout_s: float = 600.0
+    # --- GRPO ---
+    batch_size: int = 8  # items per step
+    group_size: int = 4  # episodes per item
+    lr: float = 1e-6
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"  # or "cosine" (over max_steps)
+    grad_clip: float = 1.0
+    eps_clip_low: float = 0.2
+    eps_clip_high: float = 0.28
+    scale_adv_by_std: bool = True  # divide by the group's reward std; Dr. GRPO: False, with loss_agg seq-mean-token-sum-norm
+    drop_equal_groups: bool = False  # drop groups whose rewards are all equal (their advantages are 0 anyway)
+    loss_agg: str = "token-mean"  # DAPO's; "seq-mean-token-mean" (GRPO), "seq-mean-token-sum-norm" (Dr. GRPO)
+    behav_imp_weight_cap: float = 2.0  # cap of the server->trainer importance weight per token; 0 = no cap
+    behav_imp_weight_mode: str = "truncate"  # above the cap: "truncate" to it (TIS) or "mask" the token out (AReaL)
+    max_tokens_per_mb: int = 16384  # micro-batch token budget of the trainer
+    weight_sync: str = "disk"  # "disk" (safetensors + /update_weights_from_disk) or "nccl" (broadcast; gloo on CPUs)
+    # --- warm start (embedded default only: train_reflect.py's, built once and cached; same settings, same cache) ---
+    warm_start_steps: int = 1500
+    warm_start_direct_steps: int = 150
+    warm_start_batch_size: int = 16
+    warm_start_problems: int = 20000  # distinct synthetic problems for the warm start (the train split changes with it)
+    # --- evaluation and logging ---
+    eval_every: int = 10  # steps; 0 = only at the end
+    eval_size: int = 200  # dev items per evaluation
+    test_size: int = 500  # test items at the end
+    trace_every: int = 1  # write trajectories (traces.jsonl, token by token; python -m lib.viewer) every N steps; 0 = never
+    trace_groups: int = 1  # groups traced per traced step
+    tensorboard: bool = True
+    wandb_project: str | None = None
+
+
+# --- your agent: the only part to edit ---
+# The default: a math solver written with the plain `openai` SDK. Its prompt and reflection are
+# train_reflect.py's, whose warm start the embedded default model is.
+PROMPT = "{question}\nSolve the problem step by step. Put the final answer after ####."
+REFLECTION = "Your answer is either wrong or not parsable to the reference answer. Please try to answer it more accurately."
+MAX_TURNS = 2  # model calls per episode
+TURN_DISCOUNT = 0.9  # reward x TURN_DISCOUNT per extra call
+# A number as GSM8K writes its answers: sign, digits with thousands commas, decimals. Bounded
+# quantifiers on a bounded slice of the text: the reward never runs long on model output, and
+# never evaluates it.
+_NUMBER = re.compile(r"-?\d[\d,]{0,30}(?:\.\d{1,16})?")
+
+
+def final_number(text: str) -> Fraction | None:
+    """The number right after the last `####` (`#### 1,234`, `#### $-3.5`), exactly; None if none."""
+    _, marker, tail = text.rpartition("####")
+    match = _NUMBER.match(tail[:64].strip().lstrip("$").strip()) if marker else None
+    return Fraction(match.group().replace(",", "")) if match else None
+
+
+def math_reward(text: str, answer: str) -> float:
+    """1 if the model's final number equals the gold one (`answer`'s after its last `####`), else 0."""
+    pred, gold = final_number(text), final_number(answer)
+    return float(pred is not None and pred == gold)
+
+
+_openai_clients: dict = {}  # event loop -> AsyncOpenAI
+
+
+def openai_client() -> openai.AsyncOpenAI:
+    """One SDK client (one connection pool) per event loop, copied per episode with its URL and key:
+    a new AsyncOpenAI costs ~40 ms (an SSL context), a copy ~0.04 ms. The SDK's aiohttp transport:
+    its default httpx pool costs about twice the CPU per request (docs/openai_proxy.md)."""
+    loop = asyncio.get_running_loop()
+    if loop not in _openai_clients:
+        _openai_clients[loop] = openai.AsyncOpenAI(base_url="http://127.0.0.1/v1", api_key="set-per-episode",
+                                                   max_retries=0, http_client=sdk_aiohttp_client())
+    return _openai_clients[loop]
+
+
+async def run_agent(base_url: str, api_key: str, item: dict, temperature: float) -> float | None:
+    """Run one episode of your agent against the OpenAI-compatible server at `base_url` with
+    `api_key` (either alone identifies the episode: a client built once with a fixed key works with
+    the URL), and return its reward, a finite number. Return None if the agent posted its reward
+    itself (POST {base_url}/../agentrl/reward {"reward": x}: docs/train_agent.md).
+
+    `item` is one line of the data (here {"question", "answer"}). `temperature` is the trainer's
+    during training (leave it out or send it: the proxy refuses any other sampling setting) and
+    cfg.eval_temperature for evaluation. A 400 with code `context_length_exceeded` means the
+    conversation outgrew cfg.max_tokens: end the episode and score what you have."""
+    llm = openai_client().with_options(base_url=base_url, api_key=api_key)
+    messages = [{"role": "user", "content": PROMPT.format(question=item["question"])}]
+    for turn in range(MAX_TURNS):
+        try:
+            reply = await llm.chat.completions.create(model="policy", messages=messages, temperature=temperature)
+        except openai.BadRequestError as e:
+            if e.code != "context_length_exceeded":
+                raise
+            return 0.0
+        text = reply.choices[0].message.content or ""
+        if math_reward(text, item["answer"]):
+            return TURN_DISCOUNT ** turn
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": REFLECTION}]
+    return 0.0
+
+
+async def close_agent():
+    """Called once at the end of the run, on the rollout loop: close what run_agent keeps open."""
+    for loop in [k for k in _openai_clients if k is asyncio.get_running_loop()]:
+        await _openai_clients.pop(loop).close()
+# --- end of your agent ---
+
+
+# --- one episode: a proxy session around run_agent ---
+async def arun_episode(proxy: OpenAIProxy, cfg: Config, item: dict, train: bool) -> dict:
+    """Run the agent once in a session of its own; returns the session's `segments` (training
+    sequences, [1, T] tensors: docs/trajectory.md), the reward and the session's counts. A session
+    whose generation failed raises (lib.openai_proxy.SessionFailed), which drops the group."""
+    key = proxy.new_session(train=train)  # evaluation sessions are not trained on and sample as they ask
+    try:
+        reward = await run_agent(proxy.session_url(key), key, item, cfg.temperature if train else cfg.eval_temperature)
+    finally:
+        episode = proxy.end_session(key)
+    if reward is None:
+        reward = episode["reward"]
+    if reward is None:
+        raise ValueError("run_agent returned None and the episode posted no reward: return the reward, or POST "
+                         "{\"reward\": x} to /agentrl/reward with the episode's key")
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        raise ValueError(f"run_agent must return a finite number (or None after posting one), got {reward!r}")
+    return {**episode, "reward": float(reward), "item": item}
+
+
+# --- group rollout ---
+async def rollout_group(proxy, cfg, item, group_size: int, train: bool) -> list[dict]:
+    # Each episode under its deadline: one that runs past it is cancelled and fails the group.
+    return list(await asyncio.gather(*[with_deadline(arun_episode(proxy, cfg, item, train), cfg.episode_timeout_s, item)
+                                       for _ in range(group_size)]))
+
+
+async def rollout_groups(proxy, cfg, items, group_size: int, train: bool):
+    """(groups, number of failed groups): every group at once; a group with a failed episode (an
+    exception in run_agent, a server error, past episode_timeout_s) is dropped, its traceback
+    printed, and counted."""
+    return await gather_groups([rollout_group(proxy, cfg, item, group_size, train) for item in items])
+
+
+# --- training rows ---
+def build_batch(episodes: list[dict], group_size: int, scale_by_std: bool = True, drop_equal_groups: bool = False):
+    """GRPO over episodes, then one training row per segment. Returns (batch, info): `batch` is
+    the padded segments of the kept episodes with `rewards [R]` and `advantages [R]` (each
+    segment's episode's), {} when there is nothing to train; `info` has per episode `rewards`,
+    `advantages`, `keep`, the episode of each row (`row_episode`), the groups whose rewards are
+    all equal and the episodes that recorded no segment (nothing sampled: nothing to train).
+    An episode with many segments counts once in its group's statistics."""
+    rewards = torch.tensor([e["reward"] for e in episodes], dtype=torch.float32)
+    advantages = grpo_advantages(rewards, group_size, scale_by_std=scale_by_std)
+    equal = equal_reward_groups(rewards, group_size)
+    keep = ~equal if drop_equal_groups else torch.ones_like(equal)
+    row_episode = [i for i, e in enumerate(episodes) if keep[i] for _ in e["segments"]]
+    batch = {}
+    if row_episode:
+        batch = concat_padded_tensors([s for i, e in enumerate(episodes) if keep[i] for s in e["segments"]])
+        batch["rewards"], batch["advantages"] = rewards[row_episode], advantages[row_episode]
+    info = {"rewards": rewards, "advantages": advantages, "keep": keep, "row_episode": row_episode,
+            "equal_reward_groups": int(equal.sum()) // group_size,
+            "episodes_without_segments": sum(not e["segments"] for e in episodes)}
+    return batch, info
+
+
+# --- evaluation ---
+async def evaluate(proxy, cfg, items) -> dict:
+    """One episode per item in sessions that are not trained on, at cfg.eval_temperature."""
+    groups, failed = await rollout_groups(proxy, cfg, items, 1, train=False)
+    episodes = [g[0] for g in groups]
+    return {
+        "failed": failed,
+        "reward": float(np.mean([e["reward"] for e in episodes])),
+        "requests": float(np.mean([e["requests"] for e in episodes])),
+        "completion_tokens": float(np.mean([e["completion_tokens"] for e in episodes])),
+    }
+
+
+# --- data ---
+def read_jsonl(path: str) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def load_splits(cfg: Config) -> dict[str, list[dict]]:
+    if not cfg.data_dir:  # the problems train_reflect.py's warm start was built beside (no train item in it)
+        from lib.math_data import default_math_dir, read_split
+
+        data_dir = default_math_dir(seed=0, num_warmstart=cfg.warm_start_problems)
+        return {split: read_split(data_dir, split) for split in ("train", "dev", "test")}
+    missing = [s for s in ("train", "dev", "test") if not os.path.exists(os.path.join(cfg.data_dir, f"{s}.jsonl"))]
+    if missing:
+        raise FileNotFoundError(f"{cfg.data_dir} has no {', '.join(s + '.jsonl' for s in missing)}: data_dir needs "
+                                "train.jsonl, dev.jsonl and test.jsonl, one JSON object (an item for run_agent) a line")
+    return {split: read_jsonl(os.path.join(cfg.data_dir, f"{split}.jsonl")) for split in ("train", "dev", "test")}
+
+
+# --- model (embedded default only) ---
+def embedded_model(cfg: Config) -> str:
+    """The tiny model with train_reflect.py's SFT warm start on the default agent's conversations
+    (same prompt, same reflection turn), built once and cached: with train_reflect's default
+    settings it is the very cache directory train_reflect.py uses."""
+    import train_reflect
+
+    reflect_cfg = dataclasses.replace(
+        train_reflect.Config(), seed=cfg.seed, max_turns=MAX_TURNS, max_tokens=cfg.max_tokens, apply_chat_template=True,
+        warm_start_steps=cfg.warm_start_steps, warm_start_direct_steps=cfg.warm_start_direct_steps,
+        warm_start_batch_size=cfg.warm_start_batch_size, warm_start_problems=cfg.warm_start_problems)
+    return train_reflect.embedded_model(reflect_cfg)
+
+
+# --- main: the GRPO loop ---
+def main(config: str | None = "configs/agent_tiny.yaml", **overrides):
+    cfg = load_config(Config, config, overrides)
+    if cfg.server not in ("cpu", "sglang", "external"):
+        raise ValueError(f"server must be 'cpu', 'sglang' or 'external', got {cfg.server!r}")
+    if cfg.server == "external" and not cfg.server_addrs:
+        raise ValueError("server 'external' needs server_addrs: --server_addrs '[\"http://host:port\"]'")
+    if cfg.weight_sync not in ("disk", "nccl"):
+        raise ValueError(f"weight_sync must be 'disk' or 'nccl', got {cfg.weight_sync!r}")
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    if cfg.trainer_threads:
+        torch.set_num_threads(cfg.trainer_threads)
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    from transformers import AutoTokenizer
+
+    model_path = resolve_model_path(cfg.model_path) or embedded_model(cfg)  # a known name: built once, cached
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if not cfg.stop_token_ids:  # a turn ends on any of the model's EOS ids (Qwen2.5: <|im_end|> and <|endoftext|>)
+        cfg = dataclasses.replace(cfg, stop_token_ids=model_eos_ids(model_path, tokenizer))
+    splits = load_splits(cfg)
+    train_items, dev_items, test_items = splits["train"], splits["dev"][: cfg.eval_size], splits["test"][: cfg.test_size]
+    if not train_items:
+        raise ValueError("the train split is empty: nothing to train on")
+
+    @functools.lru_cache(maxsize=2)
+    def epoch_order(epoch: int):
+        return np.random.RandomState(cfg.seed + epoch).permutation(len(train_items))
+
+    def item_at(index: int) -> dict:
+        # The data order is a function of (seed, index), so a resumed run sees the same items.
+        epoch, offset = divmod(index, len(train_items))
+        return train_items[epoch_order(epoch)[offset]]
+
+    # The inference server: started here and killed with this process (supervised), or given. A resumed
+    # run seeds the server's sampling by its step, so it does not replay the start of the run.
+    ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
+    resume_extra = read_checkpoint_extra(os.path.join(ckpt_dir, "latest")) if cfg.resume else None
+    if cfg.resume and resume_extra is None:
+        print(f"--resume True: no checkpoint in {ckpt_dir}; starting from step 0")
+    sampling_seed = server_seed(cfg.seed, resume_extra["step"] if resume_extra else 0)
+    supervisors, addrs = [], list(cfg.server_addrs)
+    if cfg.server != "external":
+        if cfg.server == "sglang":
+            server = launch_sglang(model_path, base_gpu_id=cfg.base_gpu_id, tp_size=cfg.tp_size,
+                                   mem_fraction_static=cfg.mem_fraction_static, random_seed=sampling_seed,
+                                   extra_args=cfg.sglang_extra_args.split(),
+                                   log_path=os.path.join(cfg.run_dir, "sglang.log"))
+        else:
+            server = launch_cpu_server(model_path, device=cfg.server_device, num_threads=cfg.server_threads,
+                                       random_seed=sampling_seed, log_path=os.path.join(cfg.run_dir, "cpu_server.log"))
+        supervisors.append(Supervisor("inference server", server))
+        addrs = [server.address]
+
+    # Every client call and every episode runs on one event loop in a background thread; this thread
+    # trains. The agent's requests go to the proxy, which generates through the client and records the
+    # sampled tokens; a training session samples with the trainer's temperature only.
+    bg = BackgroundLoop()
+    run = bg.run
+    client = InferenceClient(addrs, max_concurrent_requests=cfg.max_concurrent_requests)
+    proxy = OpenAIProxy(client, tokenizer, stop_token_ids=cfg.stop_token_ids, max_context_tokens=cfg.max_tokens,
+                        default_max_tokens=cfg.max_new_tokens_per_turn, train_sampling={"temperature": cfg.temperature})
+    run(proxy.start())
+    actor = Actor(model_path, lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.max_steps,
+                  lr_schedule=cfg.lr_schedule, grad_clip=cfg.grad_clip, temperature=cfg.temperature,
+                  max_tokens_per_mb=cfg.max_tokens_per_mb, dtype=cfg.trainer_dtype,
+                  eps_clip_low=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high, loss_agg=cfg.loss_agg,
+                  loss_norm_tokens=cfg.max_tokens, behaviour_weight_cap=cfg.behav_imp_weight_cap or None,
+                  behaviour_cap_mode=cfg.behav_imp_weight_mode)
+    weight_sync = ServerWeightSync(cfg.weight_sync, actor, client, run, num_servers=len(addrs), tp_size=cfg.tp_size,
+                                   disk_dir=os.path.join(cfg.run_dir, "weights"))
+
+    step, version, data_position = 0, 0, 0
+    if resume_extra is not None:
+        extra = actor.load_checkpoint(os.path.join(ckpt_dir, "latest"))
+        step, version, data_position = extra["step"], extra["version"], extra["data_position"]
+        random.setstate(extra["python_rng"])
+        np.random.set_state(extra["numpy_rng"])
+        torch.set_rng_state(extra["torch_rng"])
+        weight_sync.sync(version)  # the server still holds the initial weights: give it the resumed policy
+        print(f"resumed from step {step} (policy version {version}, data position {data_position})")
+    client.set_version(version)
+    resume_step = step if resume_extra is not None else None
+    logger = MetricsLogger(cfg.run_dir, to_dict(cfg), tensorboard=cfg.tensorboard, wandb_project=cfg.wandb_project,
+                           resume_step=resume_step)
+    trace_file = open(continue_jsonl(os.path.join(cfg.run_dir, "traces.jsonl"), resume_step), "a")
+    # What is built by now lives as long as the run; frozen, it is left out of garbage collections,
+    # whose full passes would otherwise scan all of it on the event loop mid-rollout (docs/openai_proxy.md).
+    gc.freeze()
+
+    def run_rollout(rollout, what: str):
+        # A rollout starts all its episodes at once, so it ends by their deadline; if not, the event
+        # loop is stuck: the run stops, naming the episodes still running and where each is.
+        return run(rollout, timeout_s=rollout_deadline_s(cfg.episode_timeout_s), what=what)
+
+    try:
+        if step == 0 and cfg.eval_every:
+            metrics = run_rollout(evaluate(proxy, cfg, dev_items), "the step-0 evaluation")
+            logger.log(0, {f"eval/{k}": v for k, v in metrics.items()})
+            print(f"step 0 dev: {metrics}")
+        progress = tqdm(total=cfg.max_steps, initial=step, desc="GRPO (agent)")
+        while step < cfg.max_steps:
+            t0 = time.time()
+            for s in supervisors:
+                s.check()
+            # 1. rollout: group_size episodes of the agent per item, each in its own proxy session
+            items = [item_at(data_position + i) for i in range(cfg.batch_size)]
+            try:
+                groups, failed_groups = run_rollout(rollout_groups(proxy, cfg, items, cfg.group_size, train=True),
+                                                    f"step {step + 1}'s rollout")
+            except RuntimeError:
+                for s in supervisors:
+                    s.check()  # a dead server is the clearer cause
+                raise
+            data_position += cfg.batch_size
+            episodes = [e for g in groups for e in g]
+
+            # 2. advantages per episode over its group; every segment of an episode is a training row
+            # with the episode's reward and advantage (an episode without a segment trains nothing)
+            batch, info = build_batch(episodes, cfg.group_size, cfg.scale_adv_by_std, cfg.drop_equal_groups)
+            trainable = bool(batch)
+            t_rollout = time.time() - t0
+
+            # 3. proximal log-probs (the trainer's; `logprobs` stays the server's), then 4. the update
+            t1 = time.time()
+            mismatch, stats = {}, {}
+            if trainable:
+                batch["proximal_logprobs"] = actor.compute_logprobs(batch)
+                mismatch = logprob_mismatch(batch["proximal_logprobs"], batch["logprobs"], batch["loss_mask"],
+                                            cfg.behav_imp_weight_cap or None)
+                if (warning := mismatch_warning(mismatch)):
+                    tqdm.write(warning)
+            t_logp = time.time() - t1
+            t2 = time.time()
+            if trainable:
+                stats = actor.update(batch, step=step)
+            t_update = time.time() - t2
+
+            # 5. weight sync: pause generation, push the new weights, continue; bump the version. A step
+            # with nothing to train leaves the weights and the version as they are.
+            t3 = time.time()
+            if trainable:
+                version += 1
+                run(client.pause_generation())
+                weight_sync.sync(version)
+                run(client.continue_generation(version))
+            t_sync = time.time() - t3
+            step += 1
+
+            # 6. log
+            step_s = time.time() - t0
+            rewards = info["rewards"]
+            metrics = {
+                "rollout/reward": rewards.mean().item(),
+                "rollout/episodes": len(episodes),
+                "rollout/requests": float(np.mean([e["requests"] for e in episodes])),
+                "rollout/length_cut": float(np.mean([e["length_cut"] for e in episodes])),
+                "rollout/tool_calls": float(np.mean([e["tool_calls"] for e in episodes])),
+                "rollout/tool_call_parse_failures": int(sum(e["tool_call_parse_failures"] for e in episodes)),
+                "rollout/segments_per_episode": float(np.mean([len(e["segments"]) for e in episodes])),
+                "rollout/episodes_without_segments": info["episodes_without_segments"],
+                "rollout/trained_rows": len(info["row_episode"]),
+                "rollout/gen_tokens": int(batch["loss_mask"].sum()) if trainable else 0,
+                "rollout/equal_reward_groups": info["equal_reward_groups"],
+                "rollout/failed_groups": failed_groups,
+                "policy/version": version,
+                **{f"logprob/{k}": v for k, v in mismatch.items()},
+                "perf/step_s": step_s, "perf/rollout_s": t_rollout, "perf/logp_s": t_logp,
+                "perf/update_s": t_update, "perf/sync_s": t_sync,
+                **{f"loss/{k}": v for k, v in stats.items()},
+            }
+            if cfg.eval_every and step % cfg.eval_every == 0:
+                ev = run_rollout(evaluate(proxy, cfg, dev_items), f"step {step}'s evaluation")
+                metrics.update({f"eval/{k}": v for k, v in ev.items()})
+                tqdm.write(f"step {step} dev: {ev}")
+            logger.log(step, metrics)
+            progress.update(1)
+            progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", step_s=f"{step_s:.1f}")
+            if cfg.trace_every and step % cfg.trace_every == 0:  # one record per segment, trainer log-probs included
+                row_of = {}
+                for row, i in enumerate(info["row_episode"]):
+                    row_of.setdefault(i, row)  # an episode's segments are consecutive rows
+                records = []
+                for i, e in enumerate(episodes[: cfg.trace_groups * cfg.group_size]):
+                    for k, segment in enumerate(e["segments"]):
+                        row = row_of[i] + k if i in row_of else None  # None: dropped, never scored by the trainer
+                        item = e["item"] if isinstance(e["item"], dict) else {}
+                        records.append(episode_record(
+                            {**segment, "rewards": rewards[i:i + 1], "question": item.get("question"),
+                             "gold": item.get("answer"), "requests": e["requests"], "segment": k},
+                            tokenizer, step=step, group=i // cfg.group_size, index=i % cfg.group_size,
+                            advantage=info["advantages"][i].item(), context_role="tool",
+                            trainer_logprobs=batch["proximal_logprobs"][row] if row is not None else None))
+                write_traces(trace_file, records)
+
+            # 7. checkpoint
+            if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.max_steps):
+                actor.save_checkpoint(os.path.join(ckpt_dir, "latest"), extra={
+                    "step": step, "version": version, "data_position": data_position, "python_rng": random.getstate(),
+                    "numpy_rng": np.random.get_state(), "torch_rng": torch.get_rng_state()})
+        progress.close()
+
+        test_metrics = run_rollout(evaluate(proxy, cfg, test_items), "the test evaluation")
+        logger.log(step, {f"test/{k}": v for k, v in test_metrics.items()})
+        print(f"test after {step} steps: {test_metrics}")
+        actor.save_hf(os.path.join(cfg.run_dir, "final"))
+        return test_metrics
+    finally:
+        trace_file.close()
+        logger.close()
+        try:
+            weight_sync.close()
+            run(close_agent(), timeout_s=30)
+            run(proxy.close(), timeout_s=30)
+            run(client.close(), timeout_s=30)
+        finally:
+            bg.close()
+            for s in supervisors:
+                s.stop()
+
+
+if __name__ == "__main__":
+    fire.Fire(main)
