@@ -1,0 +1,230 @@
+"""train_agent.py: the default agent's reward, episodes of any number of segments, the reward an
+agent returns or posts, the sampling lock and the deadline, all through the real proxy in front of
+a scripted server; then GRPO end to end on the CPU server with the tiny model."""
+import asyncio
+import json
+import os
+
+import aiohttp
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+
+import train_agent as ta  # noqa: E402
+from lib.client import InferenceClient  # noqa: E402
+from lib.openai_proxy import OpenAIProxy  # noqa: E402
+from lib.scripted_server import Reply, ScriptedServer  # noqa: E402
+
+ITEM = {"question": "Tom has 3 apples. He buys 4 more apples. How many apples does Tom have now?",
+        "answer": "3 + 4 = 7.\n#### 7"}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from lib.tiny_model import default_tiny_model_dir
+
+    return AutoTokenizer.from_pretrained(default_tiny_model_dir())
+
+
+def with_proxy(tokenizer, script, fn):
+    """Run `await fn(proxy)` against the proxy train_agent.main builds, in front of a scripted server
+    playing `script`: (its result, the server)."""
+    async def go(address):
+        client = InferenceClient([address], max_retries=0)
+        proxy = OpenAIProxy(client, tokenizer, stop_token_ids=[tokenizer.eos_token_id], max_context_tokens=384,
+                            default_max_tokens=64, train_sampling={"temperature": 1.0})
+        await proxy.start()
+        try:
+            return await fn(proxy)
+        finally:
+            await ta.close_agent()
+            await proxy.close()
+            await client.close()
+    with ScriptedServer(tokenizer, script) as server:
+        return asyncio.run(go(server.address)), server
+
+
+def episode_of(tokenizer, script, cfg=None, train=True):
+    return with_proxy(tokenizer, script, lambda proxy: ta.arun_episode(proxy, cfg or ta.Config(), ITEM, train))
+
+
+# --- (a) the default agent's reward ---
+@pytest.mark.parametrize("text,reward", [
+    ("3 + 4 = 7.\n#### 7", 1.0),
+    ("#### 7.0", 1.0),
+    ("The answer is\n####   $7.", 1.0),
+    ("#### 1,007", 0.0),
+    ("#### 8", 0.0),
+    ("7", 0.0),  # no final line: not an answer
+    ("#### seven", 0.0),
+    ("#### 7 ... #### 9", 0.0),  # the last final line counts
+    ("#### " + "7" * 100_000, 0.0),  # a huge number: cut at 31 digits, never converted whole
+    ("####" * 50_000, 0.0),
+    ("#### 7e99999999", 1.0),  # the number is 7; the rest of the line is not read as an exponent
+    ("", 0.0),
+])
+def test_math_reward_is_one_only_for_the_gold_number_after_the_last_marker(text, reward):
+    assert ta.math_reward(text, ITEM["answer"]) == reward
+
+
+def test_the_default_agent_speaks_as_the_reflect_warm_start_was_taught():
+    import train_reflect
+
+    assert ta.PROMPT == train_reflect.PROMPT_TEMPLATE and ta.REFLECTION == train_reflect.REFLECTION
+    assert ta.MAX_TURNS == 2
+
+
+@pytest.mark.parametrize("script,reward,requests", [
+    ([Reply("3 + 4 = 7.\n#### 7", eos=True)], 1.0, 1),
+    ([Reply("3 + 4 = 8.\n#### 8", eos=True), Reply("3 + 4 = 7.\n#### 7", eos=True)], ta.TURN_DISCOUNT, 2),
+    ([Reply("#### 8", eos=True), Reply("#### 9", eos=True)], 0.0, 2),
+    ([Reply("}}{{ <tool_call> #### ##", eos=True), Reply("\u00ff" * 50)], 0.0, 2),  # garbage, then cut by length
+])
+def test_the_default_agent_is_rewarded_for_the_gold_answer_with_a_discount_per_retry(tokenizer, script, reward, requests):
+    episode, server = episode_of(tokenizer, script)
+    assert episode["reward"] == pytest.approx(reward) and episode["requests"] == requests == len(server.requests)
+    assert len(episode["segments"]) == 1  # the conversation only grows: one training sequence
+    segment = episode["segments"][0]
+    sampled = segment["input_ids"][0][segment["loss_mask"][0].bool()].tolist()
+    assert sampled == [t for a in server.answers for t in a["output_ids"]]  # every sampled token, once
+    assert all(body["sampling_params"]["temperature"] == 1.0 for body in server.requests)
+
+
+def test_an_evaluation_episode_samples_at_the_eval_temperature(tokenizer):
+    episode, server = episode_of(tokenizer, [Reply("#### 7", eos=True)], ta.Config(eval_temperature=0.0), train=False)
+    assert episode["reward"] == 1.0 and server.requests[0]["sampling_params"]["temperature"] == 0.0
+
+
+# --- (b) any number of segments per episode ---
+def two_segment_agent(reward):
+    async def agent(base_url, api_key, item, temperature):
+        llm = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        first = [{"role": "user", "content": item["question"]}]
+        reply = await llm.chat.completions.create(model="policy", messages=first)
+        # the agent rewrites its history (a summary in place of the exchange): a new segment
+        summary = [{"role": "user", "content": "Summary: " + (reply.choices[0].message.content or "")}]
+        await llm.chat.completions.create(model="policy", messages=summary)
+        await llm.close()
+        return reward
+    return agent
+
+
+async def no_model_agent(base_url, api_key, item, temperature):
+    return 0.0  # answered without calling the model: nothing sampled
+
+
+def test_every_segment_of_an_episode_trains_with_its_episodes_advantage_and_none_is_counted(tokenizer, monkeypatch):
+    async def group(proxy):
+        episodes = []
+        for agent in (two_segment_agent(1.0), no_model_agent):
+            monkeypatch.setattr(ta, "run_agent", agent)
+            episodes.append(await ta.arun_episode(proxy, ta.Config(), ITEM, train=True))
+        return episodes
+    episodes, server = with_proxy(tokenizer, [Reply("abc", eos=True), Reply("de", eos=True)], group)
+    assert [len(e["segments"]) for e in episodes] == [2, 0]
+    batch, info = ta.build_batch(episodes, group_size=2)
+    assert info["row_episode"] == [0, 0] and info["episodes_without_segments"] == 1
+    assert info["advantages"][0] > 0 > info["advantages"][1]  # the group statistics count each episode once
+    assert torch.equal(batch["advantages"], info["advantages"][[0, 0]]) and batch["rewards"].tolist() == [1.0, 1.0]
+    trained = [batch["input_ids"][r][batch["loss_mask"][r].bool()].tolist() for r in range(2)]
+    assert trained == [a["output_ids"] for a in server.answers]  # each segment trains its own reply
+
+
+def test_a_step_whose_episodes_recorded_nothing_has_nothing_to_train():
+    episodes = [{"reward": r, "segments": []} for r in (1.0, 0.0)]
+    batch, info = ta.build_batch(episodes, group_size=2)
+    assert batch == {} and info["episodes_without_segments"] == 2 and info["row_episode"] == []
+
+
+def test_a_group_whose_rewards_are_equal_is_dropped_when_asked():
+    segment = {k: torch.ones(1, 3, dtype=torch.long) for k in ("input_ids", "loss_mask", "attention_mask", "versions")}
+    segment["logprobs"] = torch.zeros(1, 3)
+    episodes = [{"reward": r, "segments": [segment]} for r in (1.0, 1.0, 1.0, 0.0)]
+    batch, info = ta.build_batch(episodes, group_size=2, drop_equal_groups=True)
+    assert info["row_episode"] == [2, 3] and info["equal_reward_groups"] == 1 and len(batch["advantages"]) == 2
+
+
+# --- the reward an agent returns or posts ---
+async def posting_agent(base_url, api_key, item, temperature):
+    async with aiohttp.ClientSession() as http:
+        async with http.post(base_url.removesuffix("/v1") + "/agentrl/reward", json={"reward": 0.25}) as r:
+            assert r.status == 200
+    return None
+
+
+@pytest.mark.parametrize("agent,expected", [
+    (posting_agent, 0.25),
+    (lambda *a: asyncio.sleep(0, result=None), "posted no reward"),
+    (lambda *a: asyncio.sleep(0, result=float("nan")), "finite number"),
+    (lambda *a: asyncio.sleep(0, result="1"), "finite number"),
+])
+def test_the_reward_is_returned_or_posted_and_must_be_a_finite_number(tokenizer, monkeypatch, agent, expected):
+    monkeypatch.setattr(ta, "run_agent", agent)
+    if isinstance(expected, float):
+        episode, _ = episode_of(tokenizer, [Reply("x", eos=True)])
+        assert episode["reward"] == expected
+    else:
+        with pytest.raises(ValueError, match=expected):
+            episode_of(tokenizer, [Reply("x", eos=True)])
+
+
+# --- the sampling lock and the deadline drop a group, counted ---
+def test_an_agent_sampling_at_another_temperature_fails_its_group_naming_it(tokenizer, monkeypatch):
+    async def hot_agent(base_url, api_key, item, temperature):
+        llm = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        try:
+            await llm.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}],
+                                              temperature=0.7)
+        finally:
+            await llm.close()
+        return 1.0
+    monkeypatch.setattr(ta, "run_agent", hot_agent)
+    with pytest.raises(RuntimeError, match="all 1 groups") as e:
+        with_proxy(tokenizer, [Reply("x", eos=True)], lambda proxy: ta.rollout_groups(proxy, ta.Config(), [ITEM], 2, True))
+    assert e.value.__cause__.code == "sampling_fixed_for_training" and "temperature" in str(e.value.__cause__)
+
+
+def test_an_episode_past_its_deadline_drops_its_group_and_the_others_train(tokenizer, monkeypatch):
+    async def agent(base_url, api_key, item, temperature):
+        if item["question"] == "slow":
+            await asyncio.sleep(30)
+        return 1.0
+    monkeypatch.setattr(ta, "run_agent", agent)
+    cfg = ta.Config(episode_timeout_s=0.5)
+    (groups, failed), _ = with_proxy(tokenizer, [Reply("x", eos=True)], lambda proxy: ta.rollout_groups(
+        proxy, cfg, [{"question": "slow"}, {"question": "fast"}], 2, True))
+    assert failed == 1 and len(groups) == 1 and [e["item"]["question"] for e in groups[0]] == ["fast", "fast"]
+
+
+# --- (c) end to end ---
+E2E = dict(max_steps=2, batch_size=2, group_size=2, max_new_tokens_per_turn=24, eval_every=0, eval_size=4, test_size=4,
+           warm_start_steps=4, warm_start_batch_size=4, warm_start_direct_steps=2, warm_start_problems=2000,
+           checkpoint_every=1, tensorboard=False, trainer_threads=1)
+
+
+@pytest.mark.slow
+def test_two_grpo_steps_run_end_to_end_and_resume(tmp_path):
+    run_dir = str(tmp_path / "agent")
+    result = ta.main(config="configs/agent_tiny.yaml", run_dir=run_dir, **E2E)
+    assert set(result) == {"failed", "reward", "requests", "completion_tokens"} and result["failed"] == 0
+    assert 1 <= result["requests"] <= ta.MAX_TURNS
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    steps = [r for r in rows if "rollout/reward" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["rollout/failed_groups"] == 0 and r["rollout/episodes"] == 4 and r["rollout/gen_tokens"] > 0
+        assert r["rollout/segments_per_episode"] == 1.0 and r["rollout/trained_rows"] == 4
+        assert r["logprob/server_trainer_abs_diff_mean"] < 0.05  # the proxy's tokens are the ones the server scored
+        assert "loss/loss" in r and r["policy/version"] == r["step"]
+    assert any("test/reward" in r for r in rows)
+    traces = [json.loads(line) for line in open(os.path.join(run_dir, "traces.jsonl"))]
+    assert {t["step"] for t in traces} == {1, 2} and all(t["tokens"]["tlp"] is not None for t in traces)
+    # resume continues from step 2's checkpoint to step 3, on the resumed weights
+    ta.main(config="configs/agent_tiny.yaml", run_dir=run_dir, resume=True, **{**E2E, "max_steps": 3})
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    steps = [r for r in rows if "rollout/reward" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert steps[-1]["logprob/server_trainer_abs_diff_mean"] < 0.05 and steps[-1]["policy/version"] == 3
