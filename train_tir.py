@@ -206,8 +206,8 @@ def format_output(text: str, max_chars: int) -> str:
 async def run_code(code: str, cfg: Config) -> tuple[str, bool]:
     """(the text for `<output>`, whether the program ran to its end with exit status 0). Never raises:
     a program that fails, runs past `code_timeout_s` or is killed answers `error: ...`, which the model
-    reads and the episode counts as a tool failure. A sandbox that could not start the program is
-    tried again (`_SANDBOX_RETRIES`, with backoff) before that."""
+    reads and the episode counts as a tool failure. A run the sandbox could not start or could not
+    report on is tried again (`_SANDBOX_RETRIES`, with backoff) before that."""
     if len(code) > MAX_CODE_CHARS:
         return f"error: program longer than {MAX_CODE_CHARS} characters, not run", False
     slots = _code_slots.setdefault(asyncio.get_running_loop(), asyncio.Semaphore(cfg.code_concurrency))
@@ -216,7 +216,8 @@ async def run_code(code: str, cfg: Config) -> tuple[str, bool]:
             async with slots:
                 result = await arun_python(code, timeout_s=cfg.code_timeout_s, memory_mb=cfg.code_memory_mb,
                                            max_output_bytes=cfg.code_max_output_bytes)
-            not_started = (result.error or "").startswith("sandbox failed")
+            # No exit status and no limit that stopped it: the sandbox failed around the program.
+            not_started = result.returncode is None and not (result.timed_out or result.output_truncated)
         except OSError as e:  # no run at all: out of file descriptors or processes
             result, not_started = f"{type(e).__name__}: {e}", True
         if not not_started:

@@ -95,6 +95,30 @@ def test_a_failing_program_answers_an_error_naming_its_cause(code, message):
     assert time.monotonic() - t0 < 5.0
 
 
+def test_a_run_the_sandbox_could_not_report_on_is_tried_again(monkeypatch):
+    """No exit status and no timeout: the sandbox failed, not the program. The run is tried again
+    (the real sandbox on the second try); past the retries it is a tool failure naming the cause."""
+    from lib.sandbox import SandboxResult, arun_python
+    lost = SandboxResult(stdout="", stderr="", returncode=None, timed_out=False, output_truncated=False, wall_s=0.0,
+                         error="the sandbox's process ended without reporting the code's exit status")
+    calls = []
+
+    async def flaky(code, **limits):
+        calls.append(code)
+        return lost if len(calls) == 1 else await arun_python(code, **limits)
+    monkeypatch.setattr(tt, "arun_python", flaky)
+    assert run_code("print(6 * 7)") == ("42", True) and len(calls) == 2
+
+    async def broken(code, **limits):
+        calls.append(code)
+        return lost
+    calls.clear()
+    monkeypatch.setattr(tt, "arun_python", broken)
+    output, ok = run_code("print(1)")
+    assert not ok and output.startswith("error: the sandbox could not run the program: the sandbox's process ended")
+    assert len(calls) == 1 + tt._SANDBOX_RETRIES
+
+
 def test_a_program_longer_than_the_bound_is_not_run(tmp_path):
     marker = tmp_path / "ran"
     output, ok = run_code(f"open({str(marker)!r}, 'w')\n" + "#" * tt.MAX_CODE_CHARS)
