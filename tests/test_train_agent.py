@@ -228,3 +228,35 @@ def test_two_grpo_steps_run_end_to_end_and_resume(tmp_path):
     steps = [r for r in rows if "rollout/reward" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert steps[-1]["logprob/server_trainer_abs_diff_mean"] < 0.05 and steps[-1]["policy/version"] == 3
+
+
+# --- other frameworks, as docs/train_agent.md plugs them in ---
+async def langchain_agent(base_url, api_key, item, temperature):
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model="policy", base_url=base_url, api_key=api_key, temperature=temperature, max_retries=0)
+    reply = await llm.ainvoke([("user", item["question"])])
+    return ta.math_reward(reply.content, item["answer"])
+
+
+async def agents_sdk_agent(base_url, api_key, item, temperature):
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    llm = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    agent = Agent(name="solver", instructions="Answer with a number.",
+                  model=OpenAIResponsesModel(model="policy", openai_client=llm),
+                  model_settings=ModelSettings(temperature=temperature))
+    result = await Runner.run(agent, item["question"])
+    return ta.math_reward(result.final_output, item["answer"])
+
+
+@pytest.mark.parametrize("agent,module", [(langchain_agent, "langchain_openai"), (agents_sdk_agent, "agents")])
+def test_an_agent_of_another_framework_trains_through_the_same_entry_point(tokenizer, monkeypatch, agent, module):
+    pytest.importorskip(module)
+    monkeypatch.setattr(ta, "run_agent", agent)
+    episode, server = episode_of(tokenizer, [Reply("#### 7", eos=True)])
+    assert episode["reward"] == 1.0 and len(episode["segments"]) == 1 and episode["requests"] == 1
+    segment = episode["segments"][0]
+    assert segment["input_ids"][0][segment["loss_mask"][0].bool()].tolist() == server.answers[0]["output_ids"]
+    assert server.requests[0]["sampling_params"]["temperature"] == 1.0  # the trainer's
