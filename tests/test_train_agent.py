@@ -260,3 +260,18 @@ def test_an_agent_of_another_framework_trains_through_the_same_entry_point(token
     segment = episode["segments"][0]
     assert segment["input_ids"][0][segment["loss_mask"][0].bool()].tolist() == server.answers[0]["output_ids"]
     assert server.requests[0]["sampling_params"]["temperature"] == 1.0  # the trainer's
+
+
+@pytest.mark.slow
+def test_a_run_whose_agent_never_calls_the_model_trains_nothing_and_keeps_the_version(tmp_path, monkeypatch):
+    monkeypatch.setattr(ta, "run_agent", no_model_agent)
+    run_dir = str(tmp_path / "idle")
+    ta.main(config="configs/agent_tiny.yaml", run_dir=run_dir, **{**E2E, "checkpoint_every": 2, "test_size": 2})
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    steps = [r for r in rows if "rollout/reward" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["rollout/episodes_without_segments"] == 4 and r["rollout/trained_rows"] == 0
+        assert r["policy/version"] == 0 and not any(k.startswith("loss/") for k in r)
+    extra = torch.load(os.path.join(run_dir, "checkpoints", "latest", "trainer_state.pt"), weights_only=False)["extra"]
+    assert extra["version"] == 0 and extra["data_position"] == 2 * 2
