@@ -167,7 +167,7 @@ async def run_agent(base_url: str, api_key: str, item: dict, temperature: float)
     """Run one episode of your agent against the OpenAI-compatible server at `base_url` with
     `api_key` (either alone identifies the episode: a client built once with a fixed key works with
     the URL), and return its reward, a finite number. Return None if the agent posted its reward
-    itself (POST {base_url}/../agentrl/reward {"reward": x}: docs/train_agent.md).
+    itself (POST {"reward": x} to base_url minus its /v1, plus /agentrl/reward: docs/train_agent.md).
 
     `item` is one line of the data (here {"question", "answer"}). `temperature` is the trainer's
     during training (leave it out or send it: the proxy refuses any other sampling setting) and
