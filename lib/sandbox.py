@@ -13,9 +13,10 @@ namespaces, only the rlimits, a new session and a temporary directory remain (`i
 
 How a run starts: a warm interpreter (this file run as a script, `--server`) is started once per
 calling process and forks once per run; the caller hands it the code and the pipes over a Unix
-socket. `warm=False` starts a fresh interpreter per run instead (about 5x slower, same guarantees;
-bench/bench_sandbox.py measures both). The caller's own process is never forked, so it may have
-threads.
+socket, whose EOF (the caller ended, however) ends it: it belongs to the process, not to the thread
+that happened to start it. `warm=False` starts a fresh interpreter per run instead (about 5x slower,
+same guarantees; bench/bench_sandbox.py measures both). The caller's own process is never forked, so
+it may have threads.
 
 Processes of one run (with namespaces):
     C       the run's session leader (caller's uid); waits for the caller to release it, then kills
@@ -459,7 +460,9 @@ FD_NAMES = ("code", "out", "err", "status", "release")
 def _serve(sock_fd: int) -> str:
     """The warm interpreter: forks a run per request; returns the code only in a run's user process."""
     global _NAMESPACES_WORK
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    # Not PR_SET_PDEATHSIG: it fires when the *thread* that started us ends (asyncio.to_thread's
+    # worker, which ends with its event loop; a pool thread), and would kill us while the caller
+    # lives on and sends us runs. The caller's death closes its end of the socket: recvmsg's EOF.
     _prctl(PR_SET_CHILD_SUBREAPER, 1)  # a run's orphans come to us, and SIG_IGN below reaps them
     _NAMESPACES_WORK = _namespaces_work()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # runs are reaped by the kernel
@@ -510,6 +513,20 @@ def _server_socket(replace: socket.socket | None = None) -> socket.socket:
         theirs.close()
         _server.update(owner_pid=os.getpid(), sock=ours)
         return ours
+
+
+def _after_fork_in_child():
+    """In a fork of the caller (multiprocessing, say): its copy of the warm interpreter's socket is
+    closed, else that interpreter would live until the fork exits, not just the caller; the fork
+    starts its own on first use. The locks are new: a thread of the caller may have held them."""
+    global _server_lock, _slot_lock
+    _server_lock, _slot_lock = threading.Lock(), threading.Lock()
+    if _server["sock"] is not None:
+        _server["sock"].close()
+    _server.update(owner_pid=None, sock=None)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _claim_uid() -> tuple[int, int]:

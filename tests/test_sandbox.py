@@ -402,6 +402,73 @@ def test_the_warm_interpreter_is_restarted_if_it_dies():
     assert run_python("print(2)").stdout == "2\n"
 
 
+def test_the_warm_interpreter_outlives_the_thread_that_started_it():
+    """It is the caller process's, not a thread's: a run_python from a worker thread that then ends
+    (a thread pool's, asyncio.to_thread's) must not take it down with that thread."""
+    import threading
+    from lib import sandbox
+    sandbox._server_socket()
+    sandbox._server["process"].kill()  # so that the thread below starts the next one
+    sandbox._server["process"].wait()
+    results = []
+    worker = threading.Thread(target=lambda: results.append(run_python("print(1)")))
+    worker.start()
+    worker.join()
+    server = sandbox._server["process"]
+    time.sleep(0.3)  # a signal sent when the thread ended would have landed by now
+    assert results[0].stdout == "1\n" and server.poll() is None
+    assert run_python("print(2)").stdout == "2\n" and sandbox._server["process"] is server
+
+
+def test_the_warm_interpreter_ends_with_the_caller_even_while_a_fork_of_it_lives():
+    """Killed with SIGKILL (no atexit runs) while a child it forked still holds a copy of its fds:
+    the warm interpreter must not outlive the caller."""
+    script = (f"import os, sys, time\nsys.path.insert(0, {REPO!r})\nfrom lib import sandbox\n"
+              "sandbox.run_python('pass')\nif os.fork() == 0:\n    time.sleep(30)\n    os._exit(0)\n"
+              "print(sandbox._server['process'].pid, flush=True)\ntime.sleep(30)\n")
+    caller = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, start_new_session=True)
+    server_pid = None
+
+    def running(pid):  # a zombie (left to an init that does not reap) has ended
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
+        except OSError:
+            return False
+    try:
+        server_pid = int(caller.stdout.readline())
+        assert running(server_pid)
+        caller.kill()
+        caller.wait()
+        assert wait_until(lambda: not running(server_pid), 3.0)
+    finally:
+        try:
+            os.killpg(caller.pid, 9)  # the fork, still sleeping
+        except ProcessLookupError:
+            pass
+        caller.stdout.close()
+        if server_pid is not None and running(server_pid):
+            os.kill(server_pid, 9)
+
+
+def test_each_run_under_its_own_event_loop_reports_its_exit_status():
+    """asyncio.run per call: the first call starts the warm interpreter in the loop's worker thread,
+    which ends with that loop; every later run must still reach a living interpreter."""
+    from lib import sandbox
+    sandbox._server_socket()
+    sandbox._server["process"].kill()  # so that the first call below starts it in asyncio.to_thread
+    sandbox._server["process"].wait()
+    codes = ["print(7)", "print(" * 2, "x = 'a' * 10**10"]
+    results, servers = [], []
+    for i in range(48):
+        results.append(asyncio.run(arun_python(codes[i % 3], timeout_s=5)))
+        servers.append(sandbox._server["process"].pid)
+    expected = [(0, None), (1, None), (1, "memory limit 512 MB exceeded")] * 16
+    assert [(r.returncode, r.error) for r in results] == expected
+    assert all(r.stdout == "7\n" for r in results[::3]) and "SyntaxError" in results[1].stderr
+    assert len(set(servers)) == 1  # started once, never killed in between
+
+
 # --- without namespaces (namespaces=False, as on machines that refuse them): the rlimits still hold ---
 
 def test_without_namespaces_the_limits_still_hold(monkeypatch):
