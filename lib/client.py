@@ -221,10 +221,6 @@ class InferenceClient:
         if address is not None:
             self._live_trajectories[address] -= 1
 
-    def server_of(self, trajectory_id) -> str | None:
-        """The address a live trajectory is routed to (None if it has none)."""
-        return self._routes.get(trajectory_id)
-
     def _route(self, trajectory_id) -> str:
         if trajectory_id is not None and trajectory_id in self._routes:
             return self._routes[trajectory_id]
