@@ -89,6 +89,19 @@ def metric_series(rows: list[dict]) -> dict[str, tuple[list, list]]:
     return series
 
 
+def appended_lines(path: str, start: int):
+    """(byte offset, line) of each whole line of `path` from byte `start` on; a last line without its
+    newline is being written and is left for the next read."""
+    with open(path, "rb") as f:
+        f.seek(start)
+        offset = start
+        for line in f:
+            if not line.endswith(b"\n"):
+                return
+            yield offset, line
+            offset += len(line)
+
+
 class MetricsIndex:
     """metrics.jsonl read as it grows: `refresh()` parses only the bytes appended since the last call
     (a running trainer appends a row a step) and starts over when the file was replaced or cut (a
@@ -127,17 +140,13 @@ class MetricsIndex:
                 self.state = old
                 return self
             rows, bad = list(old["rows"]), list(old["bad"])
-            with open(self.path, "rb") as f:
-                f.seek(self._read_to)
-                offset = self._read_to
-                for line in f:
-                    if not line.endswith(b"\n"):  # being written: read it next time
-                        break
-                    self._lines += 1
-                    row = _metric_row(line, self._lines, bad)
-                    if row is not None:
-                        rows.append(row)
-                    offset += len(line)
+            offset = self._read_to
+            for start, line in appended_lines(self.path, self._read_to):
+                self._lines += 1
+                row = _metric_row(line, self._lines, bad)
+                if row is not None:
+                    rows.append(row)
+                offset = start + len(line)
             # what every page shows of the run, kept up to date here so a page does not walk every row
             keys, tests, last_step = set(old["keys"]), dict(old["tests"]), old["last_step"]
             for row in rows[len(old["rows"]):]:
@@ -226,20 +235,16 @@ class TraceIndex:
             if st.st_ino != self._inode or st.st_size < self._read_to:
                 self.entries, self.bad, self._read_to, self._lines, self._inode = [], [], 0, 0, st.st_ino
             entries, bad = list(self.entries), list(self.bad)
-            with open(self.path, "rb") as f:
-                f.seek(self._read_to)
-                offset = self._read_to
-                for line in f:
-                    if not line.endswith(b"\n"):  # being written: read it next time
-                        break
-                    self._lines += 1
-                    record = decode_line(line)
-                    problem = trace_problem(record) if line.strip() else None
-                    if problem:
-                        bad.append(f"traces.jsonl line {self._lines}: {problem}")
-                    elif line.strip():
-                        entries.append(_summary(record, offset, len(line), entries))
-                    offset += len(line)
+            offset = self._read_to
+            for start, line in appended_lines(self.path, self._read_to):
+                self._lines += 1
+                record = decode_line(line)
+                problem = trace_problem(record) if line.strip() else None
+                if problem:
+                    bad.append(f"traces.jsonl line {self._lines}: {problem}")
+                elif line.strip():
+                    entries.append(_summary(record, start, len(line), entries))
+                offset = start + len(line)
             self.entries, self.bad, self._read_to = entries, bad, offset
         return self
 
