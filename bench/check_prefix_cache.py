@@ -25,10 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from bench.check_sglang import SGLANG_KIT_ARGS  # noqa: E402  (the flags the offline SGLang kit needs)
 from lib.launch import launch_sglang  # noqa: E402
 from lib.model_names import resolve_model_path  # noqa: E402
-
-SGLANG_KIT_ARGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none"]
 
 
 def post(address: str, path: str, body: dict | None) -> dict | str:
