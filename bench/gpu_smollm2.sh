@@ -42,6 +42,12 @@ run() {  # name script args...: a training command line, logged to $R/name.log, 
   echo "s=\$(date +%s); python3 $script --run_dir $R/$name --tensorboard False $* > $R/$name.log 2>&1; echo \"$name rc=\$? wall_s=\$(( \$(date +%s) - s ))\" >> $R/done.txt"
 }
 ngpu() { nvidia-smi --query-gpu=index --format=csv,noheader | wc -l; }
+single_turn_runs() {  # $ours and $trl: the same single-turn task (train_reflect's first attempt, max_turns 1,
+  # its prompt in SmolLM2's chat template, its reward; batch x group, lengths, lr, clip as in the config)
+  local single="--config configs/reflect_smollm2.yaml --max_turns 1 --max_steps $STEPS --eval_every 0 --checkpoint_every 0 --test_size 500 --test_at_start True --seed 0"
+  ours="$(run single_ours train_reflect.py $single)"
+  trl="s=\$(date +%s); PYTHONPATH=$PWD:/tmp/site python3 bench/bench_trl_reward.py --config configs/reflect_smollm2.yaml --model-path $MODEL --steps $STEPS --seed 0 --test-size 500 --trl-jsonl $R/single_trl.jsonl > $R/single_trl.log 2>&1; echo \"single_trl rc=\$? wall_s=\$(( \$(date +%s) - s ))\" >> $R/done.txt"
+}
 
 case "${1:-}" in
 kit)
@@ -65,9 +71,7 @@ learn|async)
   ts "bundled data"
   python3 -c "from lib.math_data import default_math_dir; from lib.wiki_data import default_wiki_dir; print(default_math_dir(seed=0), default_wiki_dir(seed=0))"
   if [ "$1" = async ]; then
-    SINGLE="--config configs/reflect_smollm2.yaml --max_turns 1 --max_steps $STEPS --eval_every 0 --checkpoint_every 0 --test_size 500 --test_at_start True --seed 0"
-    ours="$(run single_ours train_reflect.py $SINGLE)"
-    trl="s=\$(date +%s); PYTHONPATH=$PWD:/tmp/site python3 bench/bench_trl_reward.py --config configs/reflect_smollm2.yaml --model-path $MODEL --steps $STEPS --seed 0 --test-size 500 --trl-jsonl $R/single_trl.jsonl > $R/single_trl.log 2>&1; echo \"single_trl rc=\$? wall_s=\$(( \$(date +%s) - s ))\" >> $R/done.txt"
+    single_turn_runs  # sets $ours and $trl
     prefix="python3 bench/check_prefix_cache.py --model-path $MODEL > $R/prefix_cache.log 2>&1; echo \"prefix_cache rc=\$?\" >> $R/done.txt"
     A="--config configs/reflect_smollm2.yaml --max_steps ${ASTEPS:-12} --eval_every 0 --checkpoint_every 0 --test_size 50 --test_at_start False --seed 0"
     if [ "$(ngpu)" -ge 4 ]; then
@@ -93,11 +97,7 @@ learn|async)
 compare)
   env_kit
   G=$(ngpu)
-  # The same single-turn task on both sides: train_reflect's first attempt (max_turns 1), its
-  # prompt in SmolLM2's chat template, its reward; batch x group, lengths, lr, clip as in the config.
-  SINGLE="--config configs/reflect_smollm2.yaml --max_turns 1 --max_steps $STEPS --eval_every 0 --checkpoint_every 0 --test_size 500 --test_at_start True --seed 0"
-  ours="$(run single_ours train_reflect.py $SINGLE)"
-  trl="s=\$(date +%s); PYTHONPATH=$PWD:/tmp/site python3 bench/bench_trl_reward.py --config configs/reflect_smollm2.yaml --model-path $MODEL --steps $STEPS --seed 0 --test-size 500 --trl-jsonl $R/single_trl.jsonl > $R/single_trl.log 2>&1; echo \"single_trl rc=\$? wall_s=\$(( \$(date +%s) - s ))\" >> $R/done.txt"
+  single_turn_runs  # sets $ours and $trl
   search="$(run search_s0 train_search.py --model_path $MODEL --server sglang --base_gpu_id 0 --mem_fraction_static 0.3 --trainer_dtype bfloat16 --max_steps 20 --batch_size 16 --group_size 8 --lr 1e-5 --max_turns 4 --max_tokens 2048 --max_new_tokens_per_turn 256 --eval_every 10 --eval_size 100 --test_size 300 --test_at_start True --seed 0)"
   check="OUT=$R/check_sglang python3 bench/check_sglang.py --model-path $MODEL --base-gpu-id 0 > $R/check_sglang.log 2>&1; echo \"check_sglang rc=\$?\" >> $R/done.txt"
   if [ "${ONLY_TRL:-0}" = 1 ]; then lane 0 "$ours" "$trl"  # agentrl then TRL, one GPU
