@@ -133,6 +133,9 @@ class Config:
     # and they go on under the new weights, "abort" cuts them (the client re-sends prompt + output;
     # SGLang then waits ~1 s per pause) and flushes the prefix cache (docs/client.md)
     pause_mode: str = "in_place"
+    # each request names its policy version as SGLang's prefix-cache namespace (`extra_key`), so no
+    # prefix cached under other weights is reused; False: old prefixes are reused (servers without extra_key)
+    prefix_cache_per_version: bool = True
     # --- warm start (embedded default only) ---
     warm_start_steps: int = 1500
     warm_start_lr: float = 2e-3
@@ -657,6 +660,7 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
     bg = BackgroundLoop()
     run = bg.run
     client = InferenceClient(addrs, max_concurrent_requests=cfg.max_concurrent_requests,
+                             version_cache_key=cfg.prefix_cache_per_version,
                              sampling_seed=cfg.seed if cfg.seeded_sampling else None) if is_main else None
     reward_pool = RewardPool(cfg.reward_workers, cfg.reward_timeout_s, preload=reward_fn) if is_main else None
     actor = Actor(model_path, lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
