@@ -30,11 +30,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from lib.actor import (Actor, equal_reward_groups, grpo_advantages, logprob_mismatch, mismatch_warning,
-                       read_checkpoint_extra)
+from lib.actor import Actor
 from lib.async_rollout import BackgroundLoop, gather_groups, in_thread, rollout_deadline_s, with_deadline
+from lib.checkpoint import read_checkpoint_extra
 from lib.client import InferenceClient, model_eos_ids
 from lib.config import load_config, to_dict
+from lib.grpo import equal_reward_groups, grpo_advantages, logprob_mismatch, mismatch_warning
 from lib.launch import launch_cpu_server, launch_sglang
 from lib.metrics import MetricsLogger, continue_jsonl
 from lib.model_names import resolve_model_path

@@ -31,18 +31,19 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from lib.actor import (Actor, equal_reward_groups, grpo_advantages, logprob_mismatch, mismatch_warning,
-                       read_checkpoint_extra)
+from lib.actor import Actor
 from lib.async_rollout import BackgroundLoop, RolloutProducer, gather_groups, rollout_deadline_s, with_deadline
+from lib.checkpoint import read_checkpoint_extra
 from lib.client import InferenceClient, model_eos_ids
 from lib.config import load_config, to_dict
+from lib.grpo import equal_reward_groups, grpo_advantages, logprob_mismatch, mismatch_warning
 from lib.launch import launch_cpu_server, launch_sglang
 from lib.metrics import MetricsLogger, continue_jsonl
 from lib.model_names import resolve_model_path
 from lib.openai_proxy import OpenAIProxy, sdk_aiohttp_client
 from lib.padding import concat_padded_tensors
-from lib.reward_pool import RewardPool
 from lib.ranks import broadcast_from_rank0, init_trainer_ranks, server_seed
+from lib.reward_pool import RewardPool
 from lib.supervise import Supervisor
 from lib.traces import trace_records, trainer_logprobs_by_episode, write_traces
 from lib.weight_sync import ServerWeightSync

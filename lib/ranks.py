@@ -20,6 +20,16 @@ def init_trainer_ranks():
     return world_size, dist.get_rank(), dist.new_group(backend="gloo")
 
 
+def trainer_world_size() -> int:
+    """How many trainer ranks take each step together: the started group's size, else 1."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def trainer_rank() -> int:
+    """This trainer rank (0, the one that runs servers and rollouts, on one process)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def broadcast_from_rank0(obj, group):
     """Rank 0's `obj` on every rank (pickled; a step's batch is small next to the model)."""
     if group is None:

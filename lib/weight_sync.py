@@ -27,10 +27,7 @@ import torch
 import torch.distributed as dist
 
 from lib.process_group import destroy_custom_process_group, init_custom_process_group
-
-
-def _trainer_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+from lib.ranks import trainer_rank, trainer_world_size
 
 
 async def _to_thread_on(device: torch.device, fn, *args, **kwargs):
@@ -51,7 +48,7 @@ async def sync_weights_from_disk(actor, client, path: str, version, flush_cache:
     start = time.perf_counter()
     # In a thread: writing a large model takes seconds and the event loop may be serving rollouts.
     await _to_thread_on(actor.device, actor.save_hf, os.path.abspath(path))
-    if _trainer_rank() == 0:
+    if trainer_rank() == 0:
         await client.update_weights_from_disk(os.path.abspath(path), weight_version=str(version),
                                               flush_cache=flush_cache)
     return time.perf_counter() - start
@@ -67,7 +64,7 @@ async def sync_weights_from_tensor(actor, client, version, tp_size: int = 1, flu
     start = time.perf_counter()
     named = list(actor.named_full_parameters())  # kept alive until every server has answered
     payload = serialize_named_tensors(named)
-    if _trainer_rank() == 0:
+    if trainer_rank() == 0:
         if actor.device.type == "cuda":
             torch.cuda.synchronize(actor.device)  # the last optimizer step's copies are in the memory we share
         await client.update_weights_from_tensor(payload, tp_size=tp_size, weight_version=str(version),
@@ -106,7 +103,7 @@ class DistributedWeightSync:
         self.world_size, self.rank_offsets = int(world_size), list(rank_offsets)
         self.backend, self.group_name, self.timeout_s = backend, group_name, timeout_s
         self.group = None
-        self.is_sender = _trainer_rank() == 0
+        self.is_sender = trainer_rank() == 0
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
     async def init(self) -> None:
@@ -204,7 +201,7 @@ class ServerWeightSync:
         self.broadcaster = None
         if method == "nccl":
             self.broadcaster = DistributedWeightSync(
-                client, master_address=master_address, master_port=free_port() if _trainer_rank() == 0 else 0,
+                client, master_address=master_address, master_port=free_port() if trainer_rank() == 0 else 0,
                 world_size=1 + num_servers * tp_size,
                 rank_offsets=[1 + i * tp_size for i in range(num_servers)],
                 backend="nccl" if actor.device.type == "cuda" else "gloo")
@@ -218,7 +215,7 @@ class ServerWeightSync:
         if self.broadcaster is None:
             return self.run(sync_weights_from_disk(self.actor, self.client, self.disk_dir, version, flush_cache))
         named = self.actor.named_full_parameters()  # under FSDP each tensor is gathered: every rank takes part
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if trainer_world_size() > 1:
             named = list(named)  # gather here, on the thread that owns this rank's GPU
         return self.run(self.broadcaster.update(named, version, bucket_mb=self.bucket_mb, flattened=True,
                                                 flush_cache=flush_cache))

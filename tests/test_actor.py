@@ -5,9 +5,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from lib.actor import (Actor, PolicyForward, compute_logprobs, equal_reward_groups, grpo_advantages, logprob_mismatch, merge_stats,
-                       minibatch_rows, ppo_loss)
+from lib.actor import Actor
 from lib.attention import VARLEN, packed_kwargs, register_varlen_attention, varlen_attention
+from lib.grpo import equal_reward_groups, grpo_advantages, logprob_mismatch, merge_stats, minibatch_rows, ppo_loss
+from lib.logprobs import PolicyForward, compute_logprobs
 from lib.padding import concat_padded_tensors
 
 ARCH = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -425,14 +426,14 @@ def test_checkpoint_refuses_a_disk_too_small_with_a_clear_error_and_keeps_the_pr
                                                                                             monkeypatch):
     import shutil
 
-    import lib.actor
+    import lib.checkpoint
 
     batch = make_batch([5, 4], advantages=[1.0, -1.0])
     actor = Actor(model_dir, lr=1e-3)
     actor.save_checkpoint(str(tmp_path / "ckpt"), extra={"step": 1})
     actor.update(batch)
     real = shutil.disk_usage
-    monkeypatch.setattr(lib.actor.shutil, "disk_usage", lambda p: real(p)._replace(free=10 << 20))
+    monkeypatch.setattr(lib.checkpoint.shutil, "disk_usage", lambda p: real(p)._replace(free=10 << 20))
     with pytest.raises(OSError, match=r"checkpoint needs about .* GB free"):
         actor.save_checkpoint(str(tmp_path / "ckpt"), extra={"step": 2})
     monkeypatch.undo()
@@ -681,7 +682,7 @@ def test_fsdp2_update_on_two_processes_equals_the_single_process_update(model_di
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_chunked_head_logprobs_entropy_and_gradients_equal_the_plain_log_softmax(temperature, fused):
-    from lib.actor import HeadLogprobs
+    from lib.logprobs import HeadLogprobs
 
     torch.manual_seed(0)
     hidden = torch.randn(11, 16, dtype=torch.float64, requires_grad=True)
@@ -728,7 +729,7 @@ def test_bf16_gradients_are_summed_in_fp32_whatever_the_micro_batch_split(model_
 
 
 def test_a_mismatch_past_the_documented_thresholds_gives_a_warning_and_bf16_noise_does_not():
-    from lib.actor import MISMATCH_CAPPED_WARN, MISMATCH_KL_WARN, mismatch_warning
+    from lib.grpo import MISMATCH_CAPPED_WARN, MISMATCH_KL_WARN, mismatch_warning
 
     assert mismatch_warning({"mismatch_kl_k3": 0.0018, "behaviour_capped_fraction": 0.0002}) is None
     assert mismatch_warning({}) is None
