@@ -81,7 +81,7 @@ import uuid
 import torch
 from aiohttp import web
 
-from lib.http_body import BadRequest, lone_surrogate, parse_json_body, read_body
+from lib.http_body import BadRequest, errors_as_json, lone_surrogate, parse_json_body, read_body
 
 logger = logging.getLogger("cpu_server")
 
@@ -999,26 +999,6 @@ async def _json_body(request: web.Request, allow_empty: bool = True):
     return body
 
 
-@web.middleware
-async def _errors_as_json(request, handler):
-    try:
-        return await handler(request)
-    except BadRequest as e:
-        response = _error(e.status, str(e))
-        if e.status == 408:
-            response.force_close()
-        return response
-    except RecursionError:  # JSON nested deeper than the parser (or a later check) can follow
-        return _error(400, "the JSON body is nested too deeply")
-    except web.HTTPException as e:
-        if e.status >= 400:
-            return _error(e.status, e.reason)
-        raise
-    except Exception as e:
-        logger.exception("handler %s failed", request.path)
-        return _error(500, f"internal error: {e!r}")
-
-
 def _finish_even_if_client_leaves(handler):
     """A client that disconnects cancels its handler (handler_cancellation), which frees the rows
     of a /generate; a pause, weight update or group join must instead finish, or fail, as a whole
@@ -1029,7 +1009,8 @@ def _finish_even_if_client_leaves(handler):
 
 
 def build_app(server: Server) -> web.Application:
-    app = web.Application(client_max_size=int(server.args.max_body_mb * 2**20), middlewares=[_errors_as_json])
+    app = web.Application(client_max_size=int(server.args.max_body_mb * 2**20),
+                          middlewares=[errors_as_json(_error, logger)])
     app[MAX_BODY_BYTES] = int(server.args.max_body_mb * 2**20)
     app[BODY_TIMEOUT_S] = server.args.body_timeout_s
     runner = server.runner

@@ -1,9 +1,12 @@
 """A request's JSON body for our servers (the CPU inference server, the retrieval server), with every
-way a body can be bad answered by a 4xx that names the cause, never a 5xx or a held socket."""
+way a body can be bad answered by a 4xx that names the cause, never a 5xx or a held socket; and the
+middleware that turns a handler's failure into such a JSON answer."""
 import asyncio
 import json
+import logging
 import re
 import sys
+from typing import Callable
 
 from aiohttp import web
 
@@ -14,6 +17,35 @@ class BadRequest(ValueError):
     def __init__(self, message: str, status: int = 400):
         super().__init__(message)
         self.status = status
+
+
+def errors_as_json(error: Callable[[int, str], web.Response], logger: logging.Logger, routes_hint: str = ""):
+    """An aiohttp middleware that answers a handler's failure with `error(status, message)`: a
+    BadRequest with its status (a 408 also closes the connection, so the rest of that body is not
+    waited for), aiohttp's own 4xx/5xx (unknown path, wrong method) with its reason and `routes_hint`,
+    and anything else with a 500 whose traceback goes to `logger`."""
+    @web.middleware
+    async def middleware(request, handler):
+        try:
+            return await handler(request)
+        except BadRequest as e:
+            response = error(e.status, str(e))
+            if e.status == 408:
+                response.force_close()
+            return response
+        except RecursionError:  # JSON nested deeper than the parser (or a later check) can follow
+            return error(400, "the JSON body is nested too deeply")
+        except web.HTTPException as e:
+            if e.status >= 400:
+                return error(e.status, f"{e.reason}: {request.method} {request.path}; {routes_hint}" if routes_hint
+                             else e.reason)
+            raise
+        except ConnectionResetError:  # the client left while its body was read: no one to answer or to blame
+            return error(400, "the connection was lost before the whole request body arrived")
+        except Exception as e:
+            logger.exception("%s %s failed", request.method, request.path)
+            return error(500, f"internal error: {e!r}")
+    return middleware
 
 
 async def read_json_body(request: web.Request, *, max_body_bytes: int, timeout_s: float, too_large_hint: str,

@@ -31,7 +31,7 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 
-from lib.http_body import BadRequest, read_json_body
+from lib.http_body import BadRequest, errors_as_json, read_json_body
 
 # bm25s imports jax when it is installed, and jax on a GPU machine takes 75% of every GPU's memory at
 # start-up (seen on an H100: the inference server then failed with out-of-memory). BM25 needs no GPU.
@@ -407,26 +407,6 @@ def build_app(index, topk_max: int = 50, max_batch: int = 512, max_query_chars: 
     pool = concurrent.futures.ThreadPoolExecutor(num_workers, thread_name_prefix="retrieval")
     kind = "dense" if isinstance(index, DenseIndex) else "bm25"
 
-    @web.middleware
-    async def errors_as_json(request, handler):
-        try:
-            return await handler(request)
-        except BadRequest as e:
-            response = _error(e.status, str(e))
-            if e.status == 408:
-                response.force_close()  # "Connection: close": the rest of that body is not waited for
-            return response
-        except web.HTTPException as e:
-            if e.status >= 400:
-                return _error(e.status, f"{e.reason}: {request.method} {request.path}; the endpoints are "
-                                        "POST /retrieve, POST /access, GET /health")
-            raise
-        except ConnectionResetError:  # the client left while its body was read: no one to answer or to blame
-            return _error(400, "the connection was lost before the whole request body arrived")
-        except Exception as e:
-            logger.exception("%s failed", request.path)
-            return _error(500, f"internal error: {e!r}")
-
     async def run_in_pool(fn, *args):
         try:
             return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(pool, fn, *args),
@@ -480,7 +460,8 @@ def build_app(index, topk_max: int = 50, max_batch: int = 512, max_query_chars: 
     async def on_cleanup(app):
         pool.shutdown(wait=False, cancel_futures=True)
 
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[errors_as_json])
+    routes = "the endpoints are POST /retrieve, POST /access, GET /health"
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[errors_as_json(_error, logger, routes)])
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
     app.router.add_post("/retrieve", retrieve)
