@@ -268,21 +268,16 @@ def search_entries(index: TraceIndex, entries: list[dict], text: str) -> list[di
     needle = text.casefold()
     raw = json.dumps(text)[1:-1].lower().encode() if text.isascii() else None
     out = []
-    if not entries:
-        return out
-    with open(index.path, "rb") as f:
-        for e in entries:
-            f.seek(e["offset"])
-            line = f.read(e["length"])
-            if raw is not None and raw not in line.lower():
-                continue
-            record = decode_line(line)
-            if not isinstance(record, dict) or record.get("step") != e["step"]:
-                continue
-            texts = [t["text"] if isinstance(t, dict) else t[1] if isinstance(t, list) else str(t)
-                     for t in record.get("turns", [])] + [str(record.get("answer") or "")]
-            if any(needle in str(t).casefold() for t in texts):
-                out.append(e)
+    for e, line in index.lines(entries):
+        if raw is not None and raw not in line.lower():
+            continue
+        record = decode_line(line)
+        if not isinstance(record, dict) or record.get("step") != e["step"]:
+            continue
+        texts = [t["text"] if isinstance(t, dict) else t[1] if isinstance(t, list) else str(t)
+                 for t in record.get("turns", [])] + [str(record.get("answer") or "")]
+        if any(needle in str(t).casefold() for t in texts):
+            out.append(e)
     return out
 
 

@@ -9,6 +9,7 @@ import os
 import sys
 import threading
 from itertools import compress
+from typing import Iterator
 
 # Plots, in the order a researcher looks: (title, metric names); a panel shows the names a run has.
 PANELS = [
@@ -255,14 +256,19 @@ class TraceIndex:
         """The full records of `entries` (from `self.entries`); None for one that is no longer there
         as indexed (the file was replaced since)."""
         records = []
+        for e, line in self.lines(entries):
+            record = decode_line(line)
+            records.append(None if trace_problem(record) or record["step"] != e["step"] else record)
+        return records
+
+    def lines(self, entries: list[dict]) -> Iterator[tuple[dict, bytes]]:
+        """(entry, its raw line as indexed) for each of `entries`; the file is opened only when there are any."""
         if not entries:
-            return records
+            return
         with open(self.path, "rb") as f:
             for e in entries:
                 f.seek(e["offset"])
-                record = decode_line(f.read(e["length"]))
-                records.append(None if trace_problem(record) or record["step"] != e["step"] else record)
-        return records
+                yield e, f.read(e["length"])
 
 
 def _summary(record: dict, offset: int, length: int, earlier: list[dict]) -> dict:
