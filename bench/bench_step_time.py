@@ -35,6 +35,9 @@ def summarize(steps: list[dict], skip: int) -> dict:
         "gen_tokens": med("rollout/gen_tokens"), "tool_calls": med("rollout/tool_calls"),
         "staleness_max": max(r.get("rollout/staleness_max", 0) for r in timed),
         "dropped_stale": steps[-1].get("rollout/dropped_stale_groups", 0) if steps else 0,
+        "wasted_tokens": sum(r.get("rollout/wasted_tokens", 0) for r in steps),
+        # async step times swing (a step may find its groups ready or wait for them): the sum is fairer
+        "timed_total_s": sum(r.get("perf/step_s", float("nan")) for r in timed),
         "episodes_per_step": episodes, "trained_tokens_per_s": med("perf/trained_tokens_per_s"),
         # GPU runs: the trainer's high-water mark (max over timed steps) and the GPU's least free memory
         "trainer_peak_gb": max(r.get("perf/trainer_peak_mem_gb", float("nan")) for r in timed),
@@ -51,10 +54,10 @@ def main():
     p.add_argument("--per-step", action="store_true", help="also list every step of each run")
     args = p.parse_args()
     out = {}
-    print("| run | steps timed | step s | rollout s | logp s | update s | sync s | steps/s | episodes/s | "
-          "gen tokens/step | trained tokens/s | tool calls/episode | staleness max | dropped stale groups | "
+    print("| run | steps timed | timed steps total s | step s | rollout s | logp s | update s | sync s | steps/s | episodes/s | "
+          "gen tokens/step | trained tokens/s | tool calls/episode | staleness max | dropped stale groups | wasted tokens | "
           "trainer peak GB | trainer GB between updates | GPU free GB (least) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- |" + " ---: |" * 18)
     steps_of = {}
     for spec in args.runs:
         label, _, run_dir = spec.rpartition("=")
@@ -66,10 +69,10 @@ def main():
             print(f"| {label} | no steps ({type(e).__name__}: {e}) |")
             continue
         out[label] = s
-        print(f"| {label} | {s['steps']} | {s['step_s']:.2f} | {s['rollout_s']:.2f} | {s['logp_s']:.2f} | "
+        print(f"| {label} | {s['steps']} | {s['timed_total_s']:.1f} | {s['step_s']:.2f} | {s['rollout_s']:.2f} | {s['logp_s']:.2f} | "
               f"{s['update_s']:.2f} | {s['sync_s']:.3f} | {s['steps_per_s']:.3f} | {s['episodes_per_s']:.1f} | "
               f"{s['gen_tokens']:.0f} | {s['trained_tokens_per_s']:.0f} | {s['tool_calls']:.2f} | "
-              f"{s['staleness_max']:.0f} | {s['dropped_stale']} | {s['trainer_peak_gb']:.1f} | {s['trainer_between_gb']:.1f} | {s['gpu_free_gb']:.1f} |")
+              f"{s['staleness_max']:.0f} | {s['dropped_stale']} | {s['wasted_tokens']:.0f} | {s['trainer_peak_gb']:.1f} | {s['trainer_between_gb']:.1f} | {s['gpu_free_gb']:.1f} |")
     if args.per_step:
         for label, steps in steps_of.items():
             print_steps(label, steps)

@@ -8,7 +8,8 @@
 #      sync), and, both with the static split 0.3, tensor sync and checkpointing, sync_split (sync mode)
 #      against async (in_place pause); $RUNS picks runs, $STEPS their length (default 4);
 #   C: train_search.py with 1 s of tool latency per search, tiny warm-started search model, 8 steps
-#      each, $RUNS of: sync (static split), sync_sleep, async_in_place, async_abort;
+#      each, $RUNS of: sync (static split), sync_sleep, async_in_place, async_abort (flushes the prefix
+#      cache at every sync), async_no_key (in_place, old prefixes reused);
 #   D: how large a model one GPU trains: B's sleep-mode run with the optimizer state offloaded to CPU
 #      memory (trainer_offload_optimizer) at Qwen2.5-1.5B, 3B and 7B shapes; $RUNS of 1.5b_sleep (not
 #      offloaded), 1.5b_offload, 3b_offload, 7b_offload, 3b_sleep (not offloaded).
@@ -68,12 +69,14 @@ B)
       static_split) one reflect_static_split $first --mem_fraction_static 0.3 --weight_sync disk --trainer_gradient_checkpointing True --max_tokens_per_mb 32768 ;;
       sync_split) one reflect_sync_split $first --mem_fraction_static 0.3 --weight_sync tensor --trainer_gradient_checkpointing True --max_tokens_per_mb 32768 ;;
       async) one reflect_async $first --mem_fraction_static 0.3 --weight_sync tensor --mode async --trainer_gradient_checkpointing True --max_tokens_per_mb 32768 ;;
+      async_no_key) one reflect_async_no_key $first --mem_fraction_static 0.3 --weight_sync tensor --mode async --trainer_gradient_checkpointing True --max_tokens_per_mb 32768 --prefix_cache_per_version False ;;
     esac
     first=200
   done
   python3 bench/bench_step_time.py "static split, disk sync, checkpointing=/tmp/runs/reflect_static_split" \
     "sleep mode, tensor sync=/tmp/runs/reflect_sleep" "sync, static split, tensor sync, checkpointing=/tmp/runs/reflect_sync_split" \
-    "async, static split, tensor sync, checkpointing=/tmp/runs/reflect_async" --skip 1 --per-step 2>&1 | tail -40
+    "async, static split, tensor sync, checkpointing=/tmp/runs/reflect_async" \
+    "async, no per-version cache key=/tmp/runs/reflect_async_no_key" --skip 1 --per-step 2>&1 | tail -40
   grep -h "logprob/server_trainer_abs_diff_max" /tmp/runs/*/metrics.jsonl | python3 -c "import sys, json; print('gap max per step', [round(json.loads(l)['logprob/server_trainer_abs_diff_max'], 3) for l in sys.stdin])"
   grep -h -A4 "Recompiling" $OUT/reflect_*.log | head -40
   ;;
@@ -95,11 +98,13 @@ print('embedded model and data:', ts.embedded_model_and_data(load_config(ts.Conf
       sync) one search_sync 200 --mode sync --mem_fraction_static 0.3 ;;
       async_in_place) one search_async_in_place 150 --mode async --mem_fraction_static 0.3 --pause_mode in_place ;;
       async_abort) one search_async_abort 150 --mode async --mem_fraction_static 0.3 --pause_mode abort ;;
+      async_no_key) one search_async_no_key 150 --mode async --mem_fraction_static 0.3 --pause_mode in_place --prefix_cache_per_version False ;;
       sync_sleep) one search_sync_sleep 270 --mode sync --mem_fraction_static 0.5 --colocate_sleep True ;;
     esac
   done
   python3 bench/bench_step_time.py "sync=/tmp/runs/search_sync" "sync, sleep mode=/tmp/runs/search_sync_sleep" \
-    "async, in_place pause=/tmp/runs/search_async_in_place" "async, abort pause=/tmp/runs/search_async_abort" --skip 1 2>&1 | tail -10
+    "async, in_place pause=/tmp/runs/search_async_in_place" "async, abort pause=/tmp/runs/search_async_abort" \
+    "async, no per-version cache key=/tmp/runs/search_async_no_key" --skip 1 2>&1 | tail -10
   mkdir -p $OUT/model && cp $MODEL/* $OUT/model/ 2>/dev/null
   ;;
 D)
