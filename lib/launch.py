@@ -1,5 +1,6 @@
 """Start an inference server (SGLang, or lib.cpu_server), wait until it really generates, and make
-sure it dies with the trainer.
+sure it dies with the trainer. `launch_server_process` does the same for any server process (the
+retrieval server's launcher uses it with its own readiness check).
 
 Each server runs in its own process group (its own session), so `terminate()` reaches every process
 it spawned (SGLang's scheduler and detokenizer processes too), and Ctrl-C in the terminal reaches
@@ -54,9 +55,6 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             pass
 
-    def log_tail(self, num_lines: int = 40) -> str:
-        return _log_tail(self.log_path, num_lines)
-
 
 def free_port(host: str = "127.0.0.1", below: int = 65536) -> int:
     """A TCP port under `below` that was free a moment ago (another process may still take it before
@@ -87,10 +85,10 @@ def wait_for_server(address: str, timeout_s: float = 300.0, *, process: subproce
         while True:
             if process is not None and process.poll() is not None:
                 raise RuntimeError(f"inference server for {address} exited with code {process.returncode} before "
-                                   f"it answered a generation; last log lines ({log_path}):\n{_log_tail(log_path)}")
+                                   f"it answered a generation; last log lines ({log_path}):\n{log_tail(log_path)}")
             remaining_s = deadline - time.monotonic()
             if remaining_s <= 0:
-                tail = f"; last log lines ({log_path}):\n{_log_tail(log_path)}" if log_path else ""
+                tail = f"; last log lines ({log_path}):\n{log_tail(log_path)}" if log_path else ""
                 raise TimeoutError(f"inference server at {address} did not answer a 2-token /generate within "
                                    f"{timeout_s:.0f} s (last error: {last_error}); check that it is running and "
                                    f"reachable, or raise the timeout{tail}")
@@ -123,15 +121,8 @@ def launch_sglang(model_path: str, *, tokenizer_path: str | None = None, host: s
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
            "--port", str(port), "--base-gpu-id", str(base_gpu_id), "--tp-size", str(tp_size),
            "--dp-size", str(dp_size), "--dtype", dtype]
-    if tokenizer_path:
-        cmd += ["--tokenizer-path", tokenizer_path]
-    if mem_fraction_static is not None:
-        cmd += ["--mem-fraction-static", str(mem_fraction_static)]
-    if context_length is not None:
-        cmd += ["--context-length", str(context_length)]
-    if random_seed is not None:
-        cmd += ["--random-seed", str(random_seed)]
-    cmd += [str(a) for a in extra_args]
+    cmd += _flags({"--tokenizer-path": tokenizer_path or None, "--mem-fraction-static": mem_fraction_static,
+                   "--context-length": context_length, "--random-seed": random_seed}, extra_args)
     # Without it the first NCCL weight broadcast fails with "Cuda failure 'invalid argument'"
     # (seen with SGLang 0.5.15 on H200s, docs/sglang_contract.md §5).
     env = {"NCCL_CUMEM_ENABLE": "0", **(env or {})}
@@ -148,30 +139,37 @@ def launch_cpu_server(model_path: str, *, host: str = "127.0.0.1", port: int | N
     port = port or free_port(host)
     cmd = [sys.executable, "-m", "lib.cpu_server", "--model-path", model_path, "--host", host, "--port", str(port),
            "--device", device, "--dtype", dtype, "--max-running-requests", str(max_running_requests)]
-    if context_length is not None:
-        cmd += ["--context-length", str(context_length)]
-    if num_threads is not None:
-        cmd += ["--num-threads", str(num_threads)]
-    if random_seed is not None:
-        cmd += ["--random-seed", str(random_seed)]
-    cmd += [str(a) for a in extra_args]
-    # `lib` must import in the child whatever the trainer's working directory is.
-    pythonpath = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
+    cmd += _flags({"--context-length": context_length, "--num-threads": num_threads, "--random-seed": random_seed},
+                  extra_args)
     return launch_server_process(cmd, host=host, port=port, log_path=log_path, timeout_s=timeout_s,
-                                 env={"PYTHONPATH": pythonpath}, name="cpu_server",
+                                 env=lib_importable_env(), name="cpu_server",
                                  hint="run the command above by hand to see why")
 
 
+def _flags(optional: dict, extra_args=()) -> list[str]:
+    """`--flag value` for each flag of `optional` whose value is not None, then `extra_args`."""
+    return [str(a) for flag, value in optional.items() if value is not None for a in (flag, value)] + \
+        [str(a) for a in extra_args]
+
+
+def lib_importable_env() -> dict:
+    """The environment a child that runs `python -m lib.…` needs, whatever the trainer's working
+    directory is: the repository on PYTHONPATH."""
+    return {"PYTHONPATH": os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)}
+
+
 def launch_server_process(cmd: list, *, host: str, port: int, log_path: str | None = None, timeout_s: float = 300.0,
-                          env: dict | None = None, name: str = "server", hint: str = "") -> ServerProcess:
-    """Run `cmd` (a server speaking SGLang's /generate on host:port) in its own process group, logging to
-    `log_path` (a temporary file if None), and return once it answers a generation."""
+                          env: dict | None = None, name: str = "server", hint: str = "",
+                          wait=wait_for_server) -> ServerProcess:
+    """Run `cmd` (a server on host:port) in its own process group, appending its output to `log_path`
+    (a temporary file if None), and return once `wait(address, timeout_s, process=, log_path=)`
+    returns (default: it answers a generation). It dies with this process (module docstring)."""
     if log_path is None:
         fd, log_path = tempfile.mkstemp(prefix=f"{name}-{port}-", suffix=".log")
         os.close(fd)
     else:
         os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
-    with open(log_path, "w") as log:
+    with open(log_path, "a") as log:  # a restarted server adds to its predecessor's log
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
         # PDEATHSIG fires when the forking *thread* ends, so only a main-thread launch gets it: a
@@ -183,7 +181,7 @@ def launch_server_process(cmd: list, *, host: str, port: int, log_path: str | No
     server = ServerProcess(address=f"http://{host}:{port}", process=process, log_path=log_path)
     _register(server)
     try:
-        wait_for_server(server.address, timeout_s, process=process, log_path=log_path)
+        wait(server.address, timeout_s, process=process, log_path=log_path)
     except BaseException as e:
         server.terminate()
         if isinstance(e, (RuntimeError, TimeoutError)):
@@ -227,7 +225,8 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
-def _log_tail(log_path: str | None, num_lines: int = 40) -> str:
+def log_tail(log_path: str | None, num_lines: int = 40) -> str:
+    """The last `num_lines` lines of a server's log, for an error message."""
     if not log_path:
         return "(no log)"
     try:

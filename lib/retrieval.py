@@ -15,14 +15,12 @@ Errors are 4xx/5xx with `{"error": "message"}`. Docs: docs/retrieval.md.
 """
 import argparse
 import asyncio
-import atexit
 import concurrent.futures
 import json
 import logging
 import math
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -498,7 +496,6 @@ def main(argv=None):
     from aiohttp import web
 
     args = parse_args(argv)
-    _die_with_parent()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     start_s = time.perf_counter()
     if args.retriever == "dense":
@@ -517,94 +514,42 @@ def main(argv=None):
 
 
 # --- launcher ---
-PARENT_PID_ENV = "AGENTRL_RETRIEVAL_PARENT_PID"
-
-
-def _die_with_parent():
-    """Linux: SIGTERM this server when the process that launched it dies, even by SIGKILL. Set here,
-    in the child, because a preexec_fn is unsafe when the launching process has threads."""
-    parent_pid = os.environ.get(PARENT_PID_ENV)
-    if not parent_pid:
-        return
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != int(parent_pid):  # the parent died before the prctl took effect
-        sys.exit(f"the launching process {parent_pid} is gone")
-
-
-@dataclass
-class RetrievalServer:
-    process: subprocess.Popen
-    address: str  # "http://127.0.0.1:PORT"
-    log_path: str
-
-    def terminate(self, timeout_s: float = 10.0):
-        """Kill the server's process group: SIGTERM, then SIGKILL after `timeout_s`."""
-        if self.process.poll() is not None:
-            return
-        try:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-        except ProcessLookupError:
-            pass
-
-
-def _log_tail(path: str, num_chars: int = 3000) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return f.read()[-num_chars:]
-    except OSError:
-        return "(no log)"
-
 
 def launch_retrieval_server(corpus_path: str, host: str = "127.0.0.1", port: int | None = None,
                             timeout_s: float = 120.0, log_path: str | None = None,
-                            extra_args: tuple[str, ...] = ()) -> RetrievalServer:
-    """Start `python -m lib.retrieval` in its own process group and wait for /health. The server
-    is killed at interpreter exit, on `.terminate()`, and (Linux) when this process dies."""
+                            extra_args: tuple[str, ...] = ()):
+    """Start `python -m lib.retrieval` and wait for /health; a `lib.launch.ServerProcess`, which dies
+    with this process as the inference servers do (lib/launch.py)."""
     if not os.path.exists(corpus_path):
         raise FileNotFoundError(f"corpus {corpus_path} not found; build one with lib.wiki_data.build_wiki_data "
                                 "or point at a Search-R1 jsonl corpus")
-    from lib.launch import free_port  # here, so the server process itself does not import the launcher
+    from lib.launch import free_port, launch_server_process, lib_importable_env  # the server itself needs neither
 
     port = port or free_port(host)
-    if log_path is None:
-        fd, log_path = tempfile.mkstemp(prefix="retrieval-", suffix=".log")
-        os.close(fd)
-    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo_root] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
-               **{PARENT_PID_ENV: str(os.getpid())})
     cmd = [sys.executable, "-m", "lib.retrieval", "--corpus", os.path.abspath(corpus_path), "--host", host,
            "--port", str(port), *extra_args]
-    with open(log_path, "ab") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                   start_new_session=True)
-    address = f"http://{host}:{port}"
-    server = RetrievalServer(process, address, log_path)
-    atexit.register(server.terminate)
+    return launch_server_process(cmd, host=host, port=port, log_path=log_path, timeout_s=timeout_s,
+                                 env=lib_importable_env(), name="retrieval", wait=_wait_for_health,
+                                 hint="a large corpus takes longer to index: raise timeout_s")
+
+
+def _wait_for_health(address: str, timeout_s: float, *, process: subprocess.Popen, log_path: str) -> None:
+    from lib.launch import log_tail
+
     deadline = time.monotonic() + timeout_s
     while True:
         if process.poll() is not None:
-            raise RuntimeError(f"retrieval server exited with code {process.returncode} before answering /health "
-                               f"(command: {' '.join(cmd)}); log {log_path}:\n{_log_tail(log_path)}")
+            raise RuntimeError(f"retrieval server exited with code {process.returncode} before answering /health; "
+                               f"last log lines ({log_path}):\n{log_tail(log_path)}")
         try:
             with urllib.request.urlopen(f"{address}/health", timeout=2) as r:
                 if r.status == 200:
-                    return server
+                    return
         except OSError:
             pass
         if time.monotonic() > deadline:
-            server.terminate()
-            raise RuntimeError(f"retrieval server at {address} did not answer /health within {timeout_s} s "
-                               f"(a large corpus takes longer to index: raise timeout_s); log {log_path}:\n"
-                               f"{_log_tail(log_path)}")
+            raise TimeoutError(f"retrieval server at {address} did not answer /health within {timeout_s} s; "
+                               f"last log lines ({log_path}):\n{log_tail(log_path)}")
         time.sleep(0.2)
 
 

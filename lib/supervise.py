@@ -10,10 +10,11 @@ process exits:
   current policy version, so restarting it silently would corrupt the learning signal), or once
   the restarts are used up, `check()` raises with the exit code and the tail of the server's log.
 """
-import os
 import threading
 import time
 from typing import Callable
+
+from lib.launch import log_tail
 
 
 class Supervisor:
@@ -61,9 +62,6 @@ class Supervisor:
 
     def _died(self, code: int, what: str) -> str:
         log_path = getattr(self.server, "log_path", None)
-        tail = ""
-        if log_path and os.path.exists(log_path):
-            with open(log_path, errors="replace") as f:
-                tail = "".join(f.readlines()[-20:])
+        tail = log_tail(log_path, 20)
         return (f"the {self.name} at {self.server.address} (pid {self.server.process.pid}) exited with code {code} "
                 f"at {time.strftime('%H:%M:%S')}, {what}; last lines of its log {log_path}:\n{tail}")
