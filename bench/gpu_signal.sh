@@ -1,5 +1,5 @@
 #!/bin/bash
-# Learning-signal fixes on one GPU (issue 12), in two stages:
+# The learning signal on one GPU, with the embedded tiny defaults, in three stages:
 #
 #   bash bench/gpu_signal.sh ws      # embedded defaults' warm starts, built here (GPU SFT), evaluated on test
 #   bash bench/gpu_signal.sh ab      # GRPO before/after the fixes from those warm starts, 2 seeds, side by side

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The GPU benchmark suite of issue 6, on a 2-GPU machine (trainer GPU 0, inference GPU 1).
+# The GPU benchmark suite on a 2-GPU machine (trainer GPU 0, inference GPU 1).
 #
 #   bash bench/gpu_suite.sh A    # contract check, trainer MFU variants, rollout overhead, NCCL/disk sync 1.5B
 #   bash bench/gpu_suite.sh B    # GPU tests, NCCL/disk sync 7B
 #   bash bench/gpu_suite.sh C    # trainer MFU with FSDP2 over both GPUs (no server)
 #   bash bench/gpu_suite.sh D    # ~9.5 min: train_search.py step-time breakdown, TRL side by side, sync vs async
 #                                #   with tool latency, torchrun FSDP2 x 2 with NCCL sync, colocated
+#   MODEL=DIR bash bench/gpu_suite.sh R   # train_reflect.py with the tiny warm-started model on real SGLang:
+#                                #   NCCL sync (sync, async), then colocated on GPU 0 with disk sync
 #
 # Needs: SGLang 0.5.15 from the offline kit in .kit (docs/gpu.md); the tiny model in
 # .gpu_carry/tiny (a copy of ~/.cache/agentrl/tiny-qwen2-*, weights cast to bf16 to fit the 64 MiB
@@ -223,4 +225,34 @@ make_random_model('qwen2.5-1.5b', '/tmp/q15', '$SM')" || exit 1
   python3 bench/bench_trl.py --model-path /tmp/q15 --data-dir /tmp/wikiB --batch-size 8 --group-size 8 \
     --max-new-tokens 512 --trl-json "$OUT/trl.json" --ours $RUNS/ours_trl_shape
   tar -C /tmp -czf "$OUT/runs.tgz" --exclude=final --exclude=weights --exclude=checkpoints runs
+fi
+
+if [ "$STAGE" = R ]; then
+  # MODEL: the reflect warm start (~/.cache/agentrl/reflect-warm-start-*), weights cast to bf16 to travel
+  # light; configs/reflect_tiny.yaml otherwise. 6 steps a run, then a test on 100 problems.
+  C="--model_path ${MODEL:?set MODEL to the warm-start dir} --server sglang --trainer_dtype bfloat16 --max_steps 6 --eval_every 0 --test_size 100 --checkpoint_every 0 --tensorboard False"
+  one() {  # name, args...
+    local name=$1; shift
+    ts "start $name"
+    timeout 130 python3 train_reflect.py --run_dir runs/$name $C "$@" > $OUT/$name.log 2>&1
+    ts "end $name rc=$?"
+    cp runs/$name/metrics.jsonl $OUT/$name.metrics.jsonl 2>/dev/null
+  }
+  one reflect_2gpu_nccl_sync --base_gpu_id 1 --weight_sync nccl --mode sync
+  one reflect_2gpu_nccl_async --base_gpu_id 1 --weight_sync nccl --mode async
+  one reflect_1gpu_colocated_disk --base_gpu_id 0 --mem_fraction_static 0.3 --weight_sync disk --mode sync
+  python3 - <<'PY'
+import json, glob, os, statistics
+for f in sorted(glob.glob(os.environ["OUT"] + "/*.metrics.jsonl")):
+    rows = [json.loads(l) for l in open(f)]
+    tr = [r for r in rows if "perf/step_s" in r]
+    te = [r for r in rows if "test/acc_final" in r]
+    if not tr: print(os.path.basename(f), "no steps"); continue
+    med = lambda k: statistics.median(r[k] for r in tr)
+    print(os.path.basename(f).split(".")[0], "steps", len(tr), "step_s %.2f rollout %.2f logp %.2f update %.2f sync %.3f" % (
+        med("perf/step_s"), med("perf/rollout_s"), med("perf/logp_s"), med("perf/update_s"), med("perf/sync_s")),
+        "gap_mean %.2e max %.2e" % (max(r["logprob/server_trainer_abs_diff_mean"] for r in tr), max(r["logprob/server_trainer_abs_diff_max"] for r in tr)),
+        "reward %.3f" % statistics.mean(r["rollout/reward"] for r in tr), "test", {k: round(v, 3) for k, v in te[0].items() if k.startswith("test/")} if te else None)
+PY
+  ts "stage R done"
 fi
