@@ -36,7 +36,8 @@ from lib.async_rollout import BackgroundLoop, RolloutProducer, gather_groups, ro
 from lib.checkpoint import read_checkpoint_extra
 from lib.client import InferenceClient, model_eos_ids
 from lib.config import load_config, to_dict
-from lib.grpo import equal_reward_groups, grpo_advantages, logprob_mismatch, mismatch_warning
+from lib.grpo import (equal_reward_groups, grpo_advantages, logprob_mismatch, merge_stats, minibatch_rows,
+                      mismatch_warning)
 from lib.launch import launch_cpu_server, launch_sglang
 from lib.metrics import MetricsLogger, continue_jsonl
 from lib.model_names import resolve_model_path
@@ -111,6 +112,8 @@ class Config:
     scale_adv_by_std: bool = True  # divide by the group's reward std; Dr. GRPO: False, with loss_agg seq-mean-token-sum-norm
     drop_equal_groups: bool = False  # dynamic sampling (DAPO): drop groups whose rewards are all equal, refill the batch
     refill_rounds: int = 2  # dynamic sampling: at most this many more rollouts per step to refill the batch
+    neg_adv_scale: float = 1.0  # weight of below-average episodes; 0 = learn from the better ones only
+    ppo_minibatches: int = 1  # optimizer steps per batch, each on a random 1/N of the rows (PPO clipping then acts)
     loss_agg: str = "token-mean"  # DAPO's; "seq-mean-token-mean" (GRPO), "seq-mean-token-sum-norm" (Dr. GRPO)
     behav_imp_weight_cap: float = 2.0  # cap of the server->trainer importance weight per token; 0 = no cap
     behav_imp_weight_mode: str = "truncate"  # above the cap: "truncate" to it (TIS) or "mask" the token out (AReaL)
@@ -581,9 +584,44 @@ def embedded_model(cfg: Config) -> str:
     return out2
 
 
-# --- main: the GRPO loop ---
-def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
-    cfg = load_config(Config, config, overrides)
+# --- the run: set-up and tear-down ---
+@dataclass
+class Run:
+    """What the loop touches: built by setup(), closed by close(). Under torchrun rank 0 alone holds
+    the servers, the client, the reward pool, the rollouts, the logger and the trace file (None on
+    the other ranks); every rank holds its shard of the actor."""
+    cfg: Config
+    rank: int = 0
+    world_size: int = 1
+    cpu_group: object = None  # gloo group for Python objects under torchrun
+    tokenizer: object = None
+    reflection_ids: list = None
+    train_items: list = None
+    dev_items: list = None
+    test_items: list = None
+    supervisors: list = field(default_factory=list)  # of the servers launched here
+    bg: BackgroundLoop = None  # the event loop of every client call and episode
+    client: InferenceClient = None
+    reward_pool: RewardPool = None
+    proxy: OpenAIProxy = None  # --agent openai: the agent's OpenAI-compatible server
+    actor: Actor = None
+    weight_sync: ServerWeightSync = None
+    producer: RolloutProducer = None  # async mode
+    logger: MetricsLogger = None
+    trace_file: object = None
+    ckpt_dir: str = ""
+    resumed: bool = False
+    step: int = 0
+    version: int = 0  # policy version: weight syncs so far
+    data_position: int = 0  # index of the next train item
+    reward_counts: tuple = (0, 0)  # the reward pool's (timeouts, failures) when this step's rollout began
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def check_config(cfg: Config):
     if cfg.trace_backend not in ("jsonl", "mlflow"):
         raise ValueError(f"trace_backend must be 'jsonl' or 'mlflow', got {cfg.trace_backend!r}")
     if cfg.mode not in ("sync", "async"):
@@ -600,10 +638,26 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
         raise ValueError(f"agent must be 'tokens' or 'openai', got {cfg.agent!r}")
     if cfg.behav_imp_weight_mode not in ("truncate", "mask"):
         raise ValueError(f"behav_imp_weight_mode must be 'truncate' or 'mask', got {cfg.behav_imp_weight_mode!r}")
+
+
+def setup(cfg: Config) -> Run:
+    """Ranks, seeds, model, data, servers, client, actor, weight sync, the resumed checkpoint, the
+    logger and (async mode) the rollout producer. If any of it fails, what was opened is closed."""
+    check_config(cfg)
     # Under torchrun every rank holds a shard of the model (FSDP2, lib/actor.py); rank 0 alone runs the
     # server, the rollouts, the rewards, evaluation and logging; every rank trains on its rows of rank 0's batch.
     world_size, rank, cpu_group = init_trainer_ranks()
-    is_main = rank == 0
+    run = Run(cfg, rank=rank, world_size=world_size, cpu_group=cpu_group)
+    try:
+        _setup(run)
+    except BaseException:
+        close(run)
+        raise
+    return run
+
+
+def _setup(run: Run):
+    cfg, is_main = run.cfg, run.is_main
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -615,31 +669,23 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
     if not is_main:
         dist.barrier()  # rank 0 builds the cache first; the others then find it there
     model_path = resolve_model_path(cfg.model_path) or embedded_model(cfg)  # a known name: built once, cached
-    if is_main and world_size > 1:
+    if is_main and run.world_size > 1:
         dist.barrier()
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    run.tokenizer = AutoTokenizer.from_pretrained(model_path)
     if not cfg.stop_token_ids:  # a turn ends on any of the model's EOS ids (Qwen2.5: <|im_end|> and <|endoftext|>)
-        cfg = dataclasses.replace(cfg, stop_token_ids=model_eos_ids(model_path, tokenizer))
-    reflection_ids = build_reflection_ids(tokenizer, cfg.apply_chat_template)
+        cfg = run.cfg = dataclasses.replace(cfg, stop_token_ids=model_eos_ids(model_path, run.tokenizer))
+    run.reflection_ids = build_reflection_ids(run.tokenizer, cfg.apply_chat_template)
     splits = load_splits(cfg)
-    train_items, dev_items, test_items = splits["train"], splits["dev"][: cfg.eval_size], splits["test"][: cfg.test_size]
-
-    @functools.lru_cache(maxsize=2)
-    def epoch_order(epoch: int):
-        return np.random.RandomState(cfg.seed + epoch).permutation(len(train_items))
-
-    def item_at(index: int) -> dict:
-        # The data order is a function of (seed, index), so a resumed run sees the same questions.
-        epoch, offset = divmod(index, len(train_items))
-        return {**train_items[epoch_order(epoch)[offset]], "index": index}
+    run.train_items, run.dev_items, run.test_items = (splits["train"], splits["dev"][: cfg.eval_size],
+                                                      splits["test"][: cfg.test_size])
 
     # Servers (rank 0): started here and killed with this process, or given by the user. A resumed run
     # seeds the server's sampling by its step, so it does not replay the start of the run.
-    ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
-    resume_extra = read_checkpoint_extra(os.path.join(ckpt_dir, "latest")) if cfg.resume else None
+    run.ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
+    resume_extra = read_checkpoint_extra(os.path.join(run.ckpt_dir, "latest")) if cfg.resume else None
     sampling_seed = server_seed(cfg.seed, resume_extra["step"] if resume_extra else 0)
     # The launched server is supervised (lib/supervise.py): if it dies, the run stops with its log.
-    supervisors, addrs = [], []
+    addrs = []
     if is_main and cfg.server == "external":
         addrs = list(cfg.server_addrs)
     elif is_main and cfg.server == "sglang":
@@ -648,303 +694,385 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
                                extra_args=cfg.sglang_extra_args.split()
                                + (["--enable-memory-saver"] if cfg.colocate_sleep else []),
                                log_path=os.path.join(cfg.run_dir, "sglang.log"))
-        supervisors.append(Supervisor("inference server", server))
+        run.supervisors.append(Supervisor("inference server", server))
         addrs = [server.address]
     elif is_main:
         server = launch_cpu_server(model_path, device=cfg.server_device, num_threads=cfg.server_threads,
                                    random_seed=sampling_seed, log_path=os.path.join(cfg.run_dir, "cpu_server.log"))
-        supervisors.append(Supervisor("inference server", server))
+        run.supervisors.append(Supervisor("inference server", server))
         addrs = [server.address]
 
     # Every client call runs on one event loop in a background thread, so in async mode the
     # trainer (this thread) can update while episodes run.
-    bg = BackgroundLoop()
-    run = bg.run
-    client = InferenceClient(addrs, max_concurrent_requests=cfg.max_concurrent_requests,
-                             version_cache_key=cfg.prefix_cache_per_version,
-                             sampling_seed=cfg.seed if cfg.seeded_sampling else None) if is_main else None
-    reward_pool = RewardPool(cfg.reward_workers, cfg.reward_timeout_s, preload=reward_fn) if is_main else None
-    actor = Actor(model_path, lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
-                  total_steps=cfg.max_steps, lr_schedule=cfg.lr_schedule, grad_clip=cfg.grad_clip,
-                  temperature=cfg.temperature, max_tokens_per_mb=cfg.max_tokens_per_mb, dtype=cfg.trainer_dtype,
-                  kl_coef=cfg.kl_coef, ref_model_path=model_path if cfg.kl_coef > 0 else None,
-                  eps_clip_low=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high, loss_agg=cfg.loss_agg,
-                  loss_norm_tokens=cfg.max_tokens,
-                  packed=cfg.pack_sequences, attn_implementation=cfg.attn_implementation,
-                  gradient_checkpointing=cfg.trainer_gradient_checkpointing, compile_layers=cfg.trainer_compile,
-                  offload_optimizer=cfg.trainer_offload_optimizer,
-                  behaviour_weight_cap=cfg.behav_imp_weight_cap or None, behaviour_cap_mode=cfg.behav_imp_weight_mode)
+    run.bg = BackgroundLoop()
+    if is_main:
+        run.client = InferenceClient(addrs, max_concurrent_requests=cfg.max_concurrent_requests,
+                                     version_cache_key=cfg.prefix_cache_per_version,
+                                     sampling_seed=cfg.seed if cfg.seeded_sampling else None)
+        run.reward_pool = RewardPool(cfg.reward_workers, cfg.reward_timeout_s, preload=reward_fn)
+    run.actor = Actor(model_path, lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
+                      total_steps=cfg.max_steps, lr_schedule=cfg.lr_schedule, grad_clip=cfg.grad_clip,
+                      temperature=cfg.temperature, max_tokens_per_mb=cfg.max_tokens_per_mb, dtype=cfg.trainer_dtype,
+                      kl_coef=cfg.kl_coef, ref_model_path=model_path if cfg.kl_coef > 0 else None,
+                      eps_clip_low=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high, loss_agg=cfg.loss_agg,
+                      loss_norm_tokens=cfg.max_tokens,
+                      packed=cfg.pack_sequences, attn_implementation=cfg.attn_implementation,
+                      gradient_checkpointing=cfg.trainer_gradient_checkpointing, compile_layers=cfg.trainer_compile,
+                      offload_optimizer=cfg.trainer_offload_optimizer,
+                      behaviour_weight_cap=cfg.behav_imp_weight_cap or None,
+                      behaviour_cap_mode=cfg.behav_imp_weight_mode)
 
     # Weight sync (lib/weight_sync.py): "disk" = safetensors + /update_weights_from_disk; "nccl" = the
     # trainer and every server's TP workers join one process group once, then each step broadcasts the
     # new weights (NCCL on GPUs, gloo on CPUs).
-    weight_sync = ServerWeightSync(cfg.weight_sync, actor, client, run, num_servers=len(addrs), tp_size=cfg.tp_size,
-                                   disk_dir=os.path.join(cfg.run_dir, "weights"), bucket_mb=cfg.weight_sync_bucket_mb,
-                                   master_address=cfg.weight_sync_master_address)
+    run.weight_sync = ServerWeightSync(cfg.weight_sync, run.actor, run.client, run.bg.run, num_servers=len(addrs),
+                                       tp_size=cfg.tp_size, disk_dir=os.path.join(cfg.run_dir, "weights"),
+                                       bucket_mb=cfg.weight_sync_bucket_mb,
+                                       master_address=cfg.weight_sync_master_address)
 
-    step, version, data_position = 0, 0, 0
     if cfg.resume and resume_extra is None:
-        print(f"--resume True: no checkpoint in {ckpt_dir}; starting from step 0")
+        print(f"--resume True: no checkpoint in {run.ckpt_dir}; starting from step 0")
     if resume_extra is not None:
-        extra = actor.load_checkpoint(os.path.join(ckpt_dir, "latest"))
-        step, version, data_position = extra["step"], extra["version"], extra["data_position"]
+        extra = run.actor.load_checkpoint(os.path.join(run.ckpt_dir, "latest"))
+        run.step, run.version, run.data_position = extra["step"], extra["version"], extra["data_position"]
         random.setstate(extra["python_rng"])
         np.random.set_state(extra["numpy_rng"])
         torch.set_rng_state(extra["torch_rng"])
         # The server still holds the initial weights: give it the resumed policy.
-        weight_sync.sync(version)
+        run.weight_sync.sync(run.version)
+        run.resumed = True
         if is_main:
-            print(f"resumed from step {step} (policy version {version}, data position {data_position}); "
-                  f"server sampling seed {sampling_seed}")
-    logger = trace_file = producer = proxy = None
+            print(f"resumed from step {run.step} (policy version {run.version}, data position "
+                  f"{run.data_position}); server sampling seed {sampling_seed}")
     if is_main and cfg.agent == "openai":
         # The agent's chat requests go to this OpenAI-compatible server, which generates through
-        # `client` and records every sampled token; its context budget is the episode's.
-        proxy = OpenAIProxy(client, tokenizer, stop_token_ids=cfg.stop_token_ids, max_context_tokens=cfg.max_tokens,
-                            default_max_tokens=cfg.max_new_tokens_per_turn,
-                            train_sampling={"temperature": cfg.temperature})
-        run(proxy.start())
-    episode_args = (proxy or client, tokenizer, reflection_ids, reward_pool, cfg)
+        # the client and records every sampled token; its context budget is the episode's.
+        run.proxy = OpenAIProxy(run.client, run.tokenizer, stop_token_ids=cfg.stop_token_ids,
+                                max_context_tokens=cfg.max_tokens, default_max_tokens=cfg.max_new_tokens_per_turn,
+                                train_sampling={"temperature": cfg.temperature})
+        run.bg.run(run.proxy.start())
     if is_main:
-        client.set_version(version)
+        run.client.set_version(run.version)
         # One run per file: a fresh start moves an earlier run's rows aside, a resume drops the rows of
         # steps after its checkpoint (they are about to be run again).
-        logger = MetricsLogger(cfg.run_dir, to_dict(cfg), tensorboard=cfg.tensorboard, wandb_project=cfg.wandb_project,
-                               resume_step=step if resume_extra is not None else None,
-                               mlflow=cfg.trace_backend == "mlflow")
-        trace_file = open(continue_jsonl(os.path.join(cfg.run_dir, "traces.jsonl"),
-                                         step if resume_extra is not None else None), "a")
+        resume_step = run.step if run.resumed else None
+        run.logger = MetricsLogger(cfg.run_dir, to_dict(cfg), tensorboard=cfg.tensorboard,
+                                   wandb_project=cfg.wandb_project, resume_step=resume_step,
+                                   mlflow=cfg.trace_backend == "mlflow")
+        run.trace_file = open(continue_jsonl(os.path.join(cfg.run_dir, "traces.jsonl"), resume_step), "a")
         if cfg.mode == "async":
-            producer = RolloutProducer(
-                bg, lambda item: rollout_group(*episode_args, item, cfg.temperature, cfg.group_size), item_at,
-                capacity=cfg.async_capacity or (cfg.max_staleness + 1) * cfg.batch_size,
-                max_staleness=cfg.max_staleness, batch_groups=cfg.batch_size, start_index=data_position,
-                version=version)
-
-    def out_of_time(start: float) -> bool:
-        # Under torchrun rank 0's clock decides for every rank, so all ranks leave the loop together.
-        return broadcast_from_rank0(bool(cfg.time_budget_s) and time.time() - start > cfg.time_budget_s, cpu_group)
-
+            run.producer = RolloutProducer(
+                run.bg, lambda item: rollout_group(*episode_args(run), item, cfg.temperature, cfg.group_size),
+                functools.partial(item_at, run), capacity=cfg.async_capacity or (cfg.max_staleness + 1) * cfg.batch_size,
+                max_staleness=cfg.max_staleness, batch_groups=cfg.batch_size, start_index=run.data_position,
+                version=run.version)
     # What is built by now (model, tokenizer, libraries) lives as long as the run; frozen, it is left
     # out of garbage collections, whose full passes would otherwise scan all of it on the event loop in
     # the middle of a rollout (0.1-0.3 s each; the openai agent's SDK allocates enough to trigger one
     # every few hundred requests: docs/benchmarks.md).
     gc.freeze()
 
-    def run_rollout(rollout, what: str):
-        # A rollout starts all its episodes at once, so it ends by their deadline; if not, the event
-        # loop is stuck: the run stops, naming the episodes still running and where each is.
-        return run(rollout, timeout_s=rollout_deadline_s(cfg.episode_timeout_s), what=what)
 
-    def take_groups(num_groups: int, what: str) -> tuple[list, int]:
-        # (groups, how many failed): sync mode rolls out the next items now; async mode takes the
-        # oldest groups the producer has been generating.
-        nonlocal data_position
-        if producer is not None:
-            failed_before = producer.num_failed
-            groups = producer.get_groups(num_groups, timeout_s=rollout_deadline_s(cfg.episode_timeout_s))
-            data_position = producer.data_position()
-            return groups, producer.num_failed - failed_before
-        items = [item_at(data_position + i) for i in range(num_groups)]
-        try:
-            groups, failed = run_rollout(rollout_groups(*episode_args, items, cfg.temperature, cfg.group_size), what)
-        except RuntimeError:
-            for s in supervisors:
-                s.check()  # a dead server is the clearer cause
-            raise
-        data_position += num_groups
-        return groups, failed
-
+def close(run: Run):
+    """Everything setup() opened, in reverse order; also after an error, when some of it may be missing."""
     try:
-        if is_main and step == 0 and cfg.eval_every:
-            metrics = run_rollout(evaluate(*episode_args, dev_items), "the step-0 evaluation")
-            logger.log(0, {f"eval/{k}": v for k, v in metrics.items()})
-            print(f"step 0 dev: {metrics}")
-        if is_main and step == 0 and cfg.test_at_start:
-            metrics = run_rollout(evaluate(*episode_args, test_items), "the test evaluation")
-            logger.log(0, {f"test/{k}": v for k, v in metrics.items()})
-            print(f"test before training: {metrics}")
-        if producer is not None:
-            producer.start()
-        progress = tqdm(total=cfg.max_steps, initial=step, desc=f"GRPO ({cfg.mode})", disable=not is_main)
+        if run.producer is not None:
+            run.producer.stop()
+        for opened in (run.trace_file, run.logger, run.reward_pool):
+            if opened is not None:
+                opened.close()
+        if run.weight_sync is not None:
+            run.weight_sync.close()
+        if run.proxy is not None:
+            run.bg.run(close_openai_clients(), timeout_s=30)
+            run.bg.run(run.proxy.close(), timeout_s=30)
+        if run.client is not None:
+            run.bg.run(run.client.close(), timeout_s=30)
+    finally:
+        if run.bg is not None:
+            run.bg.close()
+        for s in run.supervisors:
+            s.stop()
+        if run.world_size > 1:
+            dist.destroy_process_group()
+
+
+@functools.lru_cache(maxsize=2)
+def epoch_order(seed: int, num_items: int) -> np.ndarray:
+    return np.random.RandomState(seed).permutation(num_items)
+
+
+def item_at(run: Run, index: int) -> dict:
+    # The data order is a function of (seed, index), so a resumed run sees the same questions.
+    epoch, offset = divmod(index, len(run.train_items))
+    return {**run.train_items[epoch_order(run.cfg.seed + epoch, len(run.train_items))[offset]], "index": index}
+
+
+def episode_args(run: Run) -> tuple:
+    """What rollout_group and evaluate take before the items: the agent's server first."""
+    return run.proxy or run.client, run.tokenizer, run.reflection_ids, run.reward_pool, run.cfg
+
+
+def run_rollout(run: Run, rollout, what: str):
+    # A rollout starts all its episodes at once, so it ends by their deadline; if not, the event
+    # loop is stuck: the run stops, naming the episodes still running and where each is.
+    return run.bg.run(rollout, timeout_s=rollout_deadline_s(run.cfg.episode_timeout_s), what=what)
+
+
+# --- one GRPO step ---
+def take_groups(run: Run, num_groups: int, what: str) -> tuple[list, int]:
+    """(groups, how many failed): sync mode rolls out the next items now; async mode takes the
+    oldest groups the producer has been generating."""
+    if run.producer is not None:
+        failed_before = run.producer.num_failed
+        groups = run.producer.get_groups(num_groups, timeout_s=rollout_deadline_s(run.cfg.episode_timeout_s))
+        run.data_position = run.producer.data_position()
+        return groups, run.producer.num_failed - failed_before
+    items = [item_at(run, run.data_position + i) for i in range(num_groups)]
+    try:
+        groups, failed = run_rollout(run, rollout_groups(*episode_args(run), items, run.cfg.temperature,
+                                                         run.cfg.group_size), what)
+    except RuntimeError:
+        for s in run.supervisors:
+            s.check()  # a dead server is the clearer cause
+        raise
+    run.data_position += num_groups
+    return groups, failed
+
+
+def advantages_and_keep(cfg: Config, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GRPO advantages [B] (below-average ones weighted by neg_adv_scale), whether each row's group
+    has all-equal rewards [B], and the rows to train [B] (dynamic sampling drops those groups)."""
+    adv = grpo_advantages(rewards, cfg.group_size, scale_by_std=cfg.scale_adv_by_std)
+    equal = equal_reward_groups(rewards, cfg.group_size)
+    keep = ~equal if cfg.drop_equal_groups else torch.ones_like(equal)
+    return torch.where(adv < 0, adv * cfg.neg_adv_scale, adv), equal, keep
+
+
+def rollout_step(run: Run) -> tuple[dict, list[dict], dict]:
+    """1. rollout and 2. advantages, on rank 0; then every rank gets the rows to train. Returns
+    (batch: the kept rows, on every rank, {} when there are fewer than ranks: nothing to train;
+    episodes: rank 0's, each with its `advantages [1]` and `keep [1]`; the rollout's metrics)."""
+    cfg, batch, episodes, metrics = run.cfg, None, [], {}
+    if run.is_main:
+        for s in run.supervisors:
+            s.check()
+        run.reward_counts = (run.reward_pool.num_timeouts, run.reward_pool.num_failures)
+        # 1. rollout: sync mode runs this step's groups now; async mode takes groups that have
+        # been generating in the background, dropping any that are too stale.
+        # A group with a failed episode (server error, abort, past episode_timeout_s) is dropped
+        # and counted, never trained on.
+        wasted_before = run.producer.num_wasted_tokens if run.producer else 0
+        groups, failed_groups = take_groups(run, cfg.batch_size, f"step {run.step + 1}'s rollout")
+        # dynamic sampling (DAPO): a group whose rewards are all equal has no learning signal;
+        # more groups are rolled out (at most `refill_rounds` times) until batch_size have some
+        for _ in range(cfg.refill_rounds if cfg.drop_equal_groups else 0):
+            missing = cfg.batch_size - sum(not rewards_all_equal(g) for g in groups)
+            if missing <= 0:
+                break
+            more, failed = take_groups(run, missing, f"step {run.step + 1}'s refill")
+            groups, failed_groups = groups + more, failed_groups + failed
+        episodes = [e for g in groups for e in g]
+        full = concat_padded_tensors([{k: v for k, v in e.items() if isinstance(v, torch.Tensor)} for e in episodes])
+        rewards = full["rewards"]
+        # a token's staleness: the version this step trains at minus the version that sampled it
+        token_staleness = (run.version - full["versions"])[full["loss_mask"].bool()].float()
+
+        # 2. advantages (per sequence, broadcast over its tokens by the loss); a group whose
+        # rewards are all equal has advantage exactly 0, and dynamic sampling drops it
+        full["advantages"], equal, keep = advantages_and_keep(cfg, rewards)
+        if equal.all():
+            tqdm.write(f"step {run.step + 1}: every group's rewards are equal: no learning signal this step")
+        batch = {k: v[keep] for k, v in full.items()}
+        for i, e in enumerate(episodes):  # for the traces (tensors: out of a trace record's stats)
+            e["advantages"], e["keep"] = full["advantages"][i:i + 1], keep[i:i + 1]
+        metrics = {
+            "rollout/reward": rewards.mean().item(),
+            "rollout/episodes": len(episodes),
+            "rollout/acc_turn1": float(np.mean([e["correct_turn"] == 1 for e in episodes])),
+            "rollout/acc_final": float(np.mean([e["correct_turn"] > 0 for e in episodes])),
+            "rollout/turns": float(np.mean([e["num_turns"] for e in episodes])),
+            "rollout/shows_work": float(np.mean([e["shows_work"] for e in episodes])),
+            "rollout/max_tokens_hit": float(np.mean([e["finish_reason"] == "max_tokens" for e in episodes])),
+            "rollout/seq_len": full["attention_mask"].sum(1).float().mean().item(),
+            "rollout/gen_tokens": int(full["loss_mask"].sum()),
+            "rollout/kept_groups": int(keep.sum()) // cfg.group_size,
+            "rollout/equal_reward_groups": int(equal.sum()) // cfg.group_size,
+            "rollout/staleness_mean": token_staleness.mean().item() if token_staleness.numel() else 0.0,
+            "rollout/staleness_max": token_staleness.max().item() if token_staleness.numel() else 0.0,
+            # sampled tokens of groups not trained on: dropped as stale, or by dynamic sampling
+            "rollout/wasted_tokens": (run.producer.num_wasted_tokens if run.producer else 0) - wasted_before
+                                     + int(full["loss_mask"][~keep].sum()),
+            "rollout/failed_groups": failed_groups,
+        }
+    if cfg.colocate_sleep and run.is_main:  # the server is idle until the sync: lend its memory to the trainer
+        run.bg.run(run.client.release_memory_occupation())
+    batch = broadcast_from_rank0(batch, run.cpu_group)
+    return (batch if len(batch["rewards"]) >= run.world_size else {}), episodes, metrics  # a row for every rank
+
+
+def train_step(run: Run, batch: dict) -> dict:
+    """3. proximal log-probs and 4. the PPO update, on this rank's rows of `batch` (none: nothing
+    to train). This rank's proximal log-probs go to `batch["rank_proximal_logprobs"]` for the traces."""
+    cfg, metrics = run.cfg, {}
+    rows = {k: v[run.rank::run.world_size] for k, v in batch.items()}  # this rank's share of the batch
+    # 3. proximal log-probs, recomputed by the trainer (decoupled PPO: `logprobs` stays the
+    # behaviour policy's, as the server reported them). In sync mode the two policies are
+    # the same, so their gap is a bug detector.
+    t1 = time.time()
+    if batch:
+        rows["proximal_logprobs"] = batch["rank_proximal_logprobs"] = run.actor.compute_logprobs(rows)
+        mismatch = logprob_mismatch(rows["proximal_logprobs"], rows["logprobs"], rows["loss_mask"],
+                                    cfg.behav_imp_weight_cap or None)
+        if (warning := mismatch_warning(mismatch)):
+            tqdm.write(warning)
+        metrics.update({f"logprob/{k}": v for k, v in mismatch.items()})  # server vs trainer, all ranks
+    metrics["perf/logp_s"] = time.time() - t1
+
+    # 4. PPO update: one optimizer step per mini-batch; after the first, the policy has moved
+    # away from the proximal one and the clip bounds it. Every rank runs the same number of
+    # steps (its collectives must pair up): the count fits the rank with the fewest rows.
+    t2 = time.time()
+    if batch:
+        num_mb = max(1, min(cfg.ppo_minibatches, len(batch["rewards"]) // run.world_size))
+        parts = minibatch_rows(len(rows["rewards"]), num_mb, seed=cfg.seed + run.step)
+        stats = merge_stats([run.actor.update({k: v[part] for k, v in rows.items()}, step=run.step)
+                             for part in parts])
+        stats["minibatches"] = len(parts)
+        metrics.update({f"loss/{k}": v for k, v in stats.items()})  # rank 0's rows under FSDP
+    metrics["perf/update_s"] = time.time() - t2
+    return metrics
+
+
+def sync_weights(run: Run, trained: bool) -> dict:
+    """5. weight sync: pause generation, push the new weights, continue; bump the version. A step
+    with nothing trained leaves the weights and the version as they are (a server that lent its
+    memory, colocate_sleep, gets the same weights back)."""
+    cfg, t3 = run.cfg, time.time()
+    if trained or cfg.colocate_sleep:
+        run.version += int(trained)
+        # sync mode has nothing in flight: "abort" leaves SGLang in a state it can always flush
+        pause_mode = cfg.pause_mode if run.producer is not None else "abort"
+        if run.is_main:
+            run.bg.run(run.client.pause_generation(pause_mode))
+        if cfg.colocate_sleep:  # the server takes its memory back: weights first (the sync fills them), then its cache
+            torch.cuda.empty_cache()  # what the update freed goes back to the driver, for the server
+            if run.is_main:
+                run.bg.run(run.client.resume_memory_occupation(["weights"]))
+        # a held request keeps its KV (and SGLang can flush only an idle server: its scheduler
+        # dies on a failed flush), so the prefix cache is flushed only where nothing is held
+        run.weight_sync.sync(run.version, flush_cache=pause_mode == "abort")
+        if cfg.colocate_sleep and run.is_main:
+            run.bg.run(run.client.resume_memory_occupation(["kv_cache", "cuda_graph"]))
+        if run.is_main:
+            if run.producer is not None:
+                run.producer.set_version(run.version)
+            run.bg.run(run.client.continue_generation(run.version))  # requests cut or held by the pause go on
+    return {"perf/sync_s": time.time() - t3}
+
+
+def log_step(run: Run, metrics: dict, episodes: list[dict], batch: dict):
+    """6. log (rank 0): the step's metrics row, with the dev evaluation every eval_every steps, and
+    its traces (after step 3: trainer log-probs exist)."""
+    if not run.is_main:
+        return
+    cfg = run.cfg
+    metrics.update({
+        "rollout/dropped_stale_groups": run.producer.num_dropped_stale if run.producer else 0,
+        "reward/timeouts": run.reward_pool.num_timeouts - run.reward_counts[0],
+        "reward/worker_failures": run.reward_pool.num_failures - run.reward_counts[1],
+        "perf/trained_tokens_per_s": metrics["rollout/gen_tokens"] / max(metrics["perf/step_s"], 1e-6),
+    })
+    if run.actor.device.type == "cuda":  # the trainer's high-water mark this step and what it holds now
+        # (while the server generates), and the GPU's free memory now
+        metrics["perf/trainer_peak_mem_gb"] = torch.cuda.max_memory_allocated(run.actor.device) / 1e9
+        metrics["perf/trainer_mem_gb"] = torch.cuda.memory_allocated(run.actor.device) / 1e9
+        metrics["perf/gpu_free_gb"] = torch.cuda.mem_get_info(run.actor.device)[0] / 1e9
+        torch.cuda.reset_peak_memory_stats(run.actor.device)
+    if cfg.eval_every and run.step % cfg.eval_every == 0:
+        metrics.update({f"eval/{k}": v for k, v in run_evaluation(run, "eval", run.dev_items, log=False).items()})
+    run.logger.log(run.step, metrics)
+    if cfg.trace_every and run.step % cfg.trace_every == 0:
+        keep = torch.cat([e["keep"] for e in episodes])
+        trainer_lp = trainer_logprobs_by_episode(keep, batch.get("rank_proximal_logprobs"), run.rank, run.world_size)
+        records = trace_records(run.step, episodes, torch.cat([e["advantages"] for e in episodes]), trainer_lp,
+                                run.tokenizer, cfg.group_size, cfg.trace_groups, context_role="reflection",
+                                correct=lambda e: e["correct_turn"] > 0)
+        write_traces(run.trace_file, records)
+        run.logger.log_traces(run.step, records)
+
+
+def save_checkpoint(run: Run):
+    """7. checkpoint: model, optimizer, scheduler (every rank writes its shard), the counters and the RNGs."""
+    run.actor.save_checkpoint(os.path.join(run.ckpt_dir, "latest"), extra={
+        "step": run.step, "version": run.version, "data_position": run.data_position,
+        "python_rng": random.getstate(), "numpy_rng": np.random.get_state(), "torch_rng": torch.get_rng_state()})
+
+
+def run_evaluation(run: Run, split: str, items: list[dict], log: bool = True) -> dict:
+    """Greedy episodes on `items` (rank 0): their metrics, also logged under `{split}/...` at this
+    step unless `log` is False (log_step adds the dev evaluation to the step's row)."""
+    what = "the test evaluation" if split == "test" else f"step {run.step}'s evaluation"
+    metrics = run_rollout(run, evaluate(*episode_args(run), items), what)
+    if log:
+        run.logger.log(run.step, {f"{split}/{k}": v for k, v in metrics.items()})
+    return metrics
+
+
+def out_of_time(run: Run, start: float) -> bool:
+    # Under torchrun rank 0's clock decides for every rank, so all ranks leave the loop together.
+    budget = run.cfg.time_budget_s
+    return broadcast_from_rank0(bool(budget) and time.time() - start > budget, run.cpu_group)
+
+
+# --- main: the GRPO loop ---
+def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
+    cfg = load_config(Config, config, overrides)
+    run = setup(cfg)
+    cfg = run.cfg
+    try:
+        if run.is_main and run.step == 0 and cfg.eval_every:
+            print(f"step 0 dev: {run_evaluation(run, 'eval', run.dev_items)}")
+        if run.is_main and run.step == 0 and cfg.test_at_start:
+            print(f"test before training: {run_evaluation(run, 'test', run.test_items)}")
+        if run.producer is not None:
+            run.producer.start()
+        progress = tqdm(total=cfg.max_steps, initial=run.step, desc=f"GRPO ({cfg.mode})", disable=not run.is_main)
         train_start, stopping = time.time(), False
-        while step < cfg.max_steps and not stopping:
+        while run.step < cfg.max_steps and not stopping:
             t0 = time.time()
-            batch = None
-            if is_main:
-                for s in supervisors:
-                    s.check()
-                reward_timeouts, reward_failures = reward_pool.num_timeouts, reward_pool.num_failures
-                # 1. rollout: sync mode runs this step's groups now; async mode takes groups that have
-                # been generating in the background, dropping any that are too stale.
-                # A group with a failed episode (server error, abort, past episode_timeout_s) is dropped
-                # and counted, never trained on.
-                wasted_before = producer.num_wasted_tokens if producer else 0
-                groups, failed_groups = take_groups(cfg.batch_size, f"step {step + 1}'s rollout")
-                # dynamic sampling (DAPO): a group whose rewards are all equal has no learning signal;
-                # more groups are rolled out (at most `refill_rounds` times) until batch_size have some
-                for _ in range(cfg.refill_rounds if cfg.drop_equal_groups else 0):
-                    missing = cfg.batch_size - sum(not rewards_all_equal(g) for g in groups)
-                    if missing <= 0:
-                        break
-                    more, failed = take_groups(missing, f"step {step + 1}'s refill")
-                    groups, failed_groups = groups + more, failed_groups + failed
-                episodes = [e for g in groups for e in g]
-                full = concat_padded_tensors([{k: v for k, v in e.items() if isinstance(v, torch.Tensor)}
-                                              for e in episodes])
-                rewards = full["rewards"]
-                mask = full["loss_mask"].bool()
-                token_staleness = (version - full["versions"])[mask].float()
-
-                # 2. advantages (per sequence, broadcast over its tokens by the loss); a group whose
-                # rewards are all equal has advantage exactly 0, and dynamic sampling drops it
-                full["advantages"] = grpo_advantages(rewards, cfg.group_size, scale_by_std=cfg.scale_adv_by_std)
-                equal = equal_reward_groups(rewards, cfg.group_size)
-                keep = ~equal if cfg.drop_equal_groups else torch.ones_like(equal)
-                if equal.all():
-                    tqdm.write(f"step {step + 1}: every group's rewards are equal: no learning signal this step")
-                batch = {k: v[keep] for k, v in full.items()}
-                # sampled tokens of groups not trained on: dropped as stale, or by dynamic sampling
-                wasted_tokens = (producer.num_wasted_tokens if producer else 0) - wasted_before + int(
-                    full["loss_mask"][~keep].sum())
-            if cfg.colocate_sleep and is_main:  # the server is idle until the sync: lend its memory to the trainer
-                run(client.release_memory_occupation())
-            t_rollout = time.time() - t0
-            batch = broadcast_from_rank0(batch, cpu_group)
-            rows = {k: v[rank::world_size] for k, v in batch.items()}  # this rank's share of the batch
-            trainable = len(batch["rewards"]) >= world_size  # every rank needs a row for the collectives
-
-            # 3. proximal log-probs, recomputed by the trainer (decoupled PPO: `logprobs` stays the
-            # behaviour policy's, as the server reported them). In sync mode the two policies are
-            # the same, so their gap is a bug detector.
-            t1 = time.time()
-            mismatch = {}
-            if trainable:
-                rows["proximal_logprobs"] = actor.compute_logprobs(rows)
-                mismatch = logprob_mismatch(rows["proximal_logprobs"], rows["logprobs"], rows["loss_mask"],
-                                            cfg.behav_imp_weight_cap or None)
-                if (warning := mismatch_warning(mismatch)):
-                    tqdm.write(warning)
-            t_logp = time.time() - t1
-
-            # 4. PPO update
-            t2 = time.time()
-            stats = actor.update(rows, step=step) if trainable else {}
-            t_update = time.time() - t2
-
-            # 5. weight sync: pause generation, push the new weights, continue; bump the version. A step
-            # with nothing to train leaves the weights and the version as they are (a server that lent
-            # its memory, colocate_sleep, gets the same weights back).
-            t3 = time.time()
-            if trainable or cfg.colocate_sleep:
-                version += int(trainable)
-                # sync mode has nothing in flight: "abort" leaves SGLang in a state it can always flush
-                pause_mode = cfg.pause_mode if producer is not None else "abort"
-                if is_main:
-                    run(client.pause_generation(pause_mode))
-                if cfg.colocate_sleep:  # the server takes its memory back: weights first (the sync fills them), then its cache
-                    torch.cuda.empty_cache()  # what the update freed goes back to the driver, for the server
-                    if is_main:
-                        run(client.resume_memory_occupation(["weights"]))
-                # a held request keeps its KV (and SGLang can flush only an idle server: its scheduler
-                # dies on a failed flush), so the prefix cache is flushed only where nothing is held
-                weight_sync.sync(version, flush_cache=pause_mode == "abort")
-                if cfg.colocate_sleep and is_main:
-                    run(client.resume_memory_occupation(["kv_cache", "cuda_graph"]))
-                if is_main:
-                    if producer is not None:
-                        producer.set_version(version)
-                    run(client.continue_generation(version))  # requests cut or held by the pause go on
-            t_sync = time.time() - t3
-            step += 1
-
+            # 1. rollout, 2. advantages: the rows to train, on every rank
+            batch, episodes, metrics = rollout_step(run)
+            metrics["perf/rollout_s"] = time.time() - t0
+            # 3. proximal log-probs, 4. PPO update: each rank on its share of the rows
+            metrics.update(train_step(run, batch))
+            # 5. weight sync and version bump, when anything was trained
+            metrics.update(sync_weights(run, trained=bool(batch)))
+            run.step += 1
             # 6. log
-            if is_main:
-                step_s = time.time() - t0
-                gen_tokens = int(full["loss_mask"].sum())
-                metrics = {
-                    "rollout/reward": rewards.mean().item(),
-                    "rollout/episodes": len(episodes),
-                    "rollout/acc_turn1": float(np.mean([e["correct_turn"] == 1 for e in episodes])),
-                    "rollout/acc_final": float(np.mean([e["correct_turn"] > 0 for e in episodes])),
-                    "rollout/turns": float(np.mean([e["num_turns"] for e in episodes])),
-                    "rollout/shows_work": float(np.mean([e["shows_work"] for e in episodes])),
-                    "rollout/max_tokens_hit": float(np.mean([e["finish_reason"] == "max_tokens" for e in episodes])),
-                    "rollout/seq_len": full["attention_mask"].sum(1).float().mean().item(),
-                    "rollout/gen_tokens": gen_tokens,
-                    "rollout/kept_groups": int(keep.sum()) // cfg.group_size,
-                    "rollout/equal_reward_groups": int(equal.sum()) // cfg.group_size,
-                    "rollout/staleness_mean": token_staleness.mean().item() if token_staleness.numel() else 0.0,
-                    "rollout/staleness_max": token_staleness.max().item() if token_staleness.numel() else 0.0,
-                    "rollout/dropped_stale_groups": producer.num_dropped_stale if producer else 0,
-                    "rollout/wasted_tokens": wasted_tokens,
-                    "rollout/failed_groups": failed_groups,
-                    "reward/timeouts": reward_pool.num_timeouts - reward_timeouts,
-                    "reward/worker_failures": reward_pool.num_failures - reward_failures,
-                    **{f"logprob/{k}": v for k, v in mismatch.items()},  # server vs trainer, all ranks
-                    "perf/step_s": step_s, "perf/rollout_s": t_rollout, "perf/logp_s": t_logp,
-                    "perf/update_s": t_update, "perf/sync_s": t_sync,
-                    "perf/trained_tokens_per_s": gen_tokens / max(step_s, 1e-6),
-                    **{f"loss/{k}": v for k, v in stats.items()},  # rank 0's rows under FSDP
-                }
-                if actor.device.type == "cuda":  # the trainer's high-water mark this step and what it holds now
-                    # (while the server generates), and the GPU's free memory now
-                    metrics["perf/trainer_peak_mem_gb"] = torch.cuda.max_memory_allocated(actor.device) / 1e9
-                    metrics["perf/trainer_mem_gb"] = torch.cuda.memory_allocated(actor.device) / 1e9
-                    metrics["perf/gpu_free_gb"] = torch.cuda.mem_get_info(actor.device)[0] / 1e9
-                    torch.cuda.reset_peak_memory_stats(actor.device)
-                if cfg.eval_every and step % cfg.eval_every == 0:
-                    ev = run_rollout(evaluate(*episode_args, dev_items), f"step {step}'s evaluation")
-                    metrics.update({f"eval/{k}": v for k, v in ev.items()})
-                logger.log(step, metrics)
-                progress.update(1)
+            metrics["perf/step_s"] = time.time() - t0
+            log_step(run, metrics, episodes, batch)
+            progress.update(1)
+            if run.is_main:
                 progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", dev_acc=metrics.get("eval/acc_final", ""))
-                if cfg.trace_every and step % cfg.trace_every == 0:  # after step 3: trainer log-probs exist
-                    trainer_lp = trainer_logprobs_by_episode(keep, rows.get("proximal_logprobs"), rank, world_size)
-                    records = trace_records(step, episodes, full["advantages"], trainer_lp, tokenizer, cfg.group_size,
-                                            cfg.trace_groups, context_role="reflection",
-                                            correct=lambda e: e["correct_turn"] > 0)
-                    write_traces(trace_file, records)
-                    logger.log_traces(step, records)
-
             # 7. checkpoint
-            stopping = out_of_time(train_start)
-            if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.max_steps or stopping):
-                actor.save_checkpoint(os.path.join(ckpt_dir, "latest"), extra={  # every rank writes its shard
-                    "step": step, "version": version, "data_position": data_position, "python_rng": random.getstate(),
-                    "numpy_rng": np.random.get_state(), "torch_rng": torch.get_rng_state()})
+            stopping = out_of_time(run, train_start)
+            if cfg.checkpoint_every and (run.step % cfg.checkpoint_every == 0 or run.step == cfg.max_steps or stopping):
+                save_checkpoint(run)
         progress.close()
-        if producer is not None:
-            producer.stop()
-            producer = None
+        if run.producer is not None:  # the test evaluation alone uses the server
+            run.producer.stop()
+            run.producer = None
 
         test_metrics = None
-        if is_main:
-            test_metrics = run_rollout(evaluate(*episode_args, test_items), "the test evaluation")
-            logger.log(step, {f"test/{k}": v for k, v in test_metrics.items()})
-            print(f"test after {step} steps: {test_metrics}")
-        actor.save_hf(os.path.join(cfg.run_dir, "final"))
+        if run.is_main:
+            test_metrics = run_evaluation(run, "test", run.test_items)
+            print(f"test after {run.step} steps: {test_metrics}")
+        run.actor.save_hf(os.path.join(cfg.run_dir, "final"))
         return test_metrics
     finally:
-        if producer is not None:
-            producer.stop()
-        if is_main:
-            trace_file.close()
-            logger.close()
-            reward_pool.close()
-        try:
-            weight_sync.close()
-            if proxy is not None:
-                run(close_openai_clients(), timeout_s=30)
-                run(proxy.close(), timeout_s=30)
-            if is_main:
-                run(client.close(), timeout_s=30)
-        finally:
-            bg.close()
-            for s in supervisors:
-                s.stop()
-            if world_size > 1:
-                dist.destroy_process_group()
+        close(run)
+
 
 if __name__ == "__main__":
     fire.Fire(main)

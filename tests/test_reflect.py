@@ -423,6 +423,50 @@ def test_a_dev_split_in_the_files_is_used_as_is(tmp_path):
     assert [len(splits[s]) for s in ("train", "dev", "test")] == [6, 2, 3]
 
 
+# --- the training step's options ---
+def test_neg_adv_scale_weights_only_the_below_average_episodes():
+    from lib.actor import grpo_advantages
+
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    plain, _, _ = tr.advantages_and_keep(tr.Config(group_size=2), rewards)
+    scaled, equal, keep = tr.advantages_and_keep(tr.Config(group_size=2, neg_adv_scale=0.25), rewards)
+    assert torch.equal(plain, grpo_advantages(rewards, 2))
+    assert scaled[0] == plain[0] > 0 and scaled[1] == 0.25 * plain[1] and plain[1] < 0
+    assert scaled[2:].tolist() == [0.0, 0.0] and equal.tolist() == [False, False, True, True] and keep.all()
+
+
+class RecordingActor:
+    """An actor that scores every token 0 and records the rows of each update."""
+
+    def __init__(self):
+        self.updates = []
+
+    def compute_logprobs(self, rows):
+        return torch.zeros_like(rows["logprobs"])
+
+    def update(self, rows, step):
+        self.updates.append(rows["input_ids"][:, 0].tolist())
+        return {"num_tokens": int(rows["loss_mask"].sum()), "loss": 1.0}
+
+
+@pytest.mark.parametrize("ppo_minibatches,expected", [(1, 1), (2, 2), (9, 5)])  # at most one step per row
+def test_ppo_minibatches_make_that_many_optimizer_steps_over_disjoint_rows(ppo_minibatches, expected):
+    actor = RecordingActor()
+    run = tr.Run(tr.Config(ppo_minibatches=ppo_minibatches), actor=actor)
+    batch = {"input_ids": torch.arange(5)[:, None].repeat(1, 3), "loss_mask": torch.ones(5, 3, dtype=torch.long),
+             "logprobs": torch.zeros(5, 3), "advantages": torch.ones(5), "rewards": torch.ones(5)}
+    metrics = tr.train_step(run, batch)
+    assert len(actor.updates) == metrics["loss/minibatches"] == expected
+    assert sorted(row for rows in actor.updates for row in rows) == [0, 1, 2, 3, 4]
+    assert metrics["loss/num_tokens"] == 15 and metrics["logprob/server_trainer_abs_diff_max"] == 0.0
+
+
+def test_a_step_with_no_rows_trains_nothing():
+    actor = RecordingActor()
+    metrics = tr.train_step(tr.Run(tr.Config(), actor=actor), {})
+    assert actor.updates == [] and set(metrics) == {"perf/logp_s", "perf/update_s"}
+
+
 # --- end to end ---
 E2E = dict(max_steps=2, batch_size=2, group_size=2, max_turns=2, max_new_tokens_per_turn=24,
            eval_every=0, eval_size=4, test_size=4, warm_start_steps=4, warm_start_batch_size=4, warm_start_direct_steps=2,
