@@ -425,7 +425,7 @@ def test_a_dev_split_in_the_files_is_used_as_is(tmp_path):
 
 # --- the training step's options ---
 def test_neg_adv_scale_weights_only_the_below_average_episodes():
-    from lib.actor import grpo_advantages
+    from lib.grpo import grpo_advantages
 
     rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])
     plain, _, _ = tr.advantages_and_keep(tr.Config(group_size=2), rewards)
