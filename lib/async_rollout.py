@@ -417,10 +417,6 @@ class RolloutProducer:
         with self._cond:
             return min(self._started) if self._started else self._next_index
 
-    def num_in_flight(self) -> int:
-        with self._cond:
-            return len(self._started) - len(self._ready)
-
     def stop(self):
         self._stopped = True
         if self._main is not None:

@@ -62,21 +62,6 @@ def _metric_row(line: bytes, number: int, bad: list[str]) -> dict | None:
     return None
 
 
-def read_metrics(path: str) -> tuple[list[dict], list[str]]:
-    """Rows of metrics.jsonl (JSON objects with an integer step), and why each other line was
-    skipped. A last line cut mid-write by a running trainer is neither."""
-    rows, bad = [], []
-    if os.path.exists(path):
-        with open(path, "rb") as f:
-            for number, line in enumerate(f, 1):
-                if not line.endswith(b"\n") and decode_line(line) is None:
-                    continue
-                row = _metric_row(line, number, bad)
-                if row is not None:
-                    rows.append(row)
-    return rows, bad
-
-
 def metric_series(rows: list[dict]) -> dict[str, tuple[list, list]]:
     """{metric name: (steps, values)} over the rows of metrics.jsonl (numbers only; `test/*` rows too).
     A value that is not a finite float (NaN, inf, an integer past float's range) is a gap (None)."""

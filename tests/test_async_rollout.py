@@ -53,7 +53,7 @@ def test_producer_keeps_at_most_capacity_groups_started_and_unconsumed(bg_loop):
     producer = RolloutProducer(bg_loop, rollout_group, lambda i: {"i": i}, capacity=3, max_staleness=0).start()
     try:
         bg_loop.run(asyncio.sleep(0.1))
-        assert running[0] == 3 and producer.num_in_flight() == 3
+        assert running[0] == 3
         release.set()
         assert len(producer.get_groups(5, timeout_s=10)) == 5
         assert peak[0] <= 3
