@@ -42,7 +42,7 @@ class Actor:
     runs holds bf16 parameters and an fp32 copy of them (`master_model`) is what AdamW steps (its
     gradients are the bf16 ones cast up, the new weights are cast down after each step); with
     `master_weights=False` instead the fp32 model runs under autocast, which casts every weight in
-    every forward and backward (slower: ~casts and fp32 elementwise work, measured in
+    every forward and backward (slower: the casts, and elementwise work in fp32; figures in
     docs/benchmarks.md). Under FSDP2: `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`.
 
     `compile_layers` (default: on one GPU) compiles each decoder layer with torch.compile (dynamic
@@ -126,7 +126,7 @@ class Actor:
                 master.requires_grad_(param.requires_grad)
             self.model.to(self.compute_dtype)
         if gradient_checkpointing:
-            # transformers 5.2x renamed gradient_checkpointing_enable; SGLang's pinned 5.12 has only the old name.
+            # newer transformers name it activation_checkpointing_enable; SGLang's pinned 5.12 has only the old name.
             if hasattr(self.model, "activation_checkpointing_enable"):
                 self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
             else:
@@ -135,7 +135,7 @@ class Actor:
         has_tokenizer = not os.path.isdir(model_path) or any(
             os.path.exists(os.path.join(model_path, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
         self.tokenizer = AutoTokenizer.from_pretrained(model_path) if has_tokenizer else None
-        if compile_layers is None:  # default: on one GPU (measured: 24% -> 33% MFU at 1.5B, and less memory)
+        if compile_layers is None:  # default: on one GPU, where it raises MFU and lowers memory (docs/benchmarks.md)
             compile_layers = self.device.type == "cuda" and self.world_size == 1
         self.compile_layers = compile_layers  # also fuses the LM head's log-prob kernels (HeadLogprobs)
         if compile_layers:  # fuses each layer's elementwise work (norms, rotary, SiLU); dynamic lengths
@@ -167,8 +167,8 @@ class Actor:
     def _wrap(self, causal_lm: nn.Module, logits_chunk_tokens: int) -> PolicyForward:
         # Compiled layers: the first compile guards on the micro-batch's length N (torch 2.11's
         # inductor: N >= 4096 after a first micro-batch of 10k tokens), so a shorter one, e.g. a
-        # step's last, recompiled every layer: one step as slow as the first (~20 s at 1.5B). A last
-        # log-prob chunk of one row recompiled the head (size-1 dims are specialised). Packed rows of
+        # step's last, would recompile every layer: a step as slow as the first. A last log-prob
+        # chunk of one row would recompile the head (size-1 dims are specialised). Packed rows of
         # at least 4096 tokens, a multiple of 64 (N - 1 never leaves one row over), compile once
         # (bench/check_recompiles.py; the filler costs < 64 tokens once N >= 4096).
         policy = PolicyForward(causal_lm, logits_chunk_tokens, fused_head=self.compile_layers,
@@ -264,9 +264,8 @@ class Actor:
         loss_sum, per_mb = 0.0, []
         groups = self._micro_batches(batch["attention_mask"])
         # bf16 parameters with fp32 masters: each micro-batch's bf16 gradients are added into fp32 sums
-        # and freed, so the gradient does not depend on the micro-batch split (summed in bf16 it did:
-        # 1.2e-2 error against fp32 with 128 micro-batches, 6.5e-3 with one). FSDP2 and the fp32 paths
-        # already sum in fp32.
+        # and freed, so the gradient does not depend on the micro-batch split (a bf16 sum's error grows
+        # with the number of micro-batches). FSDP2 and the fp32 paths already sum in fp32.
         grad_sums = [None] * len(list(self.model.parameters())) if self.master_model is not self.model else None
         for rows in groups:
             mb = self._rows(batch, rows, keys)

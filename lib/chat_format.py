@@ -295,7 +295,7 @@ def parse_tool_calls(text: str):
     whole text, when there is no block or any block does not parse (arguments nested deeper than
     MAX_JSON_DEPTH included): the agent's code decides what a malformed call means. `content` is
     None when nothing but tool calls was written (as OpenAI does). Never raises; linear time (a
-    regex with a lazy `.*?` was quadratic on thousands of unclosed `<tool_call>`, one token each)."""
+    regex with a lazy `.*?` is quadratic on thousands of unclosed `<tool_call>`, one token each)."""
     calls, outside, pos = [], [], 0
     while (start := text.find(_OPEN, pos)) >= 0:
         end = text.find(_CLOSE, start + len(_OPEN))

@@ -23,7 +23,7 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, *, scale_by_std: boo
     std is the sample std (Bessel-corrected), as TRL and verl compute it; a group of one has
     advantage 0. A group whose rewards are all equal (`equal_reward_groups`) gets exactly 0: in
     float32, eight rewards of 0.9 have a mean that differs from 0.9 by ~6e-8 and a std of ~6e-8,
-    and dividing one by the other gave every row of such a group about ±0.06, all of one sign.
+    and dividing one by the other would give every row of such a group about ±0.06, all of one sign.
     """
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")

@@ -124,7 +124,7 @@ def launch_sglang(model_path: str, *, tokenizer_path: str | None = None, host: s
     cmd += _flags({"--tokenizer-path": tokenizer_path or None, "--mem-fraction-static": mem_fraction_static,
                    "--context-length": context_length, "--random-seed": random_seed}, extra_args)
     # Without it the first NCCL weight broadcast fails with "Cuda failure 'invalid argument'"
-    # (seen with SGLang 0.5.15 on H200s, docs/sglang_contract.md §5).
+    # (SGLang 0.5.15, docs/sglang_contract.md §5).
     env = {"NCCL_CUMEM_ENABLE": "0", **(env or {})}
     return launch_server_process(cmd, host=host, port=port, log_path=log_path, timeout_s=timeout_s, env=env,
                                  name="sglang", hint="run the command above by hand to see why; is sglang "

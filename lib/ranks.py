@@ -10,7 +10,7 @@ def init_trainer_ranks():
     """(world_size, rank, cpu_group). Sets this rank's GPU and starts the default group (NCCL on
     GPUs, gloo on CPUs) when WORLD_SIZE > 1; `cpu_group` is a gloo group for Python objects.
     Ranks > 0 wait out rank 0's rollout inside a broadcast: over gloo they wait on the CPU, while
-    an NCCL broadcast spins a kernel on their GPU (seen: rollout 1.7x slower with SGLang there)."""
+    an NCCL broadcast spins a kernel on their GPU, which slows an SGLang server sharing it."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         return 1, 0, None

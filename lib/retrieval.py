@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from lib.http_body import BadRequest, errors_as_json, read_json_body
 
 # bm25s imports jax when it is installed, and jax on a GPU machine takes 75% of every GPU's memory at
-# start-up (seen on an H100: the inference server then failed with out-of-memory). BM25 needs no GPU.
+# start-up, which leaves an inference server on that GPU out of memory. BM25 needs no GPU.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 logger = logging.getLogger("retrieval")
@@ -370,8 +370,7 @@ def parse_retrieve(body, max_batch: int, max_query_chars: int, topk_max: int) ->
 def _log_accept_errors_rate_limited(interval_s: float = 10.0):
     """An event-loop exception handler that reports a failed accept() (the process is out of file
     descriptors) in one line per `interval_s`: asyncio logs a traceback for every attempt, thousands
-    a second (390k, 172 MB, in 2 minutes under 300 connections and `ulimit -n 256`). Anything else
-    goes to asyncio's own handler."""
+    a second (hundreds of MB of log in minutes). Anything else goes to asyncio's own handler."""
     last_s, missed = -math.inf, 0
 
     def handler(loop, context):
@@ -508,8 +507,8 @@ def main(argv=None):
     app = build_app(index, args.topk_max, args.max_batch, args.max_query_chars, args.request_timeout_s,
                     args.num_workers, body_timeout_s=args.body_timeout_s)
     # keepalive_timeout is aiohttp's header timeout too: it closes a connection that has sent no whole
-    # request head since it opened (or since its last answer). Its default (75 s) let 300 half-sent
-    # heads hold every file descriptor and refuse all queries for over a minute.
+    # request head since it opened (or since its last answer). With its default (75 s), a few hundred
+    # half-sent heads hold every file descriptor and shut out all queries for over a minute.
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, keepalive_timeout=args.idle_timeout_s)
 
 
