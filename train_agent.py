@@ -198,15 +198,23 @@ async def close_agent():
 
 
 # --- one episode: a proxy session around run_agent ---
+# names the trainer logs itself (the session's counts, the episode's keys): an agent's stats may not take them
+RESERVED_STATS = {"reward", "item", "segments", "stats", "advantage", "rows", "episodes", "requests", "length_cut",
+                  "tool_calls", "tool_call_parse_failures", "segments_per_episode", "episodes_without_segments",
+                  "trained_rows", "gen_tokens", "equal_reward_groups", "failed_groups", "completion_tokens", "failed"}
+
+
 async def arun_episode(proxy: OpenAIProxy, cfg: Config, item: dict, train: bool) -> dict:
     """Run the agent once in a session of its own; returns the session's `segments` (training
-    sequences, [1, T] tensors: docs/trajectory.md), the reward and the session's counts. A session
-    whose generation failed raises (lib.openai_proxy.SessionFailed), which drops the group."""
+    sequences, [1, T] tensors: docs/trajectory.md), the reward, the agent's `stats` and the
+    session's counts. A session whose generation failed raises (lib.openai_proxy.SessionFailed),
+    which drops the group."""
     key = proxy.new_session(train=train)  # evaluation sessions are not trained on and sample as they ask
     try:
-        reward = await run_agent(proxy.session_url(key), key, item, cfg.temperature if train else cfg.eval_temperature)
+        result = await run_agent(proxy.session_url(key), key, item, cfg.temperature if train else cfg.eval_temperature)
     finally:
         episode = proxy.end_session(key)
+    reward, stats = agent_result(result)
     if reward is None:
         reward = episode["reward"]
     if reward is None:
@@ -214,7 +222,28 @@ async def arun_episode(proxy: OpenAIProxy, cfg: Config, item: dict, train: bool)
                          "{\"reward\": x} to /agentrl/reward with the episode's key")
     if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
         raise ValueError(f"run_agent must return a finite number (or None after posting one), got {reward!r}")
-    return {**episode, "reward": float(reward), "item": item}
+    return {**episode, "reward": float(reward), "stats": stats, "item": item}
+
+
+def agent_result(result) -> tuple:
+    """(reward, stats) of what run_agent returned: a reward, None, or a dict of the reward under
+    "reward" and the agent's own stats: numbers and bools (logged as their mean over the step's
+    episodes, rollout/<name> and eval/<name>) and strings (shown in the traces: "answer", "finish_reason")."""
+    if not isinstance(result, dict):
+        return result, {}
+    stats = {k: v for k, v in result.items() if k != "reward"}
+    for name, value in stats.items():
+        if not isinstance(name, str) or name in RESERVED_STATS:
+            raise ValueError(f"run_agent's stat {name!r} takes a name the trainer logs itself: rename it")
+        if not isinstance(value, (bool, str)) and not (isinstance(value, (int, float)) and math.isfinite(value)):
+            raise ValueError(f"run_agent's stat {name!r} must be a finite number, a bool or a string, got {value!r}")
+    return result.get("reward"), stats
+
+
+def mean_stats(episodes: list[dict]) -> dict:
+    """The agent's number and bool stats, each averaged over the episodes that report it."""
+    names = dict.fromkeys(k for e in episodes for k, v in e["stats"].items() if not isinstance(v, str))
+    return {k: float(np.mean([e["stats"][k] for e in episodes if k in e["stats"]])) for k in names}
 
 
 # --- group rollout ---
@@ -264,6 +293,7 @@ async def evaluate(proxy, cfg, items) -> dict:
         "reward": float(np.mean([e["reward"] for e in episodes])),
         "requests": float(np.mean([e["requests"] for e in episodes])),
         "completion_tokens": float(np.mean([e["completion_tokens"] for e in episodes])),
+        **mean_stats(episodes),
     }
 
 
@@ -300,15 +330,54 @@ def embedded_model(cfg: Config) -> str:
     return train_reflect.embedded_model(reflect_cfg)
 
 
-# --- main: the GRPO loop ---
-def main(config: str | None = "configs/agent_tiny.yaml", **overrides):
-    cfg = load_config(Config, config, overrides)
+# --- the run: set-up and tear-down ---
+@dataclass
+class Run:
+    """What the loop touches: built by setup(), closed by close()."""
+    cfg: Config
+    tokenizer: object = None
+    train_items: list = None
+    dev_items: list = None
+    test_items: list = None
+    supervisors: list = field(default_factory=list)  # of the servers launched here
+    bg: BackgroundLoop = None  # the event loop of every client call and episode
+    client: InferenceClient = None
+    proxy: OpenAIProxy = None  # the agent's OpenAI-compatible server
+    actor: Actor = None
+    weight_sync: ServerWeightSync = None
+    logger: MetricsLogger = None
+    trace_file: object = None
+    ckpt_dir: str = ""
+    resumed: bool = False
+    step: int = 0
+    version: int = 0  # policy version: weight syncs so far
+    data_position: int = 0  # index of the next train item
+
+
+def check_config(cfg: Config):
     if cfg.server not in ("cpu", "sglang", "external"):
         raise ValueError(f"server must be 'cpu', 'sglang' or 'external', got {cfg.server!r}")
     if cfg.server == "external" and not cfg.server_addrs:
         raise ValueError("server 'external' needs server_addrs: --server_addrs '[\"http://host:port\"]'")
     if cfg.weight_sync not in ("disk", "nccl"):
         raise ValueError(f"weight_sync must be 'disk' or 'nccl', got {cfg.weight_sync!r}")
+
+
+def setup(cfg: Config) -> Run:
+    """Seeds, model, data, servers, client, proxy, actor, weight sync, the resumed checkpoint and the
+    logger. If any of it fails, what was opened is closed."""
+    check_config(cfg)
+    run = Run(cfg)
+    try:
+        _setup(run)
+    except BaseException:
+        close(run)
+        raise
+    return run
+
+
+def _setup(run: Run):
+    cfg = run.cfg
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -318,31 +387,23 @@ def main(config: str | None = "configs/agent_tiny.yaml", **overrides):
     from transformers import AutoTokenizer
 
     model_path = resolve_model_path(cfg.model_path) or embedded_model(cfg)  # a known name: built once, cached
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    run.tokenizer = AutoTokenizer.from_pretrained(model_path)
     if not cfg.stop_token_ids:  # a turn ends on any of the model's EOS ids (Qwen2.5: <|im_end|> and <|endoftext|>)
-        cfg = dataclasses.replace(cfg, stop_token_ids=model_eos_ids(model_path, tokenizer))
+        cfg = run.cfg = dataclasses.replace(cfg, stop_token_ids=model_eos_ids(model_path, run.tokenizer))
     splits = load_splits(cfg)
-    train_items, dev_items, test_items = splits["train"], splits["dev"][: cfg.eval_size], splits["test"][: cfg.test_size]
-    if not train_items:
+    run.train_items, run.dev_items, run.test_items = (splits["train"], splits["dev"][: cfg.eval_size],
+                                                      splits["test"][: cfg.test_size])
+    if not run.train_items:
         raise ValueError("the train split is empty: nothing to train on")
-
-    @functools.lru_cache(maxsize=2)
-    def epoch_order(epoch: int):
-        return np.random.RandomState(cfg.seed + epoch).permutation(len(train_items))
-
-    def item_at(index: int) -> dict:
-        # The data order is a function of (seed, index), so a resumed run sees the same items.
-        epoch, offset = divmod(index, len(train_items))
-        return train_items[epoch_order(epoch)[offset]]
 
     # The inference server: started here and killed with this process (supervised), or given. A resumed
     # run seeds the server's sampling by its step, so it does not replay the start of the run.
-    ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
-    resume_extra = read_checkpoint_extra(os.path.join(ckpt_dir, "latest")) if cfg.resume else None
+    run.ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
+    resume_extra = read_checkpoint_extra(os.path.join(run.ckpt_dir, "latest")) if cfg.resume else None
     if cfg.resume and resume_extra is None:
-        print(f"--resume True: no checkpoint in {ckpt_dir}; starting from step 0")
+        print(f"--resume True: no checkpoint in {run.ckpt_dir}; starting from step 0")
     sampling_seed = server_seed(cfg.seed, resume_extra["step"] if resume_extra else 0)
-    supervisors, addrs = [], list(cfg.server_addrs)
+    addrs = list(cfg.server_addrs)
     if cfg.server != "external":
         if cfg.server == "sglang":
             server = launch_sglang(model_path, base_gpu_id=cfg.base_gpu_id, tp_size=cfg.tp_size,
@@ -352,174 +413,234 @@ def main(config: str | None = "configs/agent_tiny.yaml", **overrides):
         else:
             server = launch_cpu_server(model_path, device=cfg.server_device, num_threads=cfg.server_threads,
                                        random_seed=sampling_seed, log_path=os.path.join(cfg.run_dir, "cpu_server.log"))
-        supervisors.append(Supervisor("inference server", server))
+        run.supervisors.append(Supervisor("inference server", server))
         addrs = [server.address]
 
     # Every client call and every episode runs on one event loop in a background thread; this thread
     # trains. The agent's requests go to the proxy, which generates through the client and records the
     # sampled tokens; a training session samples with the trainer's temperature only.
-    bg = BackgroundLoop()
-    run = bg.run
-    client = InferenceClient(addrs, max_concurrent_requests=cfg.max_concurrent_requests)
-    proxy = OpenAIProxy(client, tokenizer, stop_token_ids=cfg.stop_token_ids, max_context_tokens=cfg.max_tokens,
-                        default_max_tokens=cfg.max_new_tokens_per_turn, train_sampling={"temperature": cfg.temperature})
-    run(proxy.start())
-    actor = Actor(model_path, lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.max_steps,
-                  lr_schedule=cfg.lr_schedule, grad_clip=cfg.grad_clip, temperature=cfg.temperature,
-                  max_tokens_per_mb=cfg.max_tokens_per_mb, dtype=cfg.trainer_dtype,
-                  eps_clip_low=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high, loss_agg=cfg.loss_agg,
-                  loss_norm_tokens=cfg.max_tokens, behaviour_weight_cap=cfg.behav_imp_weight_cap or None,
-                  behaviour_cap_mode=cfg.behav_imp_weight_mode)
-    weight_sync = ServerWeightSync(cfg.weight_sync, actor, client, run, num_servers=len(addrs), tp_size=cfg.tp_size,
-                                   disk_dir=os.path.join(cfg.run_dir, "weights"))
+    run.bg = BackgroundLoop()
+    run.client = InferenceClient(addrs, max_concurrent_requests=cfg.max_concurrent_requests)
+    run.proxy = OpenAIProxy(run.client, run.tokenizer, stop_token_ids=cfg.stop_token_ids,
+                            max_context_tokens=cfg.max_tokens, default_max_tokens=cfg.max_new_tokens_per_turn,
+                            train_sampling={"temperature": cfg.temperature})
+    run.bg.run(run.proxy.start())
+    run.actor = Actor(model_path, lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.max_steps,
+                      lr_schedule=cfg.lr_schedule, grad_clip=cfg.grad_clip, temperature=cfg.temperature,
+                      max_tokens_per_mb=cfg.max_tokens_per_mb, dtype=cfg.trainer_dtype,
+                      eps_clip_low=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high, loss_agg=cfg.loss_agg,
+                      loss_norm_tokens=cfg.max_tokens, behaviour_weight_cap=cfg.behav_imp_weight_cap or None,
+                      behaviour_cap_mode=cfg.behav_imp_weight_mode)
+    run.weight_sync = ServerWeightSync(cfg.weight_sync, run.actor, run.client, run.bg.run, num_servers=len(addrs),
+                                       tp_size=cfg.tp_size, disk_dir=os.path.join(cfg.run_dir, "weights"))
 
-    step, version, data_position = 0, 0, 0
     if resume_extra is not None:
-        extra = actor.load_checkpoint(os.path.join(ckpt_dir, "latest"))
-        step, version, data_position = extra["step"], extra["version"], extra["data_position"]
+        extra = run.actor.load_checkpoint(os.path.join(run.ckpt_dir, "latest"))
+        run.step, run.version, run.data_position = extra["step"], extra["version"], extra["data_position"]
         random.setstate(extra["python_rng"])
         np.random.set_state(extra["numpy_rng"])
         torch.set_rng_state(extra["torch_rng"])
-        weight_sync.sync(version)  # the server still holds the initial weights: give it the resumed policy
-        print(f"resumed from step {step} (policy version {version}, data position {data_position})")
-    client.set_version(version)
-    resume_step = step if resume_extra is not None else None
-    logger = MetricsLogger(cfg.run_dir, to_dict(cfg), tensorboard=cfg.tensorboard, wandb_project=cfg.wandb_project,
-                           resume_step=resume_step)
-    trace_file = open(continue_jsonl(os.path.join(cfg.run_dir, "traces.jsonl"), resume_step), "a")
+        run.weight_sync.sync(run.version)  # the server still holds the initial weights: give it the resumed policy
+        run.resumed = True
+        print(f"resumed from step {run.step} (policy version {run.version}, data position {run.data_position})")
+    run.client.set_version(run.version)
+    resume_step = run.step if run.resumed else None
+    run.logger = MetricsLogger(cfg.run_dir, to_dict(cfg), tensorboard=cfg.tensorboard,
+                               wandb_project=cfg.wandb_project, resume_step=resume_step)
+    run.trace_file = open(continue_jsonl(os.path.join(cfg.run_dir, "traces.jsonl"), resume_step), "a")
     # What is built by now lives as long as the run; frozen, it is left out of garbage collections,
     # whose full passes would otherwise scan all of it on the event loop mid-rollout (docs/openai_proxy.md).
     gc.freeze()
 
-    def run_rollout(rollout, what: str):
-        # A rollout starts all its episodes at once, so it ends by their deadline; if not, the event
-        # loop is stuck: the run stops, naming the episodes still running and where each is.
-        return run(rollout, timeout_s=rollout_deadline_s(cfg.episode_timeout_s), what=what)
 
+def close(run: Run):
+    """Everything setup() opened, in reverse order; also after an error, when some of it may be missing."""
     try:
-        if step == 0 and cfg.eval_every:
-            metrics = run_rollout(evaluate(proxy, cfg, dev_items), "the step-0 evaluation")
-            logger.log(0, {f"eval/{k}": v for k, v in metrics.items()})
-            print(f"step 0 dev: {metrics}")
-        progress = tqdm(total=cfg.max_steps, initial=step, desc="GRPO (agent)")
-        while step < cfg.max_steps:
+        for opened in (run.trace_file, run.logger, run.weight_sync):
+            if opened is not None:
+                opened.close()
+        if run.proxy is not None:
+            run.bg.run(close_agent(), timeout_s=30)
+            run.bg.run(run.proxy.close(), timeout_s=30)
+        if run.client is not None:
+            run.bg.run(run.client.close(), timeout_s=30)
+    finally:
+        if run.bg is not None:
+            run.bg.close()
+        for s in run.supervisors:
+            s.stop()
+
+
+@functools.lru_cache(maxsize=2)
+def epoch_order(seed: int, num_items: int) -> np.ndarray:
+    return np.random.RandomState(seed).permutation(num_items)
+
+
+def item_at(run: Run, index: int) -> dict:
+    # The data order is a function of (seed, index), so a resumed run sees the same items.
+    epoch, offset = divmod(index, len(run.train_items))
+    return run.train_items[epoch_order(run.cfg.seed + epoch, len(run.train_items))[offset]]
+
+
+def run_rollout(run: Run, rollout, what: str):
+    # A rollout starts all its episodes at once, so it ends by their deadline; if not, the event
+    # loop is stuck: the run stops, naming the episodes still running and where each is.
+    return run.bg.run(rollout, timeout_s=rollout_deadline_s(run.cfg.episode_timeout_s), what=what)
+
+
+# --- one GRPO step ---
+def rollout_step(run: Run) -> tuple[dict, list[dict], dict]:
+    """1. rollout and 2. advantages. Returns (batch: a row per segment of the kept episodes, {} when
+    there is nothing to train; the episodes, each with its `advantage` and its batch `rows`; the
+    rollout's metrics)."""
+    cfg = run.cfg
+    for s in run.supervisors:
+        s.check()
+    # 1. rollout: group_size episodes of the agent per item, each in its own proxy session
+    items = [item_at(run, run.data_position + i) for i in range(cfg.batch_size)]
+    try:
+        groups, failed_groups = run_rollout(run, rollout_groups(run.proxy, cfg, items, cfg.group_size, train=True),
+                                            f"step {run.step + 1}'s rollout")
+    except RuntimeError:
+        for s in run.supervisors:
+            s.check()  # a dead server is the clearer cause
+        raise
+    run.data_position += cfg.batch_size
+    episodes = [e for g in groups for e in g]
+
+    # 2. advantages per episode over its group; every segment of an episode is a training row
+    # with the episode's reward and advantage (an episode without a segment trains nothing)
+    batch, info = build_batch(episodes, cfg.group_size, cfg.scale_adv_by_std, cfg.drop_equal_groups)
+    for i, e in enumerate(episodes):  # for the traces
+        e["advantage"] = info["advantages"][i].item()
+        e["rows"] = [row for row, j in enumerate(info["row_episode"]) if j == i]
+    metrics = {
+        "rollout/reward": info["rewards"].mean().item(),
+        "rollout/episodes": len(episodes),
+        "rollout/requests": float(np.mean([e["requests"] for e in episodes])),
+        "rollout/length_cut": float(np.mean([e["length_cut"] for e in episodes])),
+        "rollout/tool_calls": float(np.mean([e["tool_calls"] for e in episodes])),
+        "rollout/tool_call_parse_failures": int(sum(e["tool_call_parse_failures"] for e in episodes)),
+        "rollout/segments_per_episode": float(np.mean([len(e["segments"]) for e in episodes])),
+        "rollout/episodes_without_segments": info["episodes_without_segments"],
+        "rollout/trained_rows": len(info["row_episode"]),
+        "rollout/gen_tokens": int(batch["loss_mask"].sum()) if batch else 0,
+        "rollout/equal_reward_groups": info["equal_reward_groups"],
+        "rollout/failed_groups": failed_groups,
+        **{f"rollout/{k}": v for k, v in mean_stats(episodes).items()},
+    }
+    return batch, episodes, metrics
+
+
+def train_step(run: Run, batch: dict) -> dict:
+    """3. proximal log-probs (the trainer's; `logprobs` stays the server's) into
+    `batch["proximal_logprobs"]`, then 4. the PPO update; nothing when `batch` is empty."""
+    cfg, metrics = run.cfg, {}
+    t1 = time.time()
+    if batch:
+        batch["proximal_logprobs"] = run.actor.compute_logprobs(batch)
+        mismatch = logprob_mismatch(batch["proximal_logprobs"], batch["logprobs"], batch["loss_mask"],
+                                    cfg.behav_imp_weight_cap or None)
+        if (warning := mismatch_warning(mismatch)):
+            tqdm.write(warning)
+        metrics.update({f"logprob/{k}": v for k, v in mismatch.items()})
+    metrics["perf/logp_s"] = time.time() - t1
+    t2 = time.time()
+    if batch:
+        metrics.update({f"loss/{k}": v for k, v in run.actor.update(batch, step=run.step).items()})
+    metrics["perf/update_s"] = time.time() - t2
+    return metrics
+
+
+def sync_weights(run: Run, trained: bool) -> dict:
+    """5. weight sync: pause generation, push the new weights, continue; bump the version. A step
+    with nothing trained leaves the weights and the version as they are."""
+    t3 = time.time()
+    if trained:
+        run.version += 1
+        run.bg.run(run.client.pause_generation())
+        run.weight_sync.sync(run.version)
+        run.bg.run(run.client.continue_generation(run.version))
+    return {"perf/sync_s": time.time() - t3}
+
+
+def log_step(run: Run, metrics: dict, episodes: list[dict], batch: dict):
+    """6. log: the step's metrics row, with the dev evaluation every eval_every steps, and its
+    traces: one record per segment, trainer log-probs included."""
+    cfg = run.cfg
+    metrics["policy/version"] = run.version
+    if cfg.eval_every and run.step % cfg.eval_every == 0:
+        ev = run_evaluation(run, "eval", run.dev_items, log=False)
+        metrics.update({f"eval/{k}": v for k, v in ev.items()})
+        tqdm.write(f"step {run.step} dev: {ev}")
+    run.logger.log(run.step, metrics)
+    if cfg.trace_every and run.step % cfg.trace_every == 0:
+        records = []
+        for i, e in enumerate(episodes[: cfg.trace_groups * cfg.group_size]):
+            item = e["item"] if isinstance(e["item"], dict) else {}
+            for k, segment in enumerate(e["segments"]):
+                row = e["rows"][k] if e["rows"] else None  # None: dropped, never scored by the trainer
+                records.append(episode_record(
+                    {**segment, **e["stats"], "rewards": torch.tensor([e["reward"]]), "question": item.get("question"),
+                     "gold": item.get("answer"), "requests": e["requests"], "segment": k},
+                    run.tokenizer, step=run.step, group=i // cfg.group_size, index=i % cfg.group_size,
+                    advantage=e["advantage"], context_role="tool",
+                    trainer_logprobs=batch["proximal_logprobs"][row] if row is not None else None))
+        write_traces(run.trace_file, records)
+
+
+def save_checkpoint(run: Run):
+    """7. checkpoint: model, optimizer, scheduler, the counters and the RNGs."""
+    run.actor.save_checkpoint(os.path.join(run.ckpt_dir, "latest"), extra={
+        "step": run.step, "version": run.version, "data_position": run.data_position,
+        "python_rng": random.getstate(), "numpy_rng": np.random.get_state(), "torch_rng": torch.get_rng_state()})
+
+
+def run_evaluation(run: Run, split: str, items: list[dict], log: bool = True) -> dict:
+    """One episode per item in sessions that are not trained on: their metrics, also logged under
+    `{split}/...` at this step unless `log` is False (log_step adds the dev evaluation to the step's row)."""
+    what = "the test evaluation" if split == "test" else f"step {run.step}'s evaluation"
+    metrics = run_rollout(run, evaluate(run.proxy, run.cfg, items), what)
+    if log:
+        run.logger.log(run.step, {f"{split}/{k}": v for k, v in metrics.items()})
+    return metrics
+
+
+# --- main: the GRPO loop ---
+def main(config: str | None = "configs/agent_tiny.yaml", **overrides):
+    cfg = load_config(Config, config, overrides)
+    run = setup(cfg)
+    cfg = run.cfg
+    try:
+        if run.step == 0 and cfg.eval_every:
+            print(f"step 0 dev: {run_evaluation(run, 'eval', run.dev_items)}")
+        progress = tqdm(total=cfg.max_steps, initial=run.step, desc="GRPO (agent)")
+        while run.step < cfg.max_steps:
             t0 = time.time()
-            for s in supervisors:
-                s.check()
-            # 1. rollout: group_size episodes of the agent per item, each in its own proxy session
-            items = [item_at(data_position + i) for i in range(cfg.batch_size)]
-            try:
-                groups, failed_groups = run_rollout(rollout_groups(proxy, cfg, items, cfg.group_size, train=True),
-                                                    f"step {step + 1}'s rollout")
-            except RuntimeError:
-                for s in supervisors:
-                    s.check()  # a dead server is the clearer cause
-                raise
-            data_position += cfg.batch_size
-            episodes = [e for g in groups for e in g]
-
-            # 2. advantages per episode over its group; every segment of an episode is a training row
-            # with the episode's reward and advantage (an episode without a segment trains nothing)
-            batch, info = build_batch(episodes, cfg.group_size, cfg.scale_adv_by_std, cfg.drop_equal_groups)
-            trainable = bool(batch)
-            t_rollout = time.time() - t0
-
-            # 3. proximal log-probs (the trainer's; `logprobs` stays the server's), then 4. the update
-            t1 = time.time()
-            mismatch, stats = {}, {}
-            if trainable:
-                batch["proximal_logprobs"] = actor.compute_logprobs(batch)
-                mismatch = logprob_mismatch(batch["proximal_logprobs"], batch["logprobs"], batch["loss_mask"],
-                                            cfg.behav_imp_weight_cap or None)
-                if (warning := mismatch_warning(mismatch)):
-                    tqdm.write(warning)
-            t_logp = time.time() - t1
-            t2 = time.time()
-            if trainable:
-                stats = actor.update(batch, step=step)
-            t_update = time.time() - t2
-
-            # 5. weight sync: pause generation, push the new weights, continue; bump the version. A step
-            # with nothing to train leaves the weights and the version as they are.
-            t3 = time.time()
-            if trainable:
-                version += 1
-                run(client.pause_generation())
-                weight_sync.sync(version)
-                run(client.continue_generation(version))
-            t_sync = time.time() - t3
-            step += 1
-
+            # 1. rollout, 2. advantages: a row per segment of the kept episodes
+            batch, episodes, metrics = rollout_step(run)
+            metrics["perf/rollout_s"] = time.time() - t0
+            # 3. proximal log-probs, 4. PPO update
+            metrics.update(train_step(run, batch))
+            # 5. weight sync and version bump, when anything was trained
+            metrics.update(sync_weights(run, trained=bool(batch)))
+            run.step += 1
             # 6. log
-            step_s = time.time() - t0
-            rewards = info["rewards"]
-            metrics = {
-                "rollout/reward": rewards.mean().item(),
-                "rollout/episodes": len(episodes),
-                "rollout/requests": float(np.mean([e["requests"] for e in episodes])),
-                "rollout/length_cut": float(np.mean([e["length_cut"] for e in episodes])),
-                "rollout/tool_calls": float(np.mean([e["tool_calls"] for e in episodes])),
-                "rollout/tool_call_parse_failures": int(sum(e["tool_call_parse_failures"] for e in episodes)),
-                "rollout/segments_per_episode": float(np.mean([len(e["segments"]) for e in episodes])),
-                "rollout/episodes_without_segments": info["episodes_without_segments"],
-                "rollout/trained_rows": len(info["row_episode"]),
-                "rollout/gen_tokens": int(batch["loss_mask"].sum()) if trainable else 0,
-                "rollout/equal_reward_groups": info["equal_reward_groups"],
-                "rollout/failed_groups": failed_groups,
-                "policy/version": version,
-                **{f"logprob/{k}": v for k, v in mismatch.items()},
-                "perf/step_s": step_s, "perf/rollout_s": t_rollout, "perf/logp_s": t_logp,
-                "perf/update_s": t_update, "perf/sync_s": t_sync,
-                **{f"loss/{k}": v for k, v in stats.items()},
-            }
-            if cfg.eval_every and step % cfg.eval_every == 0:
-                ev = run_rollout(evaluate(proxy, cfg, dev_items), f"step {step}'s evaluation")
-                metrics.update({f"eval/{k}": v for k, v in ev.items()})
-                tqdm.write(f"step {step} dev: {ev}")
-            logger.log(step, metrics)
+            metrics["perf/step_s"] = time.time() - t0
+            log_step(run, metrics, episodes, batch)
             progress.update(1)
-            progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", step_s=f"{step_s:.1f}")
-            if cfg.trace_every and step % cfg.trace_every == 0:  # one record per segment, trainer log-probs included
-                row_of = {}
-                for row, i in enumerate(info["row_episode"]):
-                    row_of.setdefault(i, row)  # an episode's segments are consecutive rows
-                records = []
-                for i, e in enumerate(episodes[: cfg.trace_groups * cfg.group_size]):
-                    for k, segment in enumerate(e["segments"]):
-                        row = row_of[i] + k if i in row_of else None  # None: dropped, never scored by the trainer
-                        item = e["item"] if isinstance(e["item"], dict) else {}
-                        records.append(episode_record(
-                            {**segment, "rewards": rewards[i:i + 1], "question": item.get("question"),
-                             "gold": item.get("answer"), "requests": e["requests"], "segment": k},
-                            tokenizer, step=step, group=i // cfg.group_size, index=i % cfg.group_size,
-                            advantage=info["advantages"][i].item(), context_role="tool",
-                            trainer_logprobs=batch["proximal_logprobs"][row] if row is not None else None))
-                write_traces(trace_file, records)
-
+            progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", step_s=f"{metrics['perf/step_s']:.1f}")
             # 7. checkpoint
-            if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.max_steps):
-                actor.save_checkpoint(os.path.join(ckpt_dir, "latest"), extra={
-                    "step": step, "version": version, "data_position": data_position, "python_rng": random.getstate(),
-                    "numpy_rng": np.random.get_state(), "torch_rng": torch.get_rng_state()})
+            if cfg.checkpoint_every and (run.step % cfg.checkpoint_every == 0 or run.step == cfg.max_steps):
+                save_checkpoint(run)
         progress.close()
 
-        test_metrics = run_rollout(evaluate(proxy, cfg, test_items), "the test evaluation")
-        logger.log(step, {f"test/{k}": v for k, v in test_metrics.items()})
-        print(f"test after {step} steps: {test_metrics}")
-        actor.save_hf(os.path.join(cfg.run_dir, "final"))
+        test_metrics = run_evaluation(run, "test", run.test_items)
+        print(f"test after {run.step} steps: {test_metrics}")
+        run.actor.save_hf(os.path.join(cfg.run_dir, "final"))
         return test_metrics
     finally:
-        trace_file.close()
-        logger.close()
-        try:
-            weight_sync.close()
-            run(close_agent(), timeout_s=30)
-            run(proxy.close(), timeout_s=30)
-            run(client.close(), timeout_s=30)
-        finally:
-            bg.close()
-            for s in supervisors:
-                s.stop()
+        close(run)
 
 
 if __name__ == "__main__":

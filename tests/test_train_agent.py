@@ -171,6 +171,30 @@ def test_the_reward_is_returned_or_posted_and_must_be_a_finite_number(tokenizer,
             episode_of(tokenizer, [Reply("x", eos=True)])
 
 
+async def agent_with_stats(base_url, api_key, item, temperature):
+    return {"reward": 0.5, "searches": 3, "answered": True, "answer": "7"}
+
+
+def test_an_agent_may_return_its_own_stats_beside_the_reward(tokenizer, monkeypatch):
+    monkeypatch.setattr(ta, "run_agent", agent_with_stats)
+    episode, _ = episode_of(tokenizer, [Reply("x", eos=True)])
+    assert episode["reward"] == 0.5 and episode["stats"] == {"searches": 3, "answered": True, "answer": "7"}
+    other = {**episode, "stats": {"searches": 1}}
+    assert ta.mean_stats([episode, other]) == {"searches": 2.0, "answered": 1.0}  # strings go to traces only
+
+
+@pytest.mark.parametrize("result,expected", [
+    ({"reward": 1.0, "requests": 2}, "logs itself"),
+    ({"reward": 1.0, "searches": float("inf")}, "finite number"),
+    ({"reward": 1.0, "messages": [1]}, "finite number"),
+    ({"searches": 1}, "posted no reward"),
+])
+def test_an_agents_stats_must_be_numbers_or_strings_under_names_of_its_own(tokenizer, monkeypatch, result, expected):
+    monkeypatch.setattr(ta, "run_agent", lambda *a: asyncio.sleep(0, result=result))
+    with pytest.raises(ValueError, match=expected):
+        episode_of(tokenizer, [Reply("x", eos=True)])
+
+
 # --- the sampling lock and the deadline drop a group, counted ---
 def test_an_agent_sampling_at_another_temperature_fails_its_group_naming_it(tokenizer, monkeypatch):
     async def hot_agent(base_url, api_key, item, temperature):
