@@ -9,6 +9,7 @@ only the trainer, which then tears the servers down itself. Three ways a server 
 interrupted), and PR_SET_PDEATHSIG on Linux (trainer is SIGKILLed or crashes hard).
 """
 import atexit
+import contextlib
 import ctypes
 import dataclasses
 import os
@@ -36,20 +37,16 @@ class ServerProcess:
         """SIGTERM to the server's whole process group, SIGKILL to what is left after `timeout_s`."""
         _live_servers.discard(self)
         pgid = self.process.pid  # start_new_session made the server the leader of its own group
-        try:
+        with contextlib.suppress(ProcessLookupError):  # the group is gone already
             os.killpg(pgid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self.process.poll()  # reap the leader, or it stays a zombie member of the group
             if not _group_alive(pgid):
                 return
             time.sleep(0.05)
-        try:
+        with contextlib.suppress(ProcessLookupError):  # the group is gone already
             os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         try:
             self.process.wait(timeout=5)
         except subprocess.TimeoutExpired:
