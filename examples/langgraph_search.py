@@ -1,25 +1,28 @@
-"""Train a LangGraph agent with GRPO: the agent is ordinary LangGraph code, unaware of training.
+"""Train a LangGraph agent with GRPO: a copy of train_agent.py whose `run_agent` is a LangGraph graph.
 
-The agent (`build_agent`) is a LangGraph graph: a chat model with a `search` tool over the
-encyclopedia's retrieval server, looping model -> tools -> model until the model answers. Its
-chat model is `langchain_openai.ChatOpenAI` pointed at lib/openai_proxy.py, which generates with
-the policy on the inference server and records every sampled token. Reward: F1 of the final answer
-against the gold answers.
+The agent (`build_agent`) is ordinary LangGraph code, unaware of training: a chat model with a
+`search` tool over the encyclopedia's retrieval server, looping model -> tools -> model until the
+model answers. `run_agent` builds it on `langchain_openai.ChatOpenAI` pointed at the episode's
+base URL (lib/openai_proxy.py, which generates with the policy on the inference server and records
+every sampled token) and returns the F1 of the final answer against the gold answers, with the
+agent's counts (searches, failed searches, answered). Everything below `# --- end of your agent ---`
+is train_agent.py's: the GRPO loop over the segments each episode recorded.
 
     pip install -r requirements.txt -r requirements-agents.txt
     python examples/langgraph_search.py                   # embedded default, CPU, no hub
     python examples/langgraph_search.py --model_path Qwen/Qwen2.5-1.5B-Instruct --server sglang --trainer_dtype bfloat16
 
 Sync GRPO in one trainer process (async mode and torchrun: train_reflect.py, train_search.py).
-Reads top to bottom: config, the agent, its tool, reward, one episode, group rollout, evaluation,
-data, warm start (embedded default only), main() with the GRPO loop. To train your own agent, swap
-`build_agent` and the tool for yours and keep the rest: the agent only needs a chat model whose
-base_url and api_key it is given.
+Reads top to bottom: config, the agent (its tool, reward, run_agent), one episode, group rollout,
+training rows, evaluation, data, warm start (embedded default only), the run's set-up, one GRPO
+step, main() with the loop. docs/train_agent.md: how to bring your own agent the same way.
 """
 import asyncio
 import dataclasses
 import functools
+import gc
 import json
+import math
 import os
 import random
 import re
@@ -93,7 +96,8 @@ class Config:
     max_tokens: int = 1536  # context budget of one episode (the proxy's): prompt + all turns + tool output
     max_new_tokens_per_turn: int = 96  # the agent's max_tokens per model call
     stop_token_ids: list = field(default_factory=list)  # ids that end a turn; [] = the model's EOS set
-    temperature: float = 1.0
+    temperature: float = 1.0  # training sessions sample with exactly this (the proxy refuses another value)
+    eval_temperature: float = 0.0  # evaluation sessions (not trained on): 0 = greedy
     # One episode's deadline, from its start (which includes waiting for the server behind every other
     # episode started with it): past it the episode is cancelled and its group fails, counted in
     # rollout/failed_groups, instead of hanging the run; 0 = none. At most 6 model calls of 96 tokens and
@@ -134,7 +138,8 @@ class Config:
     wandb_project: str | None = None
 
 
-# --- the agent: LangGraph, nothing of agentrl in it ---
+# --- your agent: the only part to edit ---
+# The agent: LangGraph, nothing of agentrl in it.
 PROMPT = "Answer the question in a few words. Look facts up with the search tool.\nQuestion: {question}"
 
 
@@ -209,44 +214,46 @@ def f1_score(pred: str, golds: list[str]) -> float:
     return best
 
 
-# --- one episode ---
-_chat_http_clients: dict = {}  # event loop -> the HTTP client every episode's ChatOpenAI shares
+# --- run_agent: one episode of the agent against the episode's base URL ---
+AGENT = {"cfg": Config(), "retrieval_addr": ""}  # what run_agent uses besides its arguments: start_agent() sets it
 
 
-def chat_http_client():
-    """One HTTP client for the ChatOpenAI of every episode on this event loop: the openai SDK's
-    aiohttp transport (`DefaultAioHttpClient`). ChatOpenAI's default httpx pool walks every pooled
-    connection on each request and holds one per concurrent episode: 6.7 ms of CPU per request
-    against 3.7 ms (bench/bench_proxy_requests.py --langchain). None (ChatOpenAI's default) on an
-    SDK without the aiohttp extra."""
+def start_agent(cfg: Config, retrieval_addr: str):
+    """Called once by setup(), before the first episode: the settings and the retrieval server of run_agent."""
+    AGENT.update(cfg=cfg, retrieval_addr=retrieval_addr)
+
+
+_http_clients: dict = {}  # event loop -> (the search tool's aiohttp session, the HTTP client of every ChatOpenAI)
+
+
+def agent_http_clients() -> tuple:
+    """The search tool's aiohttp session and one HTTP client for the ChatOpenAI of every episode on
+    this event loop: the openai SDK's aiohttp transport (`DefaultAioHttpClient`). ChatOpenAI's
+    default httpx pool walks every pooled connection on each request and holds one per concurrent
+    episode: 6.7 ms of CPU per request against 3.7 ms (bench/bench_proxy_requests.py --langchain).
+    None (ChatOpenAI's default) on an SDK without the aiohttp extra."""
     loop = asyncio.get_running_loop()
-    if loop not in _chat_http_clients:
-        _chat_http_clients[loop] = sdk_aiohttp_client()
-    return _chat_http_clients[loop]
+    if loop not in _http_clients:
+        _http_clients[loop] = (aiohttp.ClientSession(), sdk_aiohttp_client())
+    return _http_clients[loop]
 
 
-async def close_chat_http_client():
-    client = _chat_http_clients.pop(asyncio.get_running_loop(), None)
-    if client is not None:
-        await client.aclose()
-
-
-async def arun_episode(proxy: OpenAIProxy, http, retrieval_addr: str, cfg: Config, item: dict, temperature: float) -> dict:
-    """Run the agent once as it would run anywhere; the proxy session records it. The result's
-    `segments` are training sequences (one per unbroken conversation; a LangGraph ReAct loop only
-    appends, so one) that share the episode's reward."""
-    key = proxy.new_session(train=temperature != 0.0)  # evaluation (greedy) is not trained on
-    llm = ChatOpenAI(model="policy", base_url=proxy.url, api_key=key, temperature=temperature,
-                     max_tokens=cfg.max_new_tokens_per_turn, max_retries=0, http_async_client=chat_http_client())
+async def run_agent(base_url: str, api_key: str, item: dict, temperature: float) -> dict:
+    """Run the LangGraph agent once on `item` ({"question", "answer": [gold, ...]}) against the
+    OpenAI-compatible server at `base_url`, as it would run anywhere. Returns the F1 of its final
+    answer as the reward, with its counts (logged as rollout/<name> and eval/<name>) and its answer."""
+    cfg = AGENT["cfg"]
+    tool_http, chat_http = agent_http_clients()
+    llm = ChatOpenAI(model="policy", base_url=base_url, api_key=api_key, temperature=temperature,
+                     max_tokens=cfg.max_new_tokens_per_turn, max_retries=0, http_async_client=chat_http)
     counts = {"searches": 0, "failures": 0}
-    agent = build_agent(llm, [make_search_tool(http, retrieval_addr, cfg, counts)])
-    messages, answer, finish = [], None, "answer"
+    agent = build_agent(llm, [make_search_tool(tool_http, AGENT["retrieval_addr"], cfg, counts)])
+    answer, finish = "", "answer"
     try:
         state = await agent.ainvoke({"messages": [("user", PROMPT.format(question=item["question"]))]},
                                     {"recursion_limit": 2 * cfg.max_turns})
-        messages = state["messages"]
-        answer = messages[-1].content
-        if messages[-1].response_metadata.get("finish_reason") == "length":
+        answer = state["messages"][-1].content or ""
+        if state["messages"][-1].response_metadata.get("finish_reason") == "length":
             finish = "max_tokens"
     except GraphRecursionError:  # still calling tools after max_turns model calls
         finish = "max_turns"
@@ -254,50 +261,118 @@ async def arun_episode(proxy: OpenAIProxy, http, retrieval_addr: str, cfg: Confi
         if e.code != "context_length_exceeded":  # the proxy's budget is cfg.max_tokens
             raise
         finish = "max_tokens"
+    return {"reward": f1_score(answer, item["answer"]) if answer else 0.0, "searches": counts["searches"],
+            "tool_failures": counts["failures"], "answered": finish == "answer", "finish_reason": finish,
+            "answer": answer}
+
+
+async def close_agent():
+    """Called once at the end of the run, on the rollout loop: close what run_agent keeps open."""
+    clients = _http_clients.pop(asyncio.get_running_loop(), None)
+    if clients is not None:
+        await clients[0].close()
+        if clients[1] is not None:
+            await clients[1].aclose()
+# --- end of your agent ---
+
+
+# --- one episode: a proxy session around run_agent ---
+# names the trainer logs itself (the session's counts, the episode's keys): an agent's stats may not take them
+RESERVED_STATS = {"reward", "item", "segments", "stats", "advantage", "rows", "episodes", "requests", "length_cut",
+                  "tool_calls", "tool_call_parse_failures", "segments_per_episode", "episodes_without_segments",
+                  "trained_rows", "gen_tokens", "equal_reward_groups", "failed_groups", "completion_tokens", "failed"}
+
+
+async def arun_episode(proxy: OpenAIProxy, cfg: Config, item: dict, train: bool) -> dict:
+    """Run the agent once in a session of its own; returns the session's `segments` (training
+    sequences, [1, T] tensors: docs/trajectory.md), the reward, the agent's `stats` and the
+    session's counts. A session whose generation failed raises (lib.openai_proxy.SessionFailed),
+    which drops the group."""
+    key = proxy.new_session(train=train)  # evaluation sessions are not trained on and sample as they ask
+    try:
+        result = await run_agent(proxy.session_url(key), key, item, cfg.temperature if train else cfg.eval_temperature)
     finally:
         episode = proxy.end_session(key)
-    return {
-        "segments": episode["segments"],
-        "reward": f1_score(answer, item["answer"]) if answer else 0.0,
-        "num_model_calls": episode["requests"],
-        "num_searches": counts["searches"],
-        "num_tool_failures": counts["failures"],
-        "tool_call_parse_failures": episode["tool_call_parse_failures"],
-        "finish_reason": finish,
-        "answer": answer,
-        "question": item["question"],
-        "gold": item["answer"],
-        "messages": [{"role": m.type, "content": m.content, "tool_calls": getattr(m, "tool_calls", None) or None}
-                     for m in messages],
-    }
+    reward, stats = agent_result(result)
+    if reward is None:
+        reward = episode["reward"]
+    if reward is None:
+        raise ValueError("run_agent returned None and the episode posted no reward: return the reward, or POST "
+                         "{\"reward\": x} to /agentrl/reward with the episode's key")
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        raise ValueError(f"run_agent must return a finite number (or None after posting one), got {reward!r}")
+    return {**episode, "reward": float(reward), "stats": stats, "item": item}
+
+
+def agent_result(result) -> tuple:
+    """(reward, stats) of what run_agent returned: a reward, None, or a dict of the reward under
+    "reward" and the agent's own stats: numbers and bools (logged as their mean over the step's
+    episodes, rollout/<name> and eval/<name>) and strings (shown in the traces: "answer", "finish_reason")."""
+    if not isinstance(result, dict):
+        return result, {}
+    stats = {k: v for k, v in result.items() if k != "reward"}
+    for name, value in stats.items():
+        if not isinstance(name, str) or name in RESERVED_STATS:
+            raise ValueError(f"run_agent's stat {name!r} takes a name the trainer logs itself: rename it")
+        if not isinstance(value, (bool, str)) and not (isinstance(value, (int, float)) and math.isfinite(value)):
+            raise ValueError(f"run_agent's stat {name!r} must be a finite number, a bool or a string, got {value!r}")
+    return result.get("reward"), stats
+
+
+def mean_stats(episodes: list[dict]) -> dict:
+    """The agent's number and bool stats, each averaged over the episodes that report it."""
+    names = dict.fromkeys(k for e in episodes for k, v in e["stats"].items() if not isinstance(v, str))
+    return {k: float(np.mean([e["stats"][k] for e in episodes if k in e["stats"]])) for k in names}
 
 
 # --- group rollout ---
-async def rollout_group(proxy, http, retrieval_addr, cfg, item, temperature, group_size) -> list[dict]:
-    # Each run of the agent under its deadline: one that runs past it fails the group (dropped and counted).
-    return list(await asyncio.gather(*[
-        with_deadline(arun_episode(proxy, http, retrieval_addr, cfg, item, temperature), cfg.episode_timeout_s, item)
-        for _ in range(group_size)]))
+async def rollout_group(proxy, cfg, item, group_size: int, train: bool) -> list[dict]:
+    # Each episode under its deadline: one that runs past it is cancelled and fails the group.
+    return list(await asyncio.gather(*[with_deadline(arun_episode(proxy, cfg, item, train), cfg.episode_timeout_s, item)
+                                       for _ in range(group_size)]))
 
 
-async def rollout_groups(proxy, http, retrieval_addr, cfg, items, temperature, group_size):
-    """(groups, number of failed groups): a group with a failed episode (server error, abort) is
-    dropped and counted."""
-    return await gather_groups([rollout_group(proxy, http, retrieval_addr, cfg, item, temperature, group_size)
-                                for item in items])
+async def rollout_groups(proxy, cfg, items, group_size: int, train: bool):
+    """(groups, number of failed groups): every group at once; a group with a failed episode (an
+    exception in run_agent, a server error, past episode_timeout_s) is dropped, its traceback
+    printed, and counted."""
+    return await gather_groups([rollout_group(proxy, cfg, item, group_size, train) for item in items])
+
+
+# --- training rows ---
+def build_batch(episodes: list[dict], group_size: int, scale_by_std: bool = True, drop_equal_groups: bool = False):
+    """GRPO over episodes, then one training row per segment. Returns (batch, info): `batch` is
+    the padded segments of the kept episodes with `rewards [R]` and `advantages [R]` (each
+    segment's episode's), {} when there is nothing to train; `info` has per episode `rewards`,
+    `advantages`, `keep`, the episode of each row (`row_episode`), the groups whose rewards are
+    all equal and the episodes that recorded no segment (nothing sampled: nothing to train).
+    An episode with many segments counts once in its group's statistics."""
+    rewards = torch.tensor([e["reward"] for e in episodes], dtype=torch.float32)
+    advantages = grpo_advantages(rewards, group_size, scale_by_std=scale_by_std)
+    equal = equal_reward_groups(rewards, group_size)
+    keep = ~equal if drop_equal_groups else torch.ones_like(equal)
+    row_episode = [i for i, e in enumerate(episodes) if keep[i] for _ in e["segments"]]
+    batch = {}
+    if row_episode:
+        batch = concat_padded_tensors([s for i, e in enumerate(episodes) if keep[i] for s in e["segments"]])
+        batch["rewards"], batch["advantages"] = rewards[row_episode], advantages[row_episode]
+    info = {"rewards": rewards, "advantages": advantages, "keep": keep, "row_episode": row_episode,
+            "equal_reward_groups": int(equal.sum()) // group_size,
+            "episodes_without_segments": sum(not e["segments"] for e in episodes)}
+    return batch, info
 
 
 # --- evaluation ---
-async def evaluate(proxy, http, retrieval_addr, cfg, items) -> dict:
-    """Greedy, one episode per question."""
-    groups, failed = await rollout_groups(proxy, http, retrieval_addr, cfg, items, 0.0, 1)
+async def evaluate(proxy, cfg, items) -> dict:
+    """One episode per item in sessions that are not trained on, at cfg.eval_temperature."""
+    groups, failed = await rollout_groups(proxy, cfg, items, 1, train=False)
     episodes = [g[0] for g in groups]
     return {
         "failed": failed,
-        "f1": float(np.mean([e["reward"] for e in episodes])),
-        "searches": float(np.mean([e["num_searches"] for e in episodes])),
-        "answered": float(np.mean([e["finish_reason"] == "answer" for e in episodes])),
-        "tool_call_parse_failures": float(np.mean([e["tool_call_parse_failures"] for e in episodes])),
+        "reward": float(np.mean([e["reward"] for e in episodes])),
+        "requests": float(np.mean([e["requests"] for e in episodes])),
+        "completion_tokens": float(np.mean([e["completion_tokens"] for e in episodes])),
+        **mean_stats(episodes),
     }
 
 
@@ -387,11 +462,50 @@ def embedded_model_and_data(cfg: Config) -> tuple[str, str]:
     return out, data_dir
 
 
-# --- main: the GRPO loop ---
-def main(config: str | None = "configs/langgraph_search_tiny.yaml", **overrides):
-    cfg = load_config(Config, config, overrides)
+# --- the run: set-up and tear-down ---
+@dataclass
+class Run:
+    """What the loop touches: built by setup(), closed by close()."""
+    cfg: Config
+    tokenizer: object = None
+    train_items: list = None
+    dev_items: list = None
+    test_items: list = None
+    supervisors: list = field(default_factory=list)  # of the servers launched here
+    bg: BackgroundLoop = None  # the event loop of every client call and episode
+    client: InferenceClient = None
+    proxy: OpenAIProxy = None  # the agent's OpenAI-compatible server
+    actor: Actor = None
+    weight_sync: ServerWeightSync = None
+    logger: MetricsLogger = None
+    trace_file: object = None
+    ckpt_dir: str = ""
+    resumed: bool = False
+    step: int = 0
+    version: int = 0  # policy version: weight syncs so far
+    data_position: int = 0  # index of the next train item
+
+
+def check_config(cfg: Config):
     if cfg.server not in ("cpu", "sglang", "external"):
         raise ValueError(f"server must be 'cpu', 'sglang' or 'external', got {cfg.server!r}")
+
+
+def setup(cfg: Config) -> Run:
+    """Seeds, model, data, servers (retrieval, inference), client, proxy, actor, weight sync, the resumed checkpoint and the
+    logger. If any of it fails, what was opened is closed."""
+    check_config(cfg)
+    run = Run(cfg)
+    try:
+        _setup(run)
+    except BaseException:
+        close(run)
+        raise
+    return run
+
+
+def _setup(run: Run):
+    cfg = run.cfg
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -407,31 +521,30 @@ def main(config: str | None = "configs/langgraph_search_tiny.yaml", **overrides)
         model_path, data_dir = resolve_model_path(cfg.model_path), cfg.data_dir or default_wiki_dir(seed=0)
     else:
         model_path, data_dir = embedded_model_and_data(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    run.tokenizer = AutoTokenizer.from_pretrained(model_path)
     if not cfg.stop_token_ids:  # a turn ends on any of the model's EOS ids (Qwen2.5: <|im_end|> and <|endoftext|>)
-        cfg = dataclasses.replace(cfg, stop_token_ids=model_eos_ids(model_path, tokenizer))
+        cfg = run.cfg = dataclasses.replace(cfg, stop_token_ids=model_eos_ids(model_path, run.tokenizer))
     splits = {s: read_jsonl(os.path.join(data_dir, f"{s}.jsonl")) for s in ("train", "dev", "test")}
-    train_items, dev_items, test_items = splits["train"], splits["dev"][: cfg.eval_size], splits["test"][: cfg.test_size]
-
-    @functools.lru_cache(maxsize=2)
-    def epoch_order(epoch: int):
-        return np.random.RandomState(cfg.seed + epoch).permutation(len(train_items))
-
-    def item_at(index: int) -> dict:
-        epoch, offset = divmod(index, len(train_items))
-        return train_items[epoch_order(epoch)[offset]]
+    run.train_items, run.dev_items, run.test_items = (splits["train"], splits["dev"][: cfg.eval_size],
+                                                      splits["test"][: cfg.test_size])
+    if not run.train_items:
+        raise ValueError("the train split is empty: nothing to train on")
 
     # Servers: retrieval and inference, started here and killed with this process (supervised), or given.
-    ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
-    resume_extra = read_checkpoint_extra(os.path.join(ckpt_dir, "latest")) if cfg.resume else None
+    # A resumed run seeds the server's sampling by its step, so it does not replay the start of the run.
+    run.ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
+    resume_extra = read_checkpoint_extra(os.path.join(run.ckpt_dir, "latest")) if cfg.resume else None
+    if cfg.resume and resume_extra is None:
+        print(f"--resume True: no checkpoint in {run.ckpt_dir}; starting from step 0")
     sampling_seed = server_seed(cfg.seed, resume_extra["step"] if resume_extra else 0)
-    supervisors, addrs = [], list(cfg.server_addrs)
+    addrs = list(cfg.server_addrs)
     retrieval_addr = cfg.retrieval_addr.rstrip("/")
     if not retrieval_addr:
         retrieval = launch_retrieval_server(os.path.join(data_dir, "corpus.jsonl"),
                                             log_path=os.path.join(cfg.run_dir, "retrieval.log"))
-        supervisors.append(Supervisor("retrieval server", retrieval))
+        run.supervisors.append(Supervisor("retrieval server", retrieval))
         retrieval_addr = retrieval.address
+    start_agent(cfg, retrieval_addr)
     if cfg.server != "external":
         if cfg.server == "sglang":
             server = launch_sglang(model_path, base_gpu_id=cfg.base_gpu_id, tp_size=cfg.tp_size,
@@ -441,174 +554,237 @@ def main(config: str | None = "configs/langgraph_search_tiny.yaml", **overrides)
         else:
             server = launch_cpu_server(model_path, device=cfg.server_device, num_threads=cfg.server_threads,
                                        random_seed=sampling_seed, log_path=os.path.join(cfg.run_dir, "cpu_server.log"))
-        supervisors.append(Supervisor("inference server", server))
+        run.supervisors.append(Supervisor("inference server", server))
         addrs = [server.address]
 
-    # Every client call runs on one event loop in a background thread; this thread trains. The
-    # agent's chat requests go to the proxy, which generates through the client.
-    bg = BackgroundLoop()
-    run = bg.run
-    client = InferenceClient(addrs)
-    proxy = OpenAIProxy(client, tokenizer, stop_token_ids=cfg.stop_token_ids, max_context_tokens=cfg.max_tokens,
-                        default_max_tokens=cfg.max_new_tokens_per_turn,
-                        train_sampling={"temperature": cfg.temperature})
-    run(proxy.start())
+    # Every client call and every episode runs on one event loop in a background thread; this thread
+    # trains. The agent's requests go to the proxy, which generates through the client and records the
+    # sampled tokens; a training session samples with the trainer's temperature only.
+    run.bg = BackgroundLoop()
+    run.client = InferenceClient(addrs)
+    run.proxy = OpenAIProxy(run.client, run.tokenizer, stop_token_ids=cfg.stop_token_ids,
+                            max_context_tokens=cfg.max_tokens, default_max_tokens=cfg.max_new_tokens_per_turn,
+                            train_sampling={"temperature": cfg.temperature})
+    run.bg.run(run.proxy.start())
+    run.actor = Actor(model_path, lr=cfg.lr, grad_clip=cfg.grad_clip, temperature=cfg.temperature,
+                      max_tokens_per_mb=cfg.max_tokens_per_mb, dtype=cfg.trainer_dtype,
+                      eps_clip_low=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high, loss_agg=cfg.loss_agg,
+                      loss_norm_tokens=cfg.max_tokens,
+                      packed=cfg.pack_sequences, attn_implementation=cfg.attn_implementation,
+                      gradient_checkpointing=cfg.trainer_gradient_checkpointing, compile_layers=cfg.trainer_compile,
+                      offload_optimizer=cfg.trainer_offload_optimizer,
+                      behaviour_weight_cap=cfg.behav_imp_weight_cap or None,
+                      behaviour_cap_mode=cfg.behav_imp_weight_mode)
+    run.weight_sync = ServerWeightSync(cfg.weight_sync, run.actor, run.client, run.bg.run, num_servers=len(addrs),
+                                       tp_size=cfg.tp_size, disk_dir=os.path.join(cfg.run_dir, "weights"))
 
-    async def open_http():
-        return aiohttp.ClientSession()
-    http = run(open_http())
-    actor = Actor(model_path, lr=cfg.lr, grad_clip=cfg.grad_clip, temperature=cfg.temperature,
-                  max_tokens_per_mb=cfg.max_tokens_per_mb, dtype=cfg.trainer_dtype,
-                  eps_clip_low=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high, loss_agg=cfg.loss_agg,
-                  loss_norm_tokens=cfg.max_tokens,
-                  packed=cfg.pack_sequences, attn_implementation=cfg.attn_implementation,
-                  gradient_checkpointing=cfg.trainer_gradient_checkpointing, compile_layers=cfg.trainer_compile,
-                  offload_optimizer=cfg.trainer_offload_optimizer,
-                  behaviour_weight_cap=cfg.behav_imp_weight_cap or None, behaviour_cap_mode=cfg.behav_imp_weight_mode)
-    weight_sync = ServerWeightSync(cfg.weight_sync, actor, client, run, num_servers=len(addrs), tp_size=cfg.tp_size,
-                                   disk_dir=os.path.join(cfg.run_dir, "weights"))
-
-    step, version, data_position = 0, 0, 0
     if resume_extra is not None:
-        extra = actor.load_checkpoint(os.path.join(ckpt_dir, "latest"))
-        step, version, data_position = extra["step"], extra["version"], extra["data_position"]
+        extra = run.actor.load_checkpoint(os.path.join(run.ckpt_dir, "latest"))
+        run.step, run.version, run.data_position = extra["step"], extra["version"], extra["data_position"]
         random.setstate(extra["python_rng"])
         np.random.set_state(extra["numpy_rng"])
         torch.set_rng_state(extra["torch_rng"])
-        weight_sync.sync(version)  # the server still holds the initial weights: give it the resumed policy
-        print(f"resumed from step {step} (policy version {version}, data position {data_position})")
-    client.set_version(version)
-    resume_step = step if resume_extra is not None else None
-    logger = MetricsLogger(cfg.run_dir, to_dict(cfg), tensorboard=cfg.tensorboard, wandb_project=cfg.wandb_project,
-                           resume_step=resume_step)
-    trace_file = open(continue_jsonl(os.path.join(cfg.run_dir, "traces.jsonl"), resume_step), "a")
-    episode_args = (proxy, http, retrieval_addr, cfg)
+        run.weight_sync.sync(run.version)  # the server still holds the initial weights: give it the resumed policy
+        run.resumed = True
+        print(f"resumed from step {run.step} (policy version {run.version}, data position {run.data_position})")
+    run.client.set_version(run.version)
+    resume_step = run.step if run.resumed else None
+    run.logger = MetricsLogger(cfg.run_dir, to_dict(cfg), tensorboard=cfg.tensorboard,
+                               wandb_project=cfg.wandb_project, resume_step=resume_step)
+    run.trace_file = open(continue_jsonl(os.path.join(cfg.run_dir, "traces.jsonl"), resume_step), "a")
+    # What is built by now lives as long as the run; frozen, it is left out of garbage collections,
+    # whose full passes would otherwise scan all of it on the event loop mid-rollout (docs/openai_proxy.md).
+    gc.freeze()
 
-    def run_rollout(rollout, what: str):
-        # A rollout starts all its episodes at once, so it ends by their deadline; if not, the event
-        # loop is stuck: the run stops, naming the episodes still running and where each is.
-        return run(rollout, timeout_s=rollout_deadline_s(cfg.episode_timeout_s), what=what)
 
+def close(run: Run):
+    """Everything setup() opened, in reverse order; also after an error, when some of it may be missing."""
     try:
-        if step == 0 and cfg.eval_every:
-            metrics = run_rollout(evaluate(*episode_args, dev_items), "the step-0 evaluation")
-            logger.log(0, {f"eval/{k}": v for k, v in metrics.items()})
-            print(f"step 0 dev: {metrics}")
-        progress = tqdm(total=cfg.max_steps, initial=step, desc="GRPO (LangGraph agent)")
-        while step < cfg.max_steps:
+        for opened in (run.trace_file, run.logger, run.weight_sync):
+            if opened is not None:
+                opened.close()
+        if run.proxy is not None:
+            run.bg.run(close_agent(), timeout_s=30)
+            run.bg.run(run.proxy.close(), timeout_s=30)
+        if run.client is not None:
+            run.bg.run(run.client.close(), timeout_s=30)
+    finally:
+        if run.bg is not None:
+            run.bg.close()
+        for s in run.supervisors:
+            s.stop()
+
+
+@functools.lru_cache(maxsize=2)
+def epoch_order(seed: int, num_items: int) -> np.ndarray:
+    return np.random.RandomState(seed).permutation(num_items)
+
+
+def item_at(run: Run, index: int) -> dict:
+    # The data order is a function of (seed, index), so a resumed run sees the same items.
+    epoch, offset = divmod(index, len(run.train_items))
+    return run.train_items[epoch_order(run.cfg.seed + epoch, len(run.train_items))[offset]]
+
+
+def run_rollout(run: Run, rollout, what: str):
+    # A rollout starts all its episodes at once, so it ends by their deadline; if not, the event
+    # loop is stuck: the run stops, naming the episodes still running and where each is.
+    return run.bg.run(rollout, timeout_s=rollout_deadline_s(run.cfg.episode_timeout_s), what=what)
+
+
+# --- one GRPO step ---
+def rollout_step(run: Run) -> tuple[dict, list[dict], dict]:
+    """1. rollout and 2. advantages. Returns (batch: a row per segment of the kept episodes, {} when
+    there is nothing to train; the episodes, each with its `advantage` and its batch `rows`; the
+    rollout's metrics)."""
+    cfg = run.cfg
+    for s in run.supervisors:
+        s.check()
+    # 1. rollout: group_size episodes of the agent per item, each in its own proxy session
+    items = [item_at(run, run.data_position + i) for i in range(cfg.batch_size)]
+    try:
+        groups, failed_groups = run_rollout(run, rollout_groups(run.proxy, cfg, items, cfg.group_size, train=True),
+                                            f"step {run.step + 1}'s rollout")
+    except RuntimeError:
+        for s in run.supervisors:
+            s.check()  # a dead server is the clearer cause
+        raise
+    run.data_position += cfg.batch_size
+    episodes = [e for g in groups for e in g]
+
+    # 2. advantages per episode over its group; every segment of an episode is a training row
+    # with the episode's reward and advantage (an episode without a segment trains nothing)
+    batch, info = build_batch(episodes, cfg.group_size, cfg.scale_adv_by_std, cfg.drop_equal_groups)
+    for i, e in enumerate(episodes):  # for the traces
+        e["advantage"] = info["advantages"][i].item()
+        e["rows"] = [row for row, j in enumerate(info["row_episode"]) if j == i]
+    metrics = {
+        "rollout/reward": info["rewards"].mean().item(),
+        "rollout/episodes": len(episodes),
+        "rollout/requests": float(np.mean([e["requests"] for e in episodes])),
+        "rollout/length_cut": float(np.mean([e["length_cut"] for e in episodes])),
+        "rollout/tool_calls": float(np.mean([e["tool_calls"] for e in episodes])),
+        "rollout/tool_call_parse_failures": int(sum(e["tool_call_parse_failures"] for e in episodes)),
+        "rollout/segments_per_episode": float(np.mean([len(e["segments"]) for e in episodes])),
+        "rollout/episodes_without_segments": info["episodes_without_segments"],
+        "rollout/trained_rows": len(info["row_episode"]),
+        "rollout/gen_tokens": int(batch["loss_mask"].sum()) if batch else 0,
+        "rollout/equal_reward_groups": info["equal_reward_groups"],
+        "rollout/failed_groups": failed_groups,
+        **{f"rollout/{k}": v for k, v in mean_stats(episodes).items()},
+    }
+    return batch, episodes, metrics
+
+
+def train_step(run: Run, batch: dict) -> dict:
+    """3. proximal log-probs (the trainer's; `logprobs` stays the server's) into
+    `batch["proximal_logprobs"]`, then 4. the PPO update; nothing when `batch` is empty."""
+    cfg, metrics = run.cfg, {}
+    t1 = time.time()
+    if batch:
+        batch["proximal_logprobs"] = run.actor.compute_logprobs(batch)
+        mismatch = logprob_mismatch(batch["proximal_logprobs"], batch["logprobs"], batch["loss_mask"],
+                                    cfg.behav_imp_weight_cap or None)
+        if (warning := mismatch_warning(mismatch)):
+            tqdm.write(warning)
+        metrics.update({f"logprob/{k}": v for k, v in mismatch.items()})
+    metrics["perf/logp_s"] = time.time() - t1
+    t2 = time.time()
+    if batch:
+        metrics.update({f"loss/{k}": v for k, v in run.actor.update(batch, step=run.step).items()})
+    metrics["perf/update_s"] = time.time() - t2
+    return metrics
+
+
+def sync_weights(run: Run, trained: bool) -> dict:
+    """5. weight sync: pause generation, push the new weights, continue; bump the version. A step
+    with nothing trained leaves the weights and the version as they are."""
+    t3 = time.time()
+    if trained:
+        run.version += 1
+        run.bg.run(run.client.pause_generation())
+        run.weight_sync.sync(run.version)
+        run.bg.run(run.client.continue_generation(run.version))
+    return {"perf/sync_s": time.time() - t3}
+
+
+def log_step(run: Run, metrics: dict, episodes: list[dict], batch: dict):
+    """6. log: the step's metrics row, with the dev evaluation every eval_every steps, and its
+    traces: one record per segment, trainer log-probs included."""
+    cfg = run.cfg
+    metrics["policy/version"] = run.version
+    if cfg.eval_every and run.step % cfg.eval_every == 0:
+        ev = run_evaluation(run, "eval", run.dev_items, log=False)
+        metrics.update({f"eval/{k}": v for k, v in ev.items()})
+        tqdm.write(f"step {run.step} dev: {ev}")
+    run.logger.log(run.step, metrics)
+    if cfg.trace_every and run.step % cfg.trace_every == 0:
+        records = []
+        for i, e in enumerate(episodes[: cfg.trace_groups * cfg.group_size]):
+            item = e["item"] if isinstance(e["item"], dict) else {}
+            for k, segment in enumerate(e["segments"]):
+                row = e["rows"][k] if e["rows"] else None  # None: dropped, never scored by the trainer
+                records.append(episode_record(
+                    {**segment, **e["stats"], "rewards": torch.tensor([e["reward"]]), "question": item.get("question"),
+                     "gold": item.get("answer"), "requests": e["requests"], "segment": k},
+                    run.tokenizer, step=run.step, group=i // cfg.group_size, index=i % cfg.group_size,
+                    advantage=e["advantage"], context_role="tool",
+                    trainer_logprobs=batch["proximal_logprobs"][row] if row is not None else None))
+        write_traces(run.trace_file, records)
+
+
+def save_checkpoint(run: Run):
+    """7. checkpoint: model, optimizer, scheduler, the counters and the RNGs."""
+    run.actor.save_checkpoint(os.path.join(run.ckpt_dir, "latest"), extra={
+        "step": run.step, "version": run.version, "data_position": run.data_position,
+        "python_rng": random.getstate(), "numpy_rng": np.random.get_state(), "torch_rng": torch.get_rng_state()})
+
+
+def run_evaluation(run: Run, split: str, items: list[dict], log: bool = True) -> dict:
+    """One episode per item in sessions that are not trained on: their metrics, also logged under
+    `{split}/...` at this step unless `log` is False (log_step adds the dev evaluation to the step's row)."""
+    what = "the test evaluation" if split == "test" else f"step {run.step}'s evaluation"
+    metrics = run_rollout(run, evaluate(run.proxy, run.cfg, items), what)
+    if log:
+        run.logger.log(run.step, {f"{split}/{k}": v for k, v in metrics.items()})
+    return metrics
+
+
+# --- main: the GRPO loop ---
+def main(config: str | None = "configs/langgraph_search_tiny.yaml", **overrides):
+    cfg = load_config(Config, config, overrides)
+    run = setup(cfg)
+    cfg = run.cfg
+    try:
+        if run.step == 0 and cfg.eval_every:
+            print(f"step 0 dev: {run_evaluation(run, 'eval', run.dev_items)}")
+        progress = tqdm(total=cfg.max_steps, initial=run.step, desc="GRPO (LangGraph agent)")
+        while run.step < cfg.max_steps:
             t0 = time.time()
-            for s in supervisors:
-                s.check()
-            # 1. rollout: group_size runs of the agent per question; a group with a failed run (server
-            # error, past episode_timeout_s) is dropped and counted
-            items = [item_at(data_position + i) for i in range(cfg.batch_size)]
-            groups, failed_groups = run_rollout(rollout_groups(*episode_args, items, cfg.temperature, cfg.group_size),
-                                                f"step {step + 1}'s rollout")
-            data_position += cfg.batch_size
-            episodes = [e for g in groups for e in g]
-            rewards = torch.tensor([e["reward"] for e in episodes], dtype=torch.float32)
-
-            # 2. advantages per episode, over its group; every segment of an episode is a training
-            # row with the episode's reward and advantage
-            advantages = grpo_advantages(rewards, cfg.group_size, scale_by_std=cfg.scale_adv_by_std)
-            equal = equal_reward_groups(rewards, cfg.group_size)
-            keep = ~equal if cfg.drop_equal_groups else torch.ones_like(equal)
-            rows = [(segment, r, a, i) for i, (e, r, a, k) in enumerate(zip(episodes, rewards, advantages, keep)) if k
-                    for segment in e["segments"]]
-            batch = concat_padded_tensors([s for s, _, _, _ in rows]) if rows else {}
-            if rows:
-                batch["rewards"] = torch.stack([r for _, r, _, _ in rows])
-                batch["advantages"] = torch.stack([a for _, _, a, _ in rows])
-            t_rollout = time.time() - t0
-
-            # 3. proximal log-probs (the trainer's; `logprobs` stays the server's), then 4. the update
-            t1 = time.time()
-            mismatch, stats = {}, {}
-            if rows:
-                batch["proximal_logprobs"] = actor.compute_logprobs(batch)
-                mismatch = logprob_mismatch(batch["proximal_logprobs"], batch["logprobs"], batch["loss_mask"],
-                                            cfg.behav_imp_weight_cap or None)
-                if (warning := mismatch_warning(mismatch)):
-                    tqdm.write(warning)
-            t_logp = time.time() - t1
-            t2 = time.time()
-            if rows:
-                stats = actor.update(batch)
-            t_update = time.time() - t2
-
-            # 5. weight sync: pause generation, push the new weights, continue; bump the version
-            t3 = time.time()
-            version += 1
-            run(client.pause_generation())
-            weight_sync.sync(version)
-            run(client.continue_generation(version))
-            t_sync = time.time() - t3
-            step += 1
-
+            # 1. rollout, 2. advantages: a row per segment of the kept episodes
+            batch, episodes, metrics = rollout_step(run)
+            metrics["perf/rollout_s"] = time.time() - t0
+            # 3. proximal log-probs, 4. PPO update
+            metrics.update(train_step(run, batch))
+            # 5. weight sync and version bump, when anything was trained
+            metrics.update(sync_weights(run, trained=bool(batch)))
+            run.step += 1
             # 6. log
-            step_s = time.time() - t0
-            metrics = {
-                "rollout/reward": rewards.mean().item(),
-                "rollout/model_calls": float(np.mean([e["num_model_calls"] for e in episodes])),
-                "rollout/searches": float(np.mean([e["num_searches"] for e in episodes])),
-                "rollout/tool_failures": int(sum(e["num_tool_failures"] for e in episodes)),
-                "rollout/tool_call_parse_failures": int(sum(e["tool_call_parse_failures"] for e in episodes)),
-                "rollout/answered": float(np.mean([e["finish_reason"] == "answer" for e in episodes])),
-                "rollout/segments_per_episode": float(np.mean([len(e["segments"]) for e in episodes])),
-                "rollout/gen_tokens": int(batch["loss_mask"].sum()) if rows else 0,
-                "rollout/equal_reward_groups": int(equal.sum()) // cfg.group_size,
-                "rollout/failed_groups": failed_groups,
-                **{f"logprob/{k}": v for k, v in mismatch.items()},
-                "perf/step_s": step_s, "perf/rollout_s": t_rollout, "perf/logp_s": t_logp,
-                "perf/update_s": t_update, "perf/sync_s": t_sync,
-                **{f"loss/{k}": v for k, v in stats.items()},
-            }
-            if cfg.eval_every and step % cfg.eval_every == 0:
-                ev = run_rollout(evaluate(*episode_args, dev_items), f"step {step}'s evaluation")
-                metrics.update({f"eval/{k}": v for k, v in ev.items()})
-                tqdm.write(f"step {step} dev: {ev}")
-            logger.log(step, metrics)
+            metrics["perf/step_s"] = time.time() - t0
+            log_step(run, metrics, episodes, batch)
             progress.update(1)
-            progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", step_s=f"{step_s:.1f}")
-            if cfg.trace_every and step % cfg.trace_every == 0:  # token by token, trainer log-probs included
-                records, row_of = [], {id(segment): k for k, (segment, _, _, _) in enumerate(rows)}
-                for i, e in enumerate(episodes[: cfg.trace_groups * cfg.group_size]):
-                    for segment in e["segments"]:
-                        row = row_of.get(id(segment))  # None: its group was dropped, never scored by the trainer
-                        records.append(episode_record(
-                            {**segment, "rewards": rewards[i:i + 1], "finish_reason": e["finish_reason"],
-                             "question": e["question"], "gold": e["gold"], "answer": e["answer"],
-                             "num_searches": e["num_searches"], "num_model_calls": e["num_model_calls"]},
-                            tokenizer, step=step, group=i // cfg.group_size, index=i % cfg.group_size,
-                            advantage=advantages[i].item(), context_role="tool", tool_failures=e["num_tool_failures"],
-                            trainer_logprobs=batch["proximal_logprobs"][row] if row is not None else None))
-                write_traces(trace_file, records)
-
+            progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", step_s=f"{metrics['perf/step_s']:.1f}")
             # 7. checkpoint
-            if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.max_steps):
-                actor.save_checkpoint(os.path.join(ckpt_dir, "latest"), extra={
-                    "step": step, "version": version, "data_position": data_position, "python_rng": random.getstate(),
-                    "numpy_rng": np.random.get_state(), "torch_rng": torch.get_rng_state()})
+            if cfg.checkpoint_every and (run.step % cfg.checkpoint_every == 0 or run.step == cfg.max_steps):
+                save_checkpoint(run)
         progress.close()
 
-        test_metrics = run_rollout(evaluate(*episode_args, test_items), "the test evaluation")
-        logger.log(step, {f"test/{k}": v for k, v in test_metrics.items()})
-        print(f"test after {step} steps: {test_metrics}")
-        actor.save_hf(os.path.join(cfg.run_dir, "final"))
+        test_metrics = run_evaluation(run, "test", run.test_items)
+        print(f"test after {run.step} steps: {test_metrics}")
+        run.actor.save_hf(os.path.join(cfg.run_dir, "final"))
         return test_metrics
     finally:
-        trace_file.close()
-        logger.close()
-        try:
-            weight_sync.close()
-            run(http.close(), timeout_s=30)
-            run(close_chat_http_client(), timeout_s=30)
-            run(proxy.close(), timeout_s=30)
-            run(client.close(), timeout_s=30)
-        finally:
-            bg.close()
-            for s in supervisors:
-                s.stop()
+        close(run)
 
 
 if __name__ == "__main__":

@@ -168,7 +168,6 @@ def test_an_openai_sdk_agent_past_its_deadline_fails_its_group_and_its_proxy_ses
 def test_a_langgraph_agent_whose_tool_never_returns_fails_its_group(tokenizer, monkeypatch):
     pytest.importorskip("langgraph")
     pytest.importorskip("langchain_openai")
-    import aiohttp
     from langchain_core.tools import tool
 
     import examples.langgraph_search as lg
@@ -193,13 +192,12 @@ def test_a_langgraph_agent_whose_tool_never_returns_fails_its_group(tokenizer, m
         client = InferenceClient([address], max_retries=0)
         proxy = OpenAIProxy(client, tools_tokenizer, max_context_tokens=cfg.max_tokens)
         await proxy.start()
+        lg.start_agent(cfg, "http://127.0.0.1:9")
         try:
-            async with aiohttp.ClientSession() as http:
-                groups, failed = await bounded(lg.rollout_groups(proxy, http, "http://127.0.0.1:9", cfg, [fine, stuck],
-                                                                 1.0, 2))
+            groups, failed = await bounded(lg.rollout_groups(proxy, cfg, [fine, stuck], 2, train=True))
             return groups, failed, dict(proxy.sessions)
         finally:
-            await lg.close_chat_http_client()
+            await lg.close_agent()
             await proxy.close()
             await client.close()
     with ScriptedServer(tools_tokenizer, script) as server:

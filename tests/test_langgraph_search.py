@@ -48,20 +48,17 @@ def call(query):
 
 
 def run_episodes(tokenizer, script, retrieval_addr, n=1, **cfg_overrides):
-    import aiohttp
-
     cfg = lg.Config(**{"tool_retries": 1, **cfg_overrides})
 
     async def go(address):
         client = InferenceClient([address], max_retries=0)
         proxy = OpenAIProxy(client, tokenizer, max_context_tokens=cfg.max_tokens)
         await proxy.start()
+        lg.start_agent(cfg, retrieval_addr)
         try:
-            async with aiohttp.ClientSession() as http:
-                return await asyncio.gather(*[lg.arun_episode(proxy, http, retrieval_addr, cfg, ITEM, 1.0)
-                                              for _ in range(n)])
+            return await asyncio.gather(*[lg.arun_episode(proxy, cfg, ITEM, train=True) for _ in range(n)])
         finally:
-            await lg.close_chat_http_client()
+            await lg.close_agent()
             await proxy.close()
             await client.close()
     with ScriptedServer(tokenizer, script) as server:
@@ -71,9 +68,9 @@ def run_episodes(tokenizer, script, retrieval_addr, n=1, **cfg_overrides):
 def test_the_agents_tool_calls_reach_the_retrieval_server_and_the_run_is_recorded_token_exact(tokenizer, retrieval):
     script = [call("who founded Eskar Circle"), call("where was Ciqua Eskranden born"), Reply("Hatarmor", eos=True)]
     [episode], server = run_episodes(tokenizer, script, retrieval)
-    assert episode["reward"] == 1.0 and episode["finish_reason"] == "answer" and episode["num_searches"] == 2
-    assert [m["role"] for m in episode["messages"]] == ["human", "ai", "tool", "ai", "tool", "ai"]
-    assert "born in Hatarmor" in episode["messages"][4]["content"]
+    assert episode["reward"] == 1.0 and episode["requests"] == 3
+    assert episode["stats"] == {"searches": 2, "tool_failures": 0, "answered": True, "finish_reason": "answer",
+                                "answer": "Hatarmor"}
     [segment] = episode["segments"]
     ids, mask = segment["input_ids"][0].tolist(), segment["loss_mask"][0].bool()
     assert segment["input_ids"][0][mask].tolist() == [t for a in server.answers for t in a["output_ids"]]
@@ -81,18 +78,20 @@ def test_the_agents_tool_calls_reach_the_retrieval_server_and_the_run_is_recorde
         assert ids[:len(body["input_ids"])] == body["input_ids"]
     text = tokenizer.decode(ids)
     assert "<tool_response>\nDoc 1 (Title: Eskar Circle) Eskar Circle was founded by Ciqua Eskranden" in text
+    assert "Ciqua Eskranden was born in Hatarmor" in text.split("<tool_response>")[2]  # the second search's result
     assert '"name": "search"' in text.split("<|im_start|>user")[0]  # ChatOpenAI's tool schema, rendered
 
 
 def test_a_failing_search_is_a_tool_message_the_agent_reads_and_is_counted(tokenizer):
     [episode], _ = run_episodes(tokenizer, [call("anything"), Reply("no idea", eos=True)], "http://127.0.0.1:9")
-    assert episode["num_tool_failures"] == 1 and episode["messages"][2]["content"].startswith("The search tool failed")
-    assert episode["reward"] == 0.0 and episode["finish_reason"] == "answer"
+    assert episode["stats"]["tool_failures"] == 1 and episode["stats"]["finish_reason"] == "answer"
+    text = tokenizer.decode(episode["segments"][0]["input_ids"][0])
+    assert "<tool_response>\nThe search tool failed" in text and episode["reward"] == 0.0
 
 
 def test_an_agent_that_keeps_calling_tools_ends_at_max_turns_and_keeps_its_tokens(tokenizer, retrieval):
     [episode], server = run_episodes(tokenizer, [call("Eskar Circle")], retrieval, max_turns=2)
-    assert episode["finish_reason"] == "max_turns" and episode["reward"] == 0.0
+    assert episode["stats"]["finish_reason"] == "max_turns" and episode["reward"] == 0.0
     assert len(server.requests) == 2 and len(episode["segments"]) == 1
 
 
@@ -102,13 +101,14 @@ def test_two_grpo_steps_of_the_langgraph_agent_run_end_to_end(tmp_path):
     result = lg.main(config="configs/langgraph_search_tiny.yaml", run_dir=run_dir, max_steps=2, batch_size=2,
                      group_size=2, max_turns=3, warm_start_steps=4, warm_start_batch_size=2, eval_every=0,
                      test_size=2, checkpoint_every=0, tensorboard=False, trainer_threads=1, warm_start_worlds=0)
-    assert result["failed"] == 0
+    assert result["failed"] == 0 and {"reward", "searches", "answered", "tool_failures"} <= set(result)
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     steps = [r for r in rows if "rollout/reward" in r]
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
-        assert r["rollout/failed_groups"] == 0 and r["rollout/gen_tokens"] > 0
+        assert r["rollout/failed_groups"] == 0 and r["rollout/gen_tokens"] > 0 and r["rollout/episodes"] == 4
         assert r["logprob/server_trainer_abs_diff_mean"] < 0.05
+        assert 0 <= r["rollout/answered"] <= 1 and r["rollout/searches"] >= 0  # the agent's own stats
     traces = [json.loads(line) for line in open(os.path.join(run_dir, "traces.jsonl"))]
     assert len(traces) >= 2 * 2  # one group of 2 episodes per step, a record per segment
     assert traces[0]["tokens"]["tlp"] is not None and '"name": "search"' in traces[0]["prompt"]
