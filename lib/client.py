@@ -33,6 +33,7 @@ import functools
 import hashlib
 import json
 import math
+import uuid
 
 import aiohttp
 
@@ -57,6 +58,8 @@ class Generation:
     versions: list[int]  # per output token: client policy version when its piece was sent
     num_resumes: int = 0  # how many times a pause cut this generation and it was re-sent
     num_continuations: int = 0  # how many times a piece cut by `piece_tokens` was continued
+    # per output token, with generate(top_logprobs=k): the k most likely tokens, [(logprob, token id), ...]
+    top_logprobs: list | None = None
 
 
 class InferenceServerError(RuntimeError):
@@ -101,6 +104,7 @@ class InferenceClient:
         self._session = None
         self._semaphore = None
         self._resumed = None
+        self._aborts: set = set()  # /abort_request calls under way (see _abort_in_background)
 
     def set_version(self, version: int):
         """The policy version tagged on tokens of requests sent from now on (call after each weight sync)."""
@@ -110,7 +114,8 @@ class InferenceClient:
     async def generate(self, input_ids: list[int], *, max_new_tokens: int, temperature: float = 1.0,
                        top_p: float = 1.0, top_k: int = -1, stop: list[str] | None = None,
                        stop_token_ids: list[int] | None = None, trajectory_id=None,
-                       piece_tokens: int | None = None, extra_sampling_params: dict | None = None) -> Generation:
+                       piece_tokens: int | None = None, extra_sampling_params: dict | None = None,
+                       top_logprobs: int = 0, on_tokens=None) -> Generation:
         """Generate up to `max_new_tokens` after `input_ids`: one model turn, which ends at the first
         completed stop string, at any id of `stop_token_ids` (pass the model's whole EOS set), or at
         `max_new_tokens`, whatever each server answer's finish_reason says.
@@ -127,6 +132,15 @@ class InferenceClient:
         With the client's `sampling_seed`, each request of a trajectory is sampled with the seed
         `request_seed(sampling_seed, trajectory_id, its input length)`: a run whose trajectory ids
         are a function of its data (item index, sample) samples the same tokens again.
+
+        `top_logprobs`: also the server's `top_logprobs` most likely tokens at each step
+        (`Generation.top_logprobs`, SGLang's `top_logprobs_num`). `on_tokens(ids, logprobs, tops)`:
+        the turn is streamed (SGLang's `stream: true`) and each run of new tokens is handed over as
+        it arrives, with their log-probs (and top log-probs, or None); what it is handed is exactly
+        the Generation's tokens, in order (a stop string ends the stream at the token completing it).
+
+        Each request carries its own `rid`; a call that is cancelled (its caller gave up) asks the
+        server to abort that request (`/abort_request`) rather than leave it generating.
 
         An abort that is not a pause (a server-side timeout, a failed forward, `abort_request`)
         raises `GenerationAborted`: that turn's output is not what the policy would have written,
@@ -147,73 +161,144 @@ class InferenceClient:
             sampling["stop_token_ids"] = sorted(stop_ids)
         address = self._route(trajectory_id)
         prompt = [int(t) for t in input_ids]
-        output_ids, logprobs, versions, texts, token_texts = [], [], [], [], []
-        cached_tokens, num_resumes, num_continuations, cut = 0, 0, 0, None
+        turn = _Turn(stop, on_tokens)
+        cached_tokens, num_resumes, num_continuations = 0, 0, 0
         self._in_flight[address] += 1
         try:
             while True:
-                remaining = max_new_tokens - len(output_ids)
+                remaining = max_new_tokens - len(turn.output_ids)
                 asked = min(remaining, piece_tokens) if piece_tokens else remaining
                 await self._acquire_send_slot()
                 try:
-                    version, pause_count = self.version, self._pause_count
-                    body = {"input_ids": prompt + output_ids,
+                    version, pause_count, before = self.version, self._pause_count, len(turn.output_ids)
+                    body = {"input_ids": prompt + turn.output_ids, "rid": uuid.uuid4().hex,
                             "sampling_params": {**sampling, "max_new_tokens": asked},
                             "return_logprob": True,
                             # Each token's text, to find a stop string across pieces (see above).
                             "return_text_in_logprobs": bool(stop)}
+                    if top_logprobs:
+                        body["top_logprobs_num"] = top_logprobs
                     if self.version_cache_key:  # prefixes cached under other weights are not reused
                         body["extra_key"] = f"policy-v{version}"
                     if self.sampling_seed is not None and trajectory_id is not None and "sampling_seed" not in sampling:
                         body["sampling_params"]["sampling_seed"] = request_seed(
-                            self.sampling_seed, trajectory_id, len(prompt) + len(output_ids))
-                    answer = await self._request("POST", address, "/generate", body)
+                            self.sampling_seed, trajectory_id, len(prompt) + len(turn.output_ids))
+                    piece = await self._generate_piece(address, body, turn, version, stream=on_tokens is not None)
                 finally:
                     self._semaphore.release()
-                piece = _parse_generation(answer, address)
-                output_ids += piece["output_ids"]
-                logprobs += piece["logprobs"]
-                versions += [version] * len(piece["output_ids"])
-                texts.append(piece["text"])
-                token_texts += piece["token_texts"]
+                if top_logprobs and piece["top"] is None and piece["output_ids"]:
+                    raise InferenceServerError(
+                        f"/generate at {address} answered without meta_info.output_top_logprobs: this server cannot "
+                        f"give the most likely tokens of each step (SGLang and lib.cpu_server can); leave "
+                        f"top_logprobs at 0", address=address, status=400)
                 cached_tokens += piece["cached_tokens"]
                 finish_reason, matched, weight_version = piece["finish_reason"], piece["matched"], piece["weight_version"]
+                turn.texts.append(piece["text"])
                 paused = finish_reason == "abort" and (self._paused or self._pause_count != pause_count)
                 if finish_reason == "abort" and not paused:
                     raise GenerationAborted(
                         f"/generate at {address} was aborted ({piece['abort_message'] or 'no message'}) after "
-                        f"{len(output_ids)} tokens, not by a pause: a server-side timeout, a failed forward or "
+                        f"{len(turn.output_ids)} tokens, not by a pause: a server-side timeout, a failed forward or "
                         f"abort_request; the episode must be dropped, not trained on", address=address)
                 # Did the turn end, whatever this piece's finish_reason says? (A pause-abort lands
                 # after a token was sampled; SGLang checks length before stop tokens and strings.)
-                cut = _first_stop(token_texts, stop) if stop else None
-                if cut is not None:
+                if turn.cut is not None:
                     break
-                if output_ids and output_ids[-1] in stop_ids:
-                    finish_reason, matched = "stop", output_ids[-1]
+                if turn.output_ids and turn.output_ids[-1] in stop_ids:
+                    finish_reason, matched = "stop", turn.output_ids[-1]
                     break
-                if len(output_ids) >= max_new_tokens:
+                if len(turn.output_ids) >= max_new_tokens:
                     finish_reason, matched = "length", None
                     break
                 if paused:
                     num_resumes += 1
-                elif finish_reason == "length" and piece_tokens and len(piece["output_ids"]) >= asked:
+                elif finish_reason == "length" and piece_tokens and len(turn.output_ids) - before >= asked:
                     num_continuations += 1
                 else:
                     break  # the server's own stop, or a length it set itself (its context length)
         finally:
             self._in_flight[address] -= 1
-        text = "".join(texts)
-        if cut is not None:
-            index, stop_string = cut
-            output_ids, logprobs, versions = output_ids[:index + 1], logprobs[:index + 1], versions[:index + 1]
-            finish_reason, matched = "stop", stop_string
-            text = "".join(token_texts[:index + 1])
-            text = text[:text.find(stop_string)]  # trimmed, as SGLang trims its text
-        return Generation(output_ids=output_ids, logprobs=logprobs, finish_reason=finish_reason, matched=matched,
-                          text=text, prompt_tokens=len(prompt), cached_tokens=cached_tokens,
-                          weight_version=weight_version, versions=versions, num_resumes=num_resumes,
-                          num_continuations=num_continuations)
+        text = "".join(turn.texts)
+        if turn.cut is not None:
+            finish_reason, matched = "stop", turn.cut
+            text = "".join(turn.token_texts)
+            text = text[:text.find(turn.cut)]  # trimmed, as SGLang trims its text
+        return Generation(output_ids=turn.output_ids, logprobs=turn.logprobs, finish_reason=finish_reason,
+                          matched=matched, text=text, prompt_tokens=len(prompt), cached_tokens=cached_tokens,
+                          weight_version=weight_version, versions=turn.versions, num_resumes=num_resumes,
+                          num_continuations=num_continuations, top_logprobs=turn.top if top_logprobs else None)
+
+    async def _generate_piece(self, address: str, body: dict, turn: "_Turn", version: int, stream: bool) -> dict:
+        """One /generate request of a turn: its tokens go to `turn` (as they arrive, when streamed);
+        returns the piece's finish fields. A request given up (cancelled, or cut by a stop string
+        in its stream) is aborted on the server by its rid."""
+        rid = body["rid"]
+        try:
+            if not stream:
+                piece = _parse_generation(await self._request("POST", address, "/generate", body), address)
+                turn.add(piece, version)
+                return piece
+            piece = await self._stream_piece(address, {**body, "stream": True}, turn, version)
+            if turn.cut is not None and piece["finish_reason"] is None:
+                self._abort_in_background(address, rid)  # the stop string came before the server saw it
+            return piece
+        except asyncio.CancelledError:
+            self._abort_in_background(address, rid)
+            raise
+
+    async def _stream_piece(self, address: str, body: dict, turn: "_Turn", version: int) -> dict:
+        """A streamed /generate: server-sent events `data: {...}` then `data: [DONE]`. SGLang sends
+        each event's output_ids and log-prob rows either from the start of the output (its default)
+        or as the new ones only (`--incremental-streaming-output`); both are read (`completion_tokens`
+        counts the whole output) and only the new tokens go to `turn`."""
+        url = address + "/generate"
+        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=self.connect_timeout_s)
+        attempt, seen, last, texts = 0, 0, None, []
+        while True:
+            try:
+                async with self._http().post(url, json=body, timeout=timeout) as response:
+                    if response.status >= 400:
+                        message = f"HTTP {response.status}: {_error_message(await response.text())}"
+                        raise InferenceServerError(f"POST {url} was refused with {message}", address=address,
+                                                   status=response.status if response.status < 500 else None)
+                    buffer, done = b"", False
+                    async for data in response.content.iter_any():
+                        buffer += data
+                        while not done and b"\n\n" in buffer:
+                            event, buffer = buffer.split(b"\n\n", 1)
+                            answer = _sse_data(event, url, address)
+                            done = answer is _DONE
+                            if answer is None or done:
+                                continue
+                            seen, last = _take_streamed(answer, seen, texts, turn, version, address)
+                            if turn.cut is not None:  # a stop string: the rest of the stream is not the turn
+                                response.close()
+                                return {**last, "text": ""}
+                        if done:
+                            break
+                    if last is None or last["finish_reason"] is None:
+                        raise InferenceServerError(f"the stream of POST {url} ended before the generation finished "
+                                                   f"({seen} tokens)", address=address)
+                    return {**last, "text": last["text"] if last["cumulative"] else "".join(texts)}
+            except aiohttp.ClientConnectorError as e:  # nothing reached the server: safe to send again
+                if attempt >= self.max_retries:
+                    raise InferenceServerError(f"POST {url} failed after {attempt + 1} attempt(s): cannot connect "
+                                               f"({e})", address=address) from None
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                raise InferenceServerError(f"the stream of POST {url} failed after {seen} tokens: "
+                                           f"{type(e).__name__}: {e}", address=address) from None
+            await asyncio.sleep(self.retry_backoff_s * 2 ** attempt)
+            attempt += 1
+
+    def _abort_in_background(self, address: str, rid: str):
+        """Ask the server to abort request `rid` without waiting for its answer (the caller may be
+        cancelled already); a failure is only logged by its absence: the server's own timeout and
+        its check for a client that left remain."""
+        task = asyncio.get_running_loop().create_task(
+            self._request("POST", address, "/abort_request", {"rid": rid, "abort_all": False}, retry=False,
+                          expect_json=False))
+        self._aborts.add(task)
+        task.add_done_callback(lambda t: (self._aborts.discard(t), t.cancelled() or t.exception()))
 
     def end_trajectory(self, trajectory_id):
         """Forget the route of a finished trajectory (it no longer counts towards its server's load)."""
@@ -365,6 +450,8 @@ class InferenceClient:
         return await self._fan_out("POST", "/destroy_weights_update_group", {"group_name": group_name})
 
     async def close(self):
+        if self._aborts:  # let the aborts of requests given up reach their servers
+            await asyncio.wait(list(self._aborts), timeout=5.0)
         if self._session is not None and not self._session.closed:
             await self._session.close()
         self._session = None
@@ -462,14 +549,16 @@ def model_eos_ids(model_path: str, tokenizer) -> list[int]:
     return ids
 
 
-def _parse_generation(answer: dict, address: str) -> dict:
-    """The fields of one /generate answer that a Generation is built from (see docs/client.md)."""
+def _parse_generation(answer: dict, address: str, final: bool = True) -> dict:
+    """The fields of one /generate answer (or, `final=False`, of a streamed event before the last)
+    that a Generation is built from (see docs/client.md)."""
     try:
         meta = answer["meta_info"]
         output_ids = [int(t) for t in answer["output_ids"]]
         rows = meta.get("output_token_logprobs") or []
-        reason = meta["finish_reason"] or {}
-        finish_reason = reason["type"]
+        tops = meta.get("output_top_logprobs")
+        reason = (meta["finish_reason"] or {}) if final else None
+        finish_reason = reason["type"] if final else None
     except (KeyError, TypeError, ValueError) as e:
         raise InferenceServerError(f"/generate at {address} answered without {e}; expected SGLang's shape "
                                    f"(output_ids, meta_info.finish_reason, meta_info.output_token_logprobs): "
@@ -495,29 +584,108 @@ def _parse_generation(answer: dict, address: str) -> dict:
     if not all(math.isfinite(lp) for lp in logprobs):
         raise InferenceServerError(f"/generate at {address} returned a log-prob that is not a finite number "
                                    f"({str(rows)[:300]}); every sampled token needs its log-prob", address=address)
+    top = None
+    if tops is not None:
+        try:  # SGLang's rows [logprob, token id, text | None] of each position's most likely tokens
+            top = [[(float(row[0]), int(row[1])) for row in position] for position in tops[:len(output_ids)]]
+        except (TypeError, ValueError, IndexError):
+            top = []
+        if len(top) != len(output_ids):
+            raise InferenceServerError(f"/generate at {address} returned top log-probs for {len(tops)} of "
+                                       f"{len(output_ids)} tokens: {str(tops)[:300]}", address=address)
     token_texts = [str(row[2]) if len(row) > 2 and row[2] is not None else "" for row in rows]
-    if token_texts and not any(token_texts):
+    if final and token_texts and not any(token_texts):
         # A server that ignores return_text_in_logprobs: its text, on the piece's last token, still
         # shows a stop string that the piece's last token completed (a pause or length cut landed).
         token_texts[-1] = answer.get("text") or ""
-    return {"output_ids": output_ids, "logprobs": logprobs, "token_texts": token_texts,
+    reason = reason or {}
+    return {"output_ids": output_ids, "logprobs": logprobs, "top": top, "token_texts": token_texts,
             "finish_reason": finish_reason, "matched": reason.get("matched"), "text": answer.get("text") or "",
             "abort_message": reason.get("message"),
             "cached_tokens": int(meta.get("cached_tokens") or 0),
             "weight_version": str(meta.get("weight_version", ""))}
 
 
-def _first_stop(token_texts: list[str], stop: list[str]):
-    """(i, s): the first output token i whose text completes stop string s, over the whole output
-    (all pieces); None if no stop string occurs."""
-    text = ""
-    for index, token_text in enumerate(token_texts):
-        text += token_text
-        tail = text[-(max(map(len, stop)) + len(token_text)):]
-        for s in stop:
-            if s in tail:
-                return index, s
-    return None
+_DONE = object()  # a stream's `data: [DONE]`
+
+
+def _sse_data(event: bytes, url: str, address: str):
+    """The JSON object of one server-sent event, _DONE for `data: [DONE]`, None for one without data.
+    SGLang reports a request it refuses after the stream began as `data: {"error": {...}}`."""
+    data = b"".join(line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:"))
+    if not data:
+        return None
+    if data == b"[DONE]":
+        return _DONE
+    try:
+        answer = json.loads(data)
+    except ValueError:
+        raise InferenceServerError(f"the stream of POST {url} sent an event that is not JSON: {data[:300]!r}",
+                                   address=address) from None
+    if not isinstance(answer, dict):
+        raise InferenceServerError(f"the stream of POST {url} sent {data[:300]!r}, not an object", address=address)
+    if "error" in answer and "output_ids" not in answer:
+        raise InferenceServerError(f"POST {url} was refused: {_error_message(data.decode(errors='replace'))}",
+                                   address=address, status=400)
+    return answer
+
+
+def _take_streamed(answer: dict, seen: int, texts: list, turn: "_Turn", version: int, address: str):
+    """One streamed event of a piece whose first `seen` tokens were taken: its new tokens go to
+    `turn`. Returns (tokens taken from this piece, the piece's finish fields so far)."""
+    meta = answer.get("meta_info") if isinstance(answer.get("meta_info"), dict) else {}
+    ids, total = answer.get("output_ids"), meta.get("completion_tokens")
+    if not isinstance(ids, list):
+        raise InferenceServerError(f"/generate at {address} streamed an event without output_ids: {str(answer)[:300]}",
+                                   address=address)
+    if seen and isinstance(total, int):
+        cumulative = len(ids) == total
+    else:  # the first event, or no count: from the start if it begins with what was taken
+        cumulative = seen > 0 and ids[:seen] == turn.output_ids[len(turn.output_ids) - seen:]
+    if cumulative:
+        meta = {**meta, "output_token_logprobs": (meta.get("output_token_logprobs") or [])[seen:]}
+        if meta.get("output_top_logprobs") is not None:
+            meta["output_top_logprobs"] = meta["output_top_logprobs"][seen:]
+        ids = ids[seen:]
+    final = meta.get("finish_reason") is not None
+    piece = _parse_generation({"output_ids": ids, "meta_info": meta, "text": answer.get("text")}, address, final=final)
+    if not cumulative and answer.get("text"):
+        texts.append(answer["text"])
+    turn.add(piece, version)
+    return seen + len(piece["output_ids"]), {**piece, "cumulative": cumulative}
+
+
+class _Turn:
+    """The tokens of one generate() call as they arrive, piece after piece (and event after event
+    when streamed). Each token's text is checked for a stop string as it comes, and the turn is cut
+    at the token that completes one (`cut`); `on_tokens` gets exactly the tokens kept."""
+
+    def __init__(self, stop: list[str], on_tokens):
+        self.stop, self.on_tokens = stop, on_tokens
+        self.longest_stop = max(map(len, stop), default=0)
+        self.output_ids, self.logprobs, self.versions, self.top = [], [], [], []
+        self.token_texts, self.texts = [], []
+        self.stop_tail = ""  # the last characters of the output, as many as the longest stop string
+        self.cut = None  # the stop string that ended the turn
+
+    def add(self, piece: dict, version: int):
+        ids, keep = piece["output_ids"], len(piece["output_ids"])
+        if self.stop:
+            for i, token_text in enumerate(piece["token_texts"]):
+                tail = self.stop_tail + token_text
+                hit = next((s for s in self.stop if s in tail), None)
+                self.stop_tail = tail[-self.longest_stop:]
+                if hit is not None:
+                    self.cut, keep = hit, i + 1
+                    break
+            self.token_texts += piece["token_texts"][:keep]
+        self.output_ids += ids[:keep]
+        self.logprobs += piece["logprobs"][:keep]
+        self.versions += [version] * keep
+        if piece["top"] is not None:
+            self.top += piece["top"][:keep]
+        if self.on_tokens is not None and keep:
+            self.on_tokens(ids[:keep], piece["logprobs"][:keep], piece["top"][:keep] if piece["top"] is not None else None)
 
 
 def _error_message(text: str) -> str:

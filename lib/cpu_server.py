@@ -34,8 +34,11 @@ Where it differs from SGLang (docs/sglang_contract.md has SGLang's side):
 - No prefix cache: `cached_tokens` is always 0 and `/flush_cache` has nothing to flush.
 - `retract` pauses like `in_place` (nothing to free); an aborted running request ends without the
   one extra decode step SGLang runs; `num_retractions` and `reasoning_tokens` are always 0.
-- Not supported, refused with a 400 rather than ignored: `stream`, `top_logprobs_num`, penalties,
-  grammars, `logit_bias`.
+- Not supported, refused with a 400 rather than ignored: penalties, grammars, `logit_bias`;
+  `stream` with a batch or n > 1. A streamed request's events carry the output so far (SGLang's
+  default) or only what is new (`--incremental-streaming-output`), text included.
+- `top_logprobs_num` gives `output_top_logprobs` (from the same log-probs as the sampled token's),
+  not `input_top_logprobs`.
 - `--random-seed` defaults to 0 (SGLang: random); `--dtype auto` is float32 on CPU.
 - `/update_weights_from_tensor` takes only lib.tensor_ipc's payload (handles of shared tensors;
   any other pickle content is a 400) and no `load_format`.
@@ -68,6 +71,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
+import json
 import logging
 import math
 import os
@@ -99,6 +103,7 @@ INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 # beside it take 4 s instead of 0.07 s).
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024  # all of one request's stop strings together
+MAX_TOP_LOGPROBS = 100  # top_logprobs_num: the most likely tokens reported at each step
 MAX_WORLD_SIZE = 2**16
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16", "float64")  # what a weight update may send
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's /release_memory_occupation tags
@@ -259,6 +264,12 @@ class Request:
     finish_reason: dict | None = None
     abort_message: str | None = None  # set from the event loop; the worker thread acts on it
     generator: torch.Generator | None = None
+    top_logprobs_num: int = 0  # also the most likely tokens of each step (SGLang's top_logprobs_num)
+    output_top_logprobs: list = dataclasses.field(default_factory=list)  # per token: [(logprob, id), ...]
+    # Streamed requests (stream: true): set by the scheduler after each step that may have added tokens,
+    # with `visible` the number of output tokens complete at that moment (read on the event loop).
+    progress: asyncio.Event | None = None
+    visible: int = 0
 
 
 # --- the model runner: everything here runs on the single worker thread ---
@@ -407,8 +418,8 @@ class Runner:
             for i, r in enumerate(reqs):
                 if r.return_logprob and r.logprob_start_len >= 0:
                     self._fill_input_logprobs(r, logits[i, length - len(r.input_ids):])
-        tokens, token_logprobs, broken = self._sample(logits[:, -1], reqs)
-        finished = self._append(reqs, tokens, token_logprobs, broken)
+        tokens, *sampled = self._sample(logits[:, -1], reqs)
+        finished = self._append(reqs, tokens, *sampled)
         keep = [r.finish_reason is None for r in reqs]
         if not any(keep):
             return finished
@@ -442,8 +453,8 @@ class Runner:
         self.attention_mask = torch.cat([self.attention_mask, ones], dim=1)
         position_ids = self.attention_mask.sum(-1, keepdim=True) - 1
         logits, self.cache = self._forward(self.next_token_ids[:, None], self.attention_mask, position_ids, self.cache, 1)
-        tokens, token_logprobs, broken = self._sample(logits[:, -1], self.rows)
-        finished = self._append(self.rows, tokens, token_logprobs, broken)
+        tokens, *sampled = self._sample(logits[:, -1], self.rows)
+        finished = self._append(self.rows, tokens, *sampled)
         self.next_token_ids = tokens
         self._keep([r.finish_reason is None for r in self.rows])
         return finished
@@ -465,7 +476,9 @@ class Runner:
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]):
         """logits [B, V] float32 → (sampled token ids [B], their log-probs [B] (see module doc),
-        broken [B]: rows with no distribution to sample from, to be ended rather than sampled)."""
+        broken [B]: rows with no distribution to sample from, to be ended rather than sampled,
+        top [B]: each row's `top_logprobs_num` most likely tokens [(log-prob, id), ...] by the same
+        log-probs, or None)."""
         logits = logits.clone()
         for i, r in enumerate(reqs):
             if len(r.output_ids) < r.params.min_new_tokens:
@@ -481,10 +494,15 @@ class Runner:
         if broken.any():
             logits = logits.masked_fill(broken[:, None], 0.0)
             logprobs = logprobs.masked_fill(broken[:, None], -math.log(logits.shape[1]))
+        top = [None] * len(reqs)
+        for i, r in enumerate(reqs):
+            if r.top_logprobs_num:
+                values, ids = logprobs[i].topk(min(r.top_logprobs_num, logprobs.shape[1]))
+                top[i] = list(zip(values.tolist(), ids.tolist()))
         greedy = [r.params.top_k == 1 for r in reqs]
         tokens = logits.argmax(-1)
         if all(greedy):
-            return tokens, logprobs.gather(-1, tokens[:, None])[:, 0], broken
+            return tokens, logprobs.gather(-1, tokens[:, None])[:, 0], broken, top
         probs = logprobs.exp()
         top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else logits.shape[1] for r in reqs], device=logits.device)
         top_p = torch.tensor([r.params.top_p for r in reqs], device=logits.device)
@@ -504,18 +522,21 @@ class Runner:
         for i, r in enumerate(reqs):
             if not greedy[i] and r.generator is not None:
                 tokens[i] = torch.multinomial(probs[i], 1, generator=r.generator)[0]
-        return tokens, logprobs.gather(-1, tokens[:, None])[:, 0], broken
+        return tokens, logprobs.gather(-1, tokens[:, None])[:, 0], broken, top
 
     def _append(self, reqs: list[Request], tokens: torch.Tensor, token_logprobs: torch.Tensor,
-                broken: torch.Tensor) -> list[Request]:
+                broken: torch.Tensor, top: list) -> list[Request]:
         finished = []
-        for r, token, logprob, no_distribution in zip(reqs, tokens.tolist(), token_logprobs.tolist(), broken.tolist()):
+        for r, token, logprob, no_distribution, best in zip(reqs, tokens.tolist(), token_logprobs.tolist(),
+                                                            broken.tolist(), top):
             if no_distribution:
                 r.finish_reason = _abort_reason("no token can be sampled: every token's probability is 0 or NaN "
                                                 "(stop_token_ids and EOS cover the vocabulary while min_new_tokens "
                                                 "bans them, or the logits hold NaN)")
                 finished.append(r)
                 continue
+            if best is not None:  # first: a reader of output_ids[:visible] finds every row's top log-probs
+                r.output_top_logprobs.append(best)
             r.output_ids.append(token)
             r.output_logprobs.append(logprob)
             self.stats["num_generated_tokens"] += 1
@@ -764,6 +785,10 @@ class Server:
             for r in finished:
                 if not r.future.done():
                     r.future.set_result(r)
+            for r in self.runner.rows + finished:
+                if r.progress is not None:
+                    r.visible = len(r.output_ids)
+                    r.progress.set()
             await asyncio.sleep(0)  # let handlers enqueue newcomers between steps
 
     def _admit(self) -> list[Request]:
@@ -873,10 +898,10 @@ class Server:
             if not isinstance(value, types) or (types is int and isinstance(value, bool)):
                 raise BadRequest(f"{name} must be {types.__name__}, got {_short(value)}")
             flags[name] = value
-        if flags["stream"]:
-            raise BadRequest("stream=true is not supported by lib.cpu_server; send stream=false")
-        if flags["top_logprobs_num"]:
-            raise BadRequest("top_logprobs_num > 0 is not supported by lib.cpu_server")
+        if flags["stream"] and is_batch:
+            raise BadRequest("stream=true takes one prompt and n=1 in lib.cpu_server; send a batch without stream")
+        if not 0 <= flags["top_logprobs_num"] <= MAX_TOP_LOGPROBS:
+            raise BadRequest(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {flags['top_logprobs_num']}")
         context = self.runner.context_length
         for ids, p, raw in zip(batch, params, raw_params):
             # SGLang's TokenizerManager._validate_one_request: a request whose explicit
@@ -897,19 +922,25 @@ class Server:
             req = Request(rid=r, input_ids=ids, params=p, return_logprob=flags["return_logprob"],
                           logprob_start_len=flags["logprob_start_len"],
                           return_text_in_logprobs=flags["return_text_in_logprobs"], max_new_tokens=max_new,
-                          created_s=now, deadline_s=now + self.args.request_timeout_s, future=loop.create_future())
+                          created_s=now, deadline_s=now + self.args.request_timeout_s, future=loop.create_future(),
+                          top_logprobs_num=flags["top_logprobs_num"] if flags["return_logprob"] else 0,
+                          progress=asyncio.Event() if flags["stream"] else None)
             if p.sampling_seed is not None:
                 req.generator = torch.Generator(self.runner.device).manual_seed(_generator_seed(p.sampling_seed))
             requests.append(req)
         return requests, is_batch
 
-    def response(self, r: Request) -> dict:
+    def response(self, r: Request, start: int = 0, upto: int | None = None, text: str | None = None,
+                 final: bool = True) -> dict:
+        """SGLang's answer for request `r`; for a streamed event, its output tokens [start, upto)
+        (`completion_tokens` counts all up to `upto`), with `text`, and no finish_reason unless `final`."""
+        upto = len(r.output_ids) if upto is None else upto
         meta = {
             "id": r.rid,
-            "finish_reason": r.finish_reason,
+            "finish_reason": r.finish_reason if final else None,
             "prompt_tokens": len(r.input_ids),
             "weight_version": self.weight_version,
-            "completion_tokens": len(r.output_ids),
+            "completion_tokens": upto,
             "cached_tokens": 0,
             "num_retractions": 0,
             "reasoning_tokens": 0,
@@ -917,11 +948,44 @@ class Server:
             "response_sent_to_client_ts": time.time(),
         }
         if r.return_logprob:
-            text = (lambda t: self.runner.tokenizer.decode([t])) if r.return_text_in_logprobs else (lambda t: None)
-            meta["input_token_logprobs"] = [[lp, t, text(t)] for lp, t, _ in r.input_logprobs]
-            meta["output_token_logprobs"] = [[lp, t, text(t)] for lp, t in zip(r.output_logprobs, r.output_ids)]
-            meta["output_token_logprobs_length"] = len(r.output_ids)
-        return {"text": self.runner.output_text(r), "output_ids": list(r.output_ids), "meta_info": meta}
+            token_text = (lambda t: self.runner.tokenizer.decode([t])) if r.return_text_in_logprobs else (lambda t: None)
+            meta["input_token_logprobs"] = [[lp, t, token_text(t)] for lp, t, _ in r.input_logprobs] if start == 0 else []
+            meta["output_token_logprobs"] = [[lp, t, token_text(t)] for lp, t in
+                                             zip(r.output_logprobs[start:upto], r.output_ids[start:upto])]
+            meta["output_token_logprobs_length"] = upto - start
+            if r.top_logprobs_num:
+                meta["output_top_logprobs"] = [[[lp, t, token_text(t)] for lp, t in best]
+                                               for best in r.output_top_logprobs[start:upto]]
+        return {"text": self.runner.output_text(r) if text is None else text, "output_ids": r.output_ids[start:upto],
+                "meta_info": meta}
+
+    async def stream(self, r: Request):
+        """The events of a streamed request, as SGLang sends them: after each step that added
+        tokens, the output so far (`--incremental-streaming-output`: only its new tokens and text),
+        then the finished answer. A reader that stops (its client left) aborts the request."""
+        incremental = self.args.incremental_streaming_output
+        await self.no_update.wait()
+        self.waiting.append(r)
+        self.wakeup.set()
+        sent, sent_text = 0, ""
+        try:
+            while not r.future.done():
+                await r.progress.wait()
+                r.progress.clear()
+                upto = r.visible
+                if upto > sent and not r.future.done():
+                    text = self.runner.decode(r.output_ids[:upto], r.params)
+                    yield self.response(r, sent if incremental else 0, upto,
+                                        text[len(sent_text):] if incremental else text, final=False)
+                    sent, sent_text = upto, text
+            if incremental:
+                yield self.response(r, sent, None, self.runner.output_text(r)[len(sent_text):])
+            else:
+                yield self.response(r)
+        finally:
+            if not r.future.done():  # the reader stopped: free its row
+                r.abort_message = r.abort_message or "client disconnected"
+                self.wakeup.set()
 
     @contextlib.asynccontextmanager
     async def exclusive_update(self, abort_all: bool):
@@ -999,6 +1063,22 @@ async def _json_body(request: web.Request, allow_empty: bool = True):
     return body
 
 
+async def _stream_events(request, events) -> web.StreamResponse:
+    """Server-sent events, `data: {...}` each, then `data: [DONE]`, as SGLang streams /generate."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    try:
+        async for event in events:
+            await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except ConnectionResetError:  # the client left: `events` was closed, which aborted its request
+        pass
+    finally:
+        await events.aclose()
+    return response
+
+
 def _finish_even_if_client_leaves(handler):
     """A client that disconnects cancels its handler (handler_cancellation), which frees the rows
     of a /generate; a pause, weight update or group join must instead finish, or fail, as a whole
@@ -1021,6 +1101,8 @@ def build_app(server: Server) -> web.Application:
             raise BadRequest(f"the server's memory is released ({sorted(server.released)}); "
                              f"call /resume_memory_occupation first")
         requests, is_batch = await server.build_requests(body)
+        if requests[0].progress is not None:
+            return await _stream_events(request, server.stream(requests[0]))
         done = await server.submit(requests)
         out = [server.response(r) for r in done]
         return web.json_response(out if is_batch else out[0])
@@ -1363,6 +1445,9 @@ def parse_args(argv=None):
     p.add_argument("--body-timeout-s", type=float, default=60.0,
                    help="a request body not fully received this long after its headers gets a 408")
     p.add_argument("--health-timeout-s", type=float, default=20.0)
+    p.add_argument("--incremental-streaming-output", action="store_true",
+                   help="a streamed /generate sends each step's new tokens and text only (SGLang's flag); "
+                        "default: the output so far, as SGLang does")
     p.add_argument("--weight-sync-timeout-s", type=float, default=600.0,
                    help="how long /init_weights_update_group and collectives wait for the trainer")
     p.add_argument("--log-level", default="info")

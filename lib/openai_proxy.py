@@ -11,7 +11,7 @@ trained unchanged.
     episode = proxy.end_session(key)                      # {"segments": [trajectory, ...], "reward": ..., stats}
 
 Endpoints: `POST /v1/chat/completions`, `POST /v1/responses` (the OpenAI Agents SDK's), `POST
-/v1/completions` (each plain or `stream: true` server-sent events, sent once the reply is complete),
+/v1/completions` (each plain or `stream: true` server-sent events, sent as the model generates),
 `GET /v1/models`, and `POST /agentrl/reward {"reward": x}` for agents that score themselves (the
 session's key as the API key, or its base URL `proxy.session_url(key)` = `.../s/<key>/v1`). Every
 bad request, and every unknown path, gets a 4xx in OpenAI's error shape, naming the field; nothing
@@ -32,6 +32,7 @@ that records nothing (docs/reliability.md has the limits on hostile requests).
 import array
 import asyncio
 import collections
+import functools
 import itertools
 import json
 import math
@@ -49,6 +50,7 @@ from lib.chat_format import (LONE_SURROGATE, LONG_TEXT_CHARS, ChatFormatError, P
                              to_template_messages, token_bytes_reader)
 from lib.client import GenerationAborted, InferenceServerError
 from lib.http_body import BadRequest, body_too_large, lone_surrogate, parse_json_body, read_body
+from lib.reply_stream import ReplyText
 
 # Request fields accepted and ignored (they do not change sampling), in every API.
 _IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier"}
@@ -136,16 +138,32 @@ class _InProcessTransport:
                                        raw), read_timeout_s)
             except asyncio.TimeoutError:
                 raise httpx.ReadTimeout(f"the proxy did not answer within {read_timeout_s} s", request=request) from None
-        events = isinstance(payload, bytes)
-        response = httpx.Response
-        response = response(status, request=request, content=payload if events else json.dumps(payload).encode(),
-                            headers={"Content-Type": "text/event-stream" if events else "application/json; charset=utf-8"})
+        if isinstance(payload, _Events):
+            return httpx.Response(status, request=request, stream=_byte_stream(httpx, payload),
+                                  headers={"Content-Type": "text/event-stream"})
+        response = httpx.Response(status, request=request, content=json.dumps(payload).encode(),
+                                  headers={"Content-Type": "application/json; charset=utf-8"})
         if record is not None:
             record()  # handed over: the caller gets this response with nothing awaited in between
         return response
 
     async def aclose(self):
         pass
+
+
+def _byte_stream(httpx, events: "_Events"):
+    """A streamed reply as the body of an httpx response: its last part is recorded as the SDK
+    reads it; an SDK that stops reading closes it, and with it the generation."""
+    class Stream(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            async for data, record in events:
+                if record is not None:
+                    record()
+                yield data
+
+        async def aclose(self):
+            await events.aclose()
+    return Stream()
 
 
 class OpenAIProxy:
@@ -303,9 +321,9 @@ class OpenAIProxy:
             return web.json_response(payload, status=status)
         status, payload, record = await self._answer(request.method, request.path,
                                                      request.headers.get("Authorization", ""), raw)
-        events = isinstance(payload, bytes)
-        response = (web.StreamResponse(status=status, headers=_EVENT_STREAM_HEADERS) if events
-                    else web.json_response(payload, status=status))
+        if isinstance(payload, _Events):
+            return await self._send_events(request, payload)
+        response = web.json_response(payload, status=status)
         if request.transport is None or request.transport.is_closing():
             return response  # the client left (its handler's cancellation is on its way): nothing to record or send
         if record is not None:
@@ -315,11 +333,29 @@ class OpenAIProxy:
             record()
         try:
             await response.prepare(request)
-            if events:
-                await response.write(payload)
             await response.write_eof()
         except ConnectionResetError:  # the client left while the answer was being written: no traceback for it
             pass
+        return response
+
+    @staticmethod
+    async def _send_events(request, events: "_Events") -> web.StreamResponse:
+        """A streamed reply, part by part as it is generated; its last part is recorded in the step
+        that writes it, if the client is still there (as a plain answer is)."""
+        response = web.StreamResponse(status=200, headers=_EVENT_STREAM_HEADERS)
+        try:
+            await response.prepare(request)
+            async for data, record in events:
+                if record is not None:
+                    if request.transport is None or request.transport.is_closing():
+                        return response
+                    record()
+                await response.write(data)
+            await response.write_eof()
+        except ConnectionResetError:  # the client left mid-stream: its generation is stopped below
+            pass
+        finally:
+            await events.aclose()
         return response
 
     async def _answer(self, method: str, path: str, authorization: str, raw: bytes):
@@ -374,45 +410,16 @@ class OpenAIProxy:
     async def _chat(self, session: _Session, body):
         params = self._read_params(session, body, _CHAT_FIELDS)
         params["messages"] = self._messages(body.get("messages"))
-        plan, turns = await self._generate(session, params)
         completion_id, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
-        usage = _usage(plan, turns)
         if params["stream"]:
-            payload = self._chat_events(completion_id, created, turns, usage if params["include_usage"] else None,
-                                        params["logprobs"])
-        else:
-            payload = {"id": completion_id, "object": "chat.completion", "created": created, "model": self.model_name,
-                       "choices": [{"index": i, "message": t["message"], "finish_reason": t["finish"],
-                                    "logprobs": {"content": t["logprobs"]} if params["logprobs"] else None}
-                                   for i, t in enumerate(turns)],
-                       "usage": usage}
+            return 200, await self._stream(session, params, _ChatChunks(self.model_name, completion_id, created, params)), None
+        plan, turns = await self._generate(session, params)
+        payload = {"id": completion_id, "object": "chat.completion", "created": created, "model": self.model_name,
+                   "choices": [{"index": i, "message": t["message"], "finish_reason": t["finish"],
+                                "logprobs": {"content": t["logprobs"]} if params["logprobs"] else None}
+                               for i, t in enumerate(turns)],
+                   "usage": _usage(plan, turns)}
         return 200, payload, lambda: self._record_all(session, plan, turns)
-
-    def _chat_events(self, completion_id, created, turns, usage, logprobs: bool) -> bytes:
-        """The whole reply as server-sent events, in the chunks the SDKs assemble: per choice its role,
-        content, tool calls, finish reason; then usage (when asked) and [DONE]. The token log-probs
-        ride on the first chunk that carries text or tool calls, so a reply that is only a tool call
-        has them too."""
-        base = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
-        chunks = []
-        for i, turn in enumerate(turns):
-            message, pending = turn["message"], {"content": turn["logprobs"]} if logprobs else None
-            chunks.append({"choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
-            if message.get("reasoning_content"):
-                chunks.append({"choices": [{"index": i, "delta": {"reasoning_content": message["reasoning_content"]},
-                                            "finish_reason": None}]})
-            if message["content"]:
-                chunks.append({"choices": [{"index": i, "delta": {"content": message["content"]}, "finish_reason": None,
-                                            "logprobs": pending}]})
-                pending = None
-            if message.get("tool_calls"):
-                chunks.append({"choices": [{"index": i, "finish_reason": None, "logprobs": pending, "delta": {
-                    "tool_calls": [{"index": j, **call} for j, call in enumerate(message["tool_calls"])]}}]})
-                pending = None
-            chunks.append({"choices": [{"index": i, "delta": {}, "finish_reason": turn["finish"], "logprobs": pending}]})
-        if usage is not None:
-            chunks.append({"choices": [], "usage": usage})
-        return _sse(({**base, **chunk} for chunk in chunks), done=True)
 
     async def _completion(self, session: _Session, body):
         params = self._read_params(session, body, _COMPLETION_FIELDS)
@@ -429,27 +436,16 @@ class OpenAIProxy:
             if body.get(name) not in (None, neutral):
                 raise _Refused(400, f"{name} is not supported by agentrl's proxy (only {json.dumps(neutral)})", param=name)
         params["prompt_text"], params["parse_tools"] = prompt, False
-        plan, turns = await self._generate(session, params)
         completion_id, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
-
-        def choice(i, turn):
-            logprobs = None
-            if params["logprobs"]:
-                logprobs = {"tokens": [e["token"] for e in turn["logprobs"]],
-                            "token_logprobs": [e["logprob"] for e in turn["logprobs"]], "top_logprobs": None,
-                            "text_offset": list(itertools.accumulate((len(e["token"]) for e in turn["logprobs"][:-1]),
-                                                                     initial=len(prompt)))[:len(turn["logprobs"])]}
-            return {"index": i, "text": turn["text"], "finish_reason": turn["finish"], "logprobs": logprobs}
-        choices = [choice(i, t) for i, t in enumerate(turns)]
-        usage = _usage(plan, turns)
-        base = {"id": completion_id, "object": "text_completion", "created": created, "model": self.model_name}
         if params["stream"]:
-            chunks = [{**base, "choices": [c]} for c in choices]
-            if params["include_usage"]:
-                chunks.append({**base, "choices": [], "usage": usage})
-            payload = _sse(chunks, done=True)
-        else:
-            payload = {**base, "choices": choices, "usage": usage}
+            chunks = _CompletionChunks(self.model_name, completion_id, created, params, len(prompt))
+            return 200, await self._stream(session, params, chunks), None
+        plan, turns = await self._generate(session, params)
+        choices = [{"index": i, "text": t["text"], "finish_reason": t["finish"],
+                    "logprobs": _legacy_logprobs(t["logprobs"], len(prompt)) if params["logprobs"] else None}
+                   for i, t in enumerate(turns)]
+        payload = {"id": completion_id, "object": "text_completion", "created": created, "model": self.model_name,
+                   "choices": choices, "usage": _usage(plan, turns)}
         return 200, payload, lambda: self._record_all(session, plan, turns)
 
     async def _responses(self, session: _Session, body):
@@ -458,40 +454,73 @@ class OpenAIProxy:
         as chat tools; the answer is one `message` item and/or `function_call` items."""
         params = self._read_params(session, body, _RESPONSES_FIELDS)
         params["messages"] = self._messages(_response_input_as_messages(body.get("input"), body.get("instructions")))
+        response = _ResponseEvents(self.model_name, body, params)
+        if params["stream"]:
+            return 200, await self._stream(session, params, response), None
         plan, turns = await self._generate(session, params)
-        [turn] = turns
-        message = turn["message"]
-        response_id = "resp_" + uuid.uuid4().hex
-        output = []
-        if message.get("reasoning_content"):
-            output.append({"type": "reasoning", "id": "rs_" + uuid.uuid4().hex, "status": "completed",
-                           "summary": [], "content": [{"type": "reasoning_text", "text": message["reasoning_content"]}]})
-        if message["content"] or not message.get("tool_calls"):  # an empty reply is an empty message, as OpenAI's
-            output.append({"type": "message", "id": "msg_" + uuid.uuid4().hex, "role": "assistant", "status": "completed",
-                           "content": [{"type": "output_text", "text": message["content"] or "", "annotations": [],
-                                        "logprobs": turn["logprobs"] if params["logprobs"] else []}]})
-        for call in message.get("tool_calls", []):
-            output.append({"type": "function_call", "id": "fc_" + call["id"], "call_id": call["id"],
-                           "name": call["function"]["name"], "arguments": call["function"]["arguments"],
-                           "status": "completed"})
-        usage = _usage(plan, turns)
-        incomplete = turn["finish"] == "length"
-        response = {
-            "id": response_id, "object": "response", "created_at": int(time.time()), "model": self.model_name,
-            "status": "incomplete" if incomplete else "completed", "output": output, "error": None,
-            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-            "instructions": body.get("instructions"), "metadata": body.get("metadata") or {},
-            "parallel_tool_calls": True, "temperature": params["sampling"]["temperature"],
-            "top_p": params["sampling"]["top_p"], "tool_choice": body.get("tool_choice") or "auto",
-            "tools": body.get("tools") or [], "max_output_tokens": body.get("max_output_tokens"),
-            "text": {"format": {"type": "text"}}, "truncation": "disabled",
-            "usage": {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
-                      "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
-                      "total_tokens": usage["total_tokens"]}}
-        record = lambda: self._record_all(session, plan, turns)  # noqa: E731
-        if not params["stream"]:
-            return 200, response, record
-        return 200, _sse(_response_events(response)), record
+        return 200, response.finished(plan, turns), lambda: self._record_all(session, plan, turns)
+
+    async def _stream(self, session: _Session, params: dict, api):
+        """A reply streamed as it is generated: server-sent events of `api` (_ChatChunks,
+        _CompletionChunks, _ResponseEvents), an async iterator of (bytes, record or None) whose last
+        item carries `record`, which the transport calls as it hands that item over (the turns are
+        recorded only if the client got the whole reply). A request refused, or a generation that
+        fails, before its first token gets its error status as a plain request does; a failure
+        after it ends the stream with an error event."""
+        plan = await self._plan(session, params)
+        runs: asyncio.Queue = asyncio.Queue()  # (choice, ids, logprobs, tops) as they arrive; None at the end
+        task = asyncio.ensure_future(self._sample(session, params, plan, lambda *run: runs.put_nowait(run)))
+        task.add_done_callback(lambda _: runs.put_nowait(None))
+        try:
+            first = await runs.get()
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if first is None and task.exception() is not None:
+            raise task.exception()
+        thinking = None if "prompt_text" in params else self._opens_thinking(plan["prompt"])
+        texts = [ReplyText(self.tokenizer, stop=params["stop"], parse_tools=params["parse_tools"], thinking=thinking)
+                 for _ in range(params["n"])]
+        return _Events(self._events(session, params, plan, api, task, runs, first, texts), task)
+
+    async def _events(self, session, params, plan, api, task, runs, run, texts):
+        pending = [[] for _ in texts]  # per choice: log-prob entries of tokens whose text was not sent yet
+
+        def send(i, deltas):
+            events = []
+            for kind, text in deltas:
+                out = api.delta(i, kind, text, pending[i])
+                if out:
+                    pending[i] = []
+                events += out
+            return events
+        try:
+            yield _sse(api.start()), None
+            while run is not None:
+                i, ids, logprobs, tops = run
+                if params["logprobs"]:
+                    pending[i] += self._logprob_entries(ids, logprobs, tops)
+                events = send(i, texts[i].add(ids))
+                if events:
+                    yield _sse(events), None
+                run = await runs.get()
+            try:
+                turns = [self._reply(params, gen) for gen in task.result()]
+            except _Refused as e:  # OpenAI's error event; the SDKs raise it as an APIError
+                yield _sse([_error(e.status, str(e))[1]]), None
+                return
+            events = []
+            for i, (turn, text) in enumerate(zip(turns, texts)):
+                content = turn["text"] if "prompt_text" in params else turn["message"]["content"]
+                events += send(i, text.finish(turn["message"].get("reasoning_content"), content))
+                events += api.end_choice(i, turn, pending[i])
+            yield _sse(events + api.end(plan, turns), done=api.done), lambda: self._record_all(session, plan, turns)
+        finally:
+            task.cancel()
+
+    def _opens_thinking(self, prompt: list[int]) -> bool:
+        """Did the chat template open `<think>` at the end of the prompt (the reply starts inside it)?"""
+        return self.tokenizer.decode(prompt[-4:]).rstrip().endswith(_THINK_START)
 
     # --- the request's fields ---
     def _read_params(self, session: _Session, body, fields: dict) -> dict:
@@ -545,10 +574,9 @@ class OpenAIProxy:
             if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
                 raise _Refused(400, "include must be a list of strings", param="include")
             logprobs = bool(logprobs) or "message.output_text.logprobs" in include
-        if top_logprobs:
-            raise _Refused(400, "top_logprobs is not available: lib.client asks the inference server for each sampled "
-                                "token's log-prob only (logprobs: true gives those); leave top_logprobs out or 0",
-                           param="top_logprobs" if fields is not _COMPLETION_FIELDS else "logprobs")
+        if top_logprobs and not logprobs:
+            raise _Refused(400, "top_logprobs needs logprobs (chat: logprobs: true; Responses: include "
+                                "message.output_text.logprobs)", param="top_logprobs")
         seed = integer("seed", 0, 2 ** 63 - 1)
         max_tokens = None
         for name in fields["max_tokens"]:
@@ -559,6 +587,7 @@ class OpenAIProxy:
             "max_tokens": max_tokens or self.default_max_tokens, "stop": stop or None, "extra": constrained,
             "tools": tools, "parse_tools": bool(tools) and tool_choice != "none",
             "stream": bool(stream), "include_usage": bool(stream_options.get("include_usage")), "logprobs": logprobs,
+            "top_logprobs": top_logprobs or 0,
         }
 
     def _sampling(self, session: _Session, body: dict, constrained) -> dict:
@@ -607,6 +636,11 @@ class OpenAIProxy:
         read as a turn. Nothing is recorded here: the transport records the turns as it hands the
         answer over."""
         plan = await self._plan(session, params)
+        return plan, [self._reply(params, gen) for gen in await self._sample(session, params, plan)]
+
+    async def _sample(self, session: _Session, params: dict, plan: dict, on_tokens=None) -> list:
+        """The request's `n` generations; `on_tokens(i, ids, logprobs, tops)` streams sample i's
+        tokens as they come. A failed generation is a 4xx or 503 _Refused (and fails the session)."""
         sampling = params["sampling"]
         extra = {**params["extra"], **{name: sampling[name] for name in ("min_p", "presence_penalty", "frequency_penalty",
                                                                          "repetition_penalty")
@@ -617,9 +651,9 @@ class OpenAIProxy:
             return await self.client.generate(
                 plan["prompt"], max_new_tokens=plan["max_new_tokens"], temperature=sampling["temperature"],
                 top_p=sampling["top_p"], top_k=sampling["top_k"], stop=params["stop"], stop_token_ids=self.stop_token_ids,
-                trajectory_id=session.key,
+                trajectory_id=session.key, top_logprobs=params["top_logprobs"],
                 extra_sampling_params={**extra, **({"sampling_seed": (seed + i) % 2 ** 63} if seed is not None else {})}
-                or None)
+                or None, on_tokens=None if on_tokens is None else functools.partial(on_tokens, i))
         segment = plan["segment"]
         if segment is not None and plan["in_place"]:
             segment.busy = True
@@ -635,7 +669,9 @@ class OpenAIProxy:
             raise _Refused(503, f"the inference server failed: {e}")
         except InferenceServerError as e:
             if e.status is not None and 400 <= e.status < 500:  # refused before sampling (e.g. over its context length)
-                raise _Refused(400, f"the inference server refused the request: {e}")
+                top = params["top_logprobs"] and "output_top_logprobs" in str(e)  # a server without them
+                raise _Refused(400, f"the inference server refused the request: {e}",
+                               param=("logprobs" if "prompt_text" in params else "top_logprobs") if top else None)
             session.error = str(e)
             raise _Refused(503, f"the inference server failed: {e}")
         finally:
@@ -643,7 +679,7 @@ class OpenAIProxy:
                 task.cancel()
             if segment is not None and plan["in_place"]:
                 segment.busy = False
-        return plan, [self._reply(params, gen) for gen in gens]
+        return gens
     # --- recording ---
     async def _plan(self, session: _Session, params: dict) -> dict:
         """The prompt of this request: the longest earlier state of the session that it extends, or a
@@ -762,17 +798,22 @@ class OpenAIProxy:
             message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = calls
-        logprobs = None
-        if params["logprobs"]:
-            logprobs = []
-            for token_id, lp in zip(out, gen.logprobs):
-                token, raw = self.token_text(token_id)
-                logprobs.append({"token": token, "logprob": lp, "bytes": raw, "top_logprobs": []})
+        logprobs = self._logprob_entries(out, gen.logprobs, gen.top_logprobs) if params["logprobs"] else None
         # How the next request names this turn: as the agent sends it back (reasoning_content is not
         # rendered back; the tokens the model sampled, thinking included, stay in the record).
         key = None if "prompt_text" in params else message_key(to_template_messages([message])[0])
         return {"message": message, "text": text, "finish": finish, "gen": gen, "closed": closed,
                 "parse_failed": parse_failed, "logprobs": logprobs, "key": key}
+
+    def _logprob_entries(self, ids: list[int], logprobs: list[float], tops: list | None) -> list[dict]:
+        """OpenAI's `logprobs.content` entries of these sampled tokens: each token's text and UTF-8
+        bytes, its log-prob and (given `tops`, the server's [(logprob, id), ...] per token) the most
+        likely tokens alike."""
+        def entry(token_id, logprob):
+            token, raw = self.token_text(token_id)
+            return {"token": token, "logprob": logprob, "bytes": raw}
+        return [{**entry(t, lp), "top_logprobs": [entry(i, v) for v, i in top] if top is not None else []}
+                for t, lp, top in zip(ids, logprobs, tops if tops is not None else itertools.repeat(None))]
 
     def _record_all(self, session: _Session, plan: dict, turns: list[dict]):
         for turn in turns:  # the first continues the record in place (when it can); the others fork
@@ -1005,32 +1046,198 @@ def _response_input_as_messages(items, instructions) -> list:
     return messages
 
 
-def _response_events(response: dict) -> list[dict]:
-    """A finished response as the Responses API streams it: created, each output item (added, its
-    text or arguments as one delta, done), completed."""
-    events = []
+def _legacy_logprobs(entries: list[dict], offset: int) -> dict:
+    """/v1/completions' logprobs of these entries, the first token's text at character `offset`."""
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries]
+            if any(e["top_logprobs"] for e in entries) else None,
+            "text_offset": list(itertools.accumulate((len(e["token"]) for e in entries[:-1]), initial=offset))[:len(entries)]}
 
-    def emit(kind, **fields):
-        events.append({"type": kind, "sequence_number": len(events), **fields})
-    start = {**response, "status": "in_progress", "output": [], "usage": None}
-    emit("response.created", response=start)
-    emit("response.in_progress", response=start)
-    for index, item in enumerate(response["output"]):
-        if item["type"] == "message":
-            emit("response.output_item.added", output_index=index, item={**item, "status": "in_progress", "content": []})
-            part = item["content"][0]
-            ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
-            emit("response.content_part.added", **ids, part={**part, "text": "", "logprobs": []})
-            emit("response.output_text.delta", **ids, delta=part["text"], logprobs=part["logprobs"])
-            emit("response.output_text.done", **ids, text=part["text"], logprobs=part["logprobs"])
-            emit("response.content_part.done", **ids, part=part)
-        elif item["type"] == "function_call":
-            emit("response.output_item.added", output_index=index, item={**item, "status": "in_progress", "arguments": ""})
-            emit("response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=item["arguments"])
-            emit("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                 name=item["name"], arguments=item["arguments"])
-        else:
-            emit("response.output_item.added", output_index=index, item=item)
-        emit("response.output_item.done", output_index=index, item=item)
-    emit("response.incomplete" if response["status"] == "incomplete" else "response.completed", response=response)
-    return events
+
+class _Events:
+    """A reply being streamed: iterates (bytes, record | None) as lib's transports send them;
+    `aclose()` also stops its generation (a client that left)."""
+
+    def __init__(self, events, task):
+        self.events, self.task = events, task
+
+    def __aiter__(self):
+        return self.events
+
+    async def aclose(self):
+        self.task.cancel()
+        await self.events.aclose()
+
+
+# How each API streams a reply: start() before the first token, delta() for each run of text
+# (ReplyText's kinds, with the log-prob entries of the tokens since the last delta sent; an
+# empty answer keeps them for the next), end_choice() once its turn is read, end() last.
+class _ChatChunks:
+    done = True  # then `data: [DONE]`
+
+    def __init__(self, model: str, completion_id: str, created: int, params: dict):
+        self.base = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model}
+        self.params = params
+
+    def chunk(self, i: int, delta: dict, finish=None, logprobs=None) -> dict:
+        return {**self.base, "choices": [{"index": i, "delta": delta, "finish_reason": finish,
+                                          "logprobs": {"content": logprobs} if logprobs is not None else None}]}
+
+    def start(self) -> list[dict]:
+        return [self.chunk(i, {"role": "assistant", "content": ""}) for i in range(self.params["n"])]
+
+    def delta(self, i: int, kind: str, text: str, logprobs: list) -> list[dict]:
+        return [self.chunk(i, {"reasoning_content" if kind == "reasoning" else "content": text},
+                           logprobs=logprobs if self.params["logprobs"] else None)]
+
+    def end_choice(self, i: int, turn: dict, logprobs: list) -> list[dict]:
+        calls, logprobs = turn["message"].get("tool_calls"), logprobs if self.params["logprobs"] else None
+        chunks = [self.chunk(i, {"tool_calls": [{"index": j, **call} for j, call in enumerate(calls)]},
+                             logprobs=logprobs)] if calls else []
+        return chunks + [self.chunk(i, {}, turn["finish"], logprobs=None if calls else logprobs)]
+
+    def end(self, plan: dict, turns: list[dict]) -> list[dict]:
+        return [{**self.base, "choices": [], "usage": _usage(plan, turns)}] if self.params["include_usage"] else []
+
+
+class _CompletionChunks:
+    done = True
+
+    def __init__(self, model: str, completion_id: str, created: int, params: dict, prompt_chars: int):
+        self.base = {"id": completion_id, "object": "text_completion", "created": created, "model": model}
+        self.params = params
+        self.offsets = [prompt_chars] * params["n"]  # per choice: where its next token's text starts
+
+    def chunk(self, i: int, text: str, logprobs: list, finish=None) -> dict:
+        legacy = None
+        if self.params["logprobs"]:
+            legacy = _legacy_logprobs(logprobs, self.offsets[i])
+            self.offsets[i] += sum(len(e["token"]) for e in logprobs)
+        return {**self.base, "choices": [{"index": i, "text": text, "finish_reason": finish, "logprobs": legacy}]}
+
+    def start(self) -> list[dict]:
+        return []
+
+    def delta(self, i: int, kind: str, text: str, logprobs: list) -> list[dict]:
+        return [self.chunk(i, text, logprobs)]
+
+    def end_choice(self, i: int, turn: dict, logprobs: list) -> list[dict]:
+        return [self.chunk(i, "", logprobs, turn["finish"])]
+
+    def end(self, plan: dict, turns: list[dict]) -> list[dict]:
+        return [{**self.base, "choices": [], "usage": _usage(plan, turns)}] if self.params["include_usage"] else []
+
+
+class _ResponseEvents:
+    """A Responses API answer, whole (`finished`) or as the events the SDKs parse: created, then
+    each output item (a reasoning item, whole once its thinking is closed; the message, its text
+    delta by delta; function calls), then completed."""
+    done = False
+
+    def __init__(self, model: str, body: dict, params: dict):
+        self.model, self.body, self.params = model, body, params
+        self.response_id, self.created = "resp_" + uuid.uuid4().hex, int(time.time())
+        self.item_ids = {"reasoning": "rs_" + uuid.uuid4().hex, "message": "msg_" + uuid.uuid4().hex}
+        self.sequence, self.index = 0, 0  # events sent; output items opened
+        self.reasoning, self.message = "", None  # thinking so far; the message's output index once opened
+
+    def finished(self, plan: dict, turns: list[dict]) -> dict:
+        [turn] = turns
+        message, output = turn["message"], []
+        if message.get("reasoning_content"):
+            output.append({"type": "reasoning", "id": self.item_ids["reasoning"], "status": "completed", "summary": [],
+                           "content": [{"type": "reasoning_text", "text": message["reasoning_content"]}]})
+        if message["content"] or not message.get("tool_calls"):  # an empty reply is an empty message, as OpenAI's
+            output.append({"type": "message", "id": self.item_ids["message"], "role": "assistant", "status": "completed",
+                           "content": [{"type": "output_text", "text": message["content"] or "", "annotations": [],
+                                        "logprobs": turn["logprobs"] if self.params["logprobs"] else []}]})
+        for call in message.get("tool_calls", []):
+            output.append({"type": "function_call", "id": "fc_" + call["id"], "call_id": call["id"],
+                           "name": call["function"]["name"], "arguments": call["function"]["arguments"],
+                           "status": "completed"})
+        usage = _usage(plan, turns)
+        incomplete = turn["finish"] == "length"
+        return {**self.skeleton(), "status": "incomplete" if incomplete else "completed", "output": output,
+                "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+                "usage": {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+                          "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                          "total_tokens": usage["total_tokens"]}}
+
+    def skeleton(self) -> dict:
+        body, sampling = self.body, self.params["sampling"]
+        return {"id": self.response_id, "object": "response", "created_at": self.created, "model": self.model,
+                "status": "in_progress", "output": [], "error": None, "incomplete_details": None,
+                "instructions": body.get("instructions"), "metadata": body.get("metadata") or {},
+                "parallel_tool_calls": True, "temperature": sampling["temperature"], "top_p": sampling["top_p"],
+                "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
+                "max_output_tokens": body.get("max_output_tokens"), "text": {"format": {"type": "text"}},
+                "truncation": "disabled", "usage": None}
+
+    def event(self, kind: str, **fields) -> dict:
+        self.sequence += 1
+        return {"type": kind, "sequence_number": self.sequence - 1, **fields}
+
+    def start(self) -> list[dict]:
+        return [self.event("response.created", response=self.skeleton()),
+                self.event("response.in_progress", response=self.skeleton())]
+
+    def item(self, item: dict) -> list[dict]:
+        """A whole output item, added and done."""
+        self.index += 1
+        return [self.event("response.output_item.added", output_index=self.index - 1, item=item),
+                self.event("response.output_item.done", output_index=self.index - 1, item=item)]
+
+    def open_message(self) -> list[dict]:
+        events = []
+        if self.reasoning:
+            events += self.item({"type": "reasoning", "id": self.item_ids["reasoning"], "status": "completed",
+                                 "summary": [], "content": [{"type": "reasoning_text", "text": self.reasoning}]})
+        self.message, self.index = self.index, self.index + 1
+        item = {"type": "message", "id": self.item_ids["message"], "role": "assistant", "status": "in_progress",
+                "content": []}
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return events + [self.event("response.output_item.added", output_index=self.message, item=item),
+                         self.event("response.content_part.added", item_id=item["id"], output_index=self.message,
+                                    content_index=0, part=part)]
+
+    def delta(self, i: int, kind: str, text: str, logprobs: list) -> list[dict]:
+        if kind == "reasoning":  # sent as a whole item, when the message begins (or at the end)
+            self.reasoning += text
+            return []
+        events = self.open_message() if self.message is None else []
+        return events + [self.event("response.output_text.delta", item_id=self.item_ids["message"],
+                                    output_index=self.message, content_index=0, delta=text, logprobs=logprobs)]
+
+    def end_choice(self, i: int, turn: dict, logprobs: list) -> list[dict]:
+        self.turn, self.logprobs = turn, logprobs
+        return []
+
+    def end(self, plan: dict, turns: list[dict]) -> list[dict]:
+        response = self.finished(plan, turns)
+        events, logprobs = [], self.logprobs
+        for item in response["output"]:
+            if item["type"] == "reasoning" and self.message is None:
+                self.reasoning = ""  # the finished reply's own, below
+                events += self.item(item)
+            elif item["type"] == "message":
+                if self.message is None:
+                    self.reasoning = ""
+                    events += self.open_message()
+                part, ids = item["content"][0], {"item_id": item["id"], "output_index": self.message, "content_index": 0}
+                if logprobs:  # tokens whose text sent nothing new (an end of turn): their log-probs still go out
+                    events.append(self.event("response.output_text.delta", **ids, delta="", logprobs=logprobs))
+                events += [self.event("response.output_text.done", **ids, text=part["text"], logprobs=part["logprobs"]),
+                           self.event("response.content_part.done", **ids, part=part),
+                           self.event("response.output_item.done", output_index=self.message, item=item)]
+            elif item["type"] == "function_call":
+                self.index += 1
+                at = self.index - 1
+                events += [self.event("response.output_item.added", output_index=at,
+                                      item={**item, "status": "in_progress", "arguments": ""}),
+                           self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=at,
+                                      delta=item["arguments"]),
+                           self.event("response.function_call_arguments.done", item_id=item["id"], output_index=at,
+                                      name=item["name"], arguments=item["arguments"]),
+                           self.event("response.output_item.done", output_index=at, item=item)]
+        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        return events + [self.event(kind, response=response)]

@@ -24,6 +24,11 @@ Hostile answers: `abort_after=k` answers finish_reason abort after k tokens (wha
 server-side timeout or a failed forward); `logprobs="short" | "nan" | "mismatch" | "null"` breaks
 the log-prob rows; `status=500` answers an HTTP error with no body; `delay_s` waits before answering.
 
+A request with `stream: true` is answered as SGLang streams: one server-sent event per token,
+`data: {...}` with the output so far (`ScriptedServer(incremental_streaming=True)`: only the new
+token and its text, as SGLang's `--incremental-streaming-output`), the last with its finish_reason,
+then `data: [DONE]`; `token_delay_s` waits before each event.
+
 The helpers every workflow's tests use, at the end of this file:
 
     episode, server = scripted_episode(tokenizer, script,
@@ -32,6 +37,7 @@ The helpers every workflow's tests use, at the end of this file:
 """
 import asyncio
 import dataclasses
+import json
 import threading
 
 from aiohttp import web
@@ -48,15 +54,18 @@ class Reply:
     logprobs: str = "ok"  # "ok", or a broken shape: "short", "nan", "mismatch", "null"
     status: int = 200  # any other status is an HTTP error answer
     delay_s: float = 0.0
+    token_delay_s: float = 0.0  # streamed: the wait before each token's event
 
 
 class ScriptedServer:
-    def __init__(self, tokenizer, script: list, host: str = "127.0.0.1"):
+    def __init__(self, tokenizer, script: list, host: str = "127.0.0.1", incremental_streaming: bool = False):
         self.tokenizer = tokenizer
         self.script = list(script)
         self.requests: list[dict] = []
         self.answers: list[dict] = []  # what it answered to each, in order (the server's own record)
         self.control_calls: list[str] = []  # paths of every other call, in order
+        self.control_bodies: list = []  # and their bodies
+        self.incremental_streaming = incremental_streaming
         self.eos_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         self._counter = 0
         self._host = host
@@ -96,6 +105,7 @@ class ScriptedServer:
 
     async def _control(self, request):
         self.control_calls.append(request.path)
+        self.control_bodies.append(await request.json() if request.can_read_body else None)
         if request.path == "/update_weights_from_disk":
             return web.json_response({"success": True, "message": "scripted", "num_paused_requests": 0})
         return web.json_response({"status": "ok"})
@@ -111,7 +121,32 @@ class ScriptedServer:
             return web.Response(status=reply.status)
         answer = self.answer(reply, body)
         self.answers.append(answer)
+        if body.get("stream"):
+            return await self._stream(request, reply, answer)
         return web.json_response(answer)
+
+    async def _stream(self, request, reply: Reply, answer: dict):
+        """`answer` as SGLang streams it, one event per token (see the module docstring)."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        ids, meta, sent = answer["output_ids"], answer["meta_info"], ""
+        for k in range(1, len(ids) + 1):
+            if reply.token_delay_s:
+                await asyncio.sleep(reply.token_delay_s)
+            start = k - 1 if self.incremental_streaming else 0
+            last = k == len(ids)
+            text = answer["text"] if last else self.tokenizer.decode(ids[:k], skip_special_tokens=True)
+            if self.incremental_streaming:
+                text, sent = text[len(sent):], text
+            event = {"text": text, "output_ids": ids[start:k],
+                     "meta_info": {**meta, "finish_reason": meta["finish_reason"] if last else None,
+                                   "completion_tokens": k,
+                                   "output_token_logprobs": meta["output_token_logprobs"][start:k]}}
+            await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+        if not ids:
+            await response.write(b"data: " + json.dumps(answer).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        return response
 
     def answer(self, reply: Reply, body: dict) -> dict:
         """SGLang's answer to `body` when the model samples `reply`."""

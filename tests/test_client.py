@@ -211,6 +211,76 @@ def test_abort_request_while_not_paused_raises_generation_aborted(server, prompt
     assert "not by a pause" in message and server.address in message
 
 
+def test_a_streamed_generation_cut_by_a_pause_resumes_and_hands_over_every_token_once(server, prompt):
+    max_new_tokens = CONTEXT_LENGTH - len(prompt)
+    greedy = {"ignore_eos": True}
+    runs = []
+
+    async def body(client):
+        inflight = asyncio.create_task(client.generate(prompt, max_new_tokens=max_new_tokens, temperature=0.0,
+                                                       extra_sampling_params=greedy,
+                                                       on_tokens=lambda *run: runs.append(run)))
+        await _until_running(client)
+        assert runs, "tokens are handed over while the generation runs"
+        await client.pause_generation()
+        await asyncio.sleep(0.2)
+        await client.continue_generation(version=1)
+        resumed = await inflight
+        uninterrupted = await client.generate(prompt, max_new_tokens=max_new_tokens, temperature=0.0,
+                                              extra_sampling_params=greedy)
+        return resumed, uninterrupted
+    resumed, uninterrupted = with_client([server.address], body)
+    assert resumed.num_resumes == 1 and 0 < resumed.versions.count(0) < max_new_tokens
+    assert [t for ids, _, _ in runs for t in ids] == resumed.output_ids == uninterrupted.output_ids
+    assert [lp for _, lps, _ in runs for lp in lps] == resumed.logprobs
+
+
+def test_a_streamed_generation_equals_a_plain_one_with_the_same_seed(server, prompt):
+    runs = []
+
+    async def body(client):
+        plain = await client.generate(prompt, max_new_tokens=24, extra_sampling_params=SEEDED, top_logprobs=2)
+        streamed = await client.generate(prompt, max_new_tokens=24, extra_sampling_params=SEEDED, top_logprobs=2,
+                                         on_tokens=lambda *run: runs.append(run))
+        return plain, streamed
+    plain, streamed = with_client([server.address], body)
+    assert len(runs) > 1 and [t for ids, _, _ in runs for t in ids] == streamed.output_ids == plain.output_ids
+    assert streamed.logprobs == plain.logprobs and streamed.text == plain.text
+    assert [top for _, _, tops in runs for top in tops] == streamed.top_logprobs == plain.top_logprobs
+
+
+def test_top_logprobs_are_the_most_likely_tokens_by_the_sampled_tokens_own_log_probs(server, prompt):
+    async def body(client):
+        greedy = await client.generate(prompt, max_new_tokens=8, temperature=0.0, top_logprobs=3)
+        sampled = await client.generate(prompt, max_new_tokens=8, extra_sampling_params=SEEDED, top_logprobs=5)
+        return greedy, sampled
+    greedy, sampled = with_client([server.address], body)
+    assert [len(top) for top in greedy.top_logprobs] == [3] * 8 and [len(top) for top in sampled.top_logprobs] == [5] * 8
+    for gen in (greedy, sampled):
+        for token, logprob, top in zip(gen.output_ids, gen.logprobs, gen.top_logprobs):
+            values = [v for v, _ in top]
+            assert values == sorted(values, reverse=True) and logprob <= values[0] + 1e-6
+            if token in [i for _, i in top]:
+                assert dict((i, v) for v, i in top)[token] == pytest.approx(logprob, abs=1e-6)
+    assert [top[0][1] for top in greedy.top_logprobs] == greedy.output_ids  # greedy samples the most likely
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_cancelled_generation_stops_running_on_the_server(server, prompt, stream):
+    async def body(client):
+        task = asyncio.create_task(client.generate(prompt, max_new_tokens=CONTEXT_LENGTH - len(prompt),
+                                                   extra_sampling_params=SEEDED,
+                                                   on_tokens=(lambda *run: None) if stream else None))
+        await _until_running(client, min_tokens_s=0.05)
+        task.cancel()
+        cancelled = time.monotonic()
+        while (await client.get_server_info())[0]["num_running_requests"]:
+            assert time.monotonic() - cancelled < 5, "the cancelled request still runs"
+            await asyncio.sleep(0.02)
+        return time.monotonic() - cancelled
+    assert with_client([server.address], body) < 5
+
+
 # --- routing, retries and pause edge cases, against fakes ---
 
 def _answer(output_ids, finish_reason, weight_version="fake", token_texts=None, text=""):

@@ -115,3 +115,71 @@ def test_a_server_error_raises_after_the_retries_and_names_the_server(tokenizer)
         with pytest.raises(InferenceServerError, match="HTTP 500") as info:
             generate(server, max_new_tokens=50, stop=STOPS)
         assert server.address in str(info.value)
+
+
+# --- streamed turns (on_tokens): SGLang's `stream: true`, events with the output so far or only the new tokens ---
+def generate_streamed(server, **kw):
+    runs = []
+
+    async def go():
+        client = InferenceClient([server.address], max_retries=0)
+        try:
+            return await client.generate([1, 2, 3], on_tokens=lambda *run: runs.append(run), **kw)
+        finally:
+            await client.close()
+    return asyncio.run(go()), runs
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+def test_a_streamed_turn_hands_over_each_token_once_and_equals_the_plain_turn(tokenizer, incremental):
+    script = [Reply("<search> Ostrel Guild </search>", eos=True)]
+    with ScriptedServer(tokenizer, script) as server:
+        plain = generate(server, max_new_tokens=200, stop_token_ids=[tokenizer.eos_token_id])
+    with ScriptedServer(tokenizer, script, incremental_streaming=incremental) as server:
+        streamed, runs = generate_streamed(server, max_new_tokens=200, stop_token_ids=[tokenizer.eos_token_id])
+        assert server.requests[0]["stream"] is True
+    assert len(runs) == len(streamed.output_ids) > 1  # one event per token here
+    assert [t for ids, _, _ in runs for t in ids] == streamed.output_ids == plain.output_ids
+    assert [lp for _, lps, _ in runs for lp in lps] == streamed.logprobs
+    assert (streamed.finish_reason, streamed.matched, streamed.text) == (plain.finish_reason, plain.matched, plain.text)
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+def test_a_streamed_turn_ends_at_the_token_completing_a_stop_string_and_aborts_the_rest(tokenizer, incremental):
+    """As test_a_stop_string_split_by_a_length_cut...: the server of piece 2 never sees '</search>', so
+    it streams on; the client cuts the turn there, hands over nothing after it, and aborts piece 2."""
+    full = "<search> Ostrel Guild </search><information> made up </information>"
+    ids = tokenizer(full, add_special_tokens=False)["input_ids"]
+    upto = ids_until(tokenizer, full, "</search>")
+    cut = len(upto) - 1
+    script = [Reply(ids=ids[:cut]), Reply(ids=ids[cut:], token_delay_s=0.05)]
+    with ScriptedServer(tokenizer, script, incremental_streaming=incremental) as server:
+        gen, runs = generate_streamed(server, max_new_tokens=200, piece_tokens=cut, stop=STOPS)
+        aborts = [b for path, b in zip(server.control_calls, server.control_bodies) if path == "/abort_request"]
+        assert aborts == [{"rid": server.requests[1]["rid"], "abort_all": False}]
+    assert gen.output_ids == upto and [t for run_ids, _, _ in runs for t in run_ids] == upto
+    assert gen.finish_reason == "stop" and gen.matched == "</search>"
+
+
+def test_a_cancelled_generate_asks_the_server_to_abort_its_request_by_rid(tokenizer):
+    with ScriptedServer(tokenizer, [Reply("<answer> x </answer>", delay_s=5.0)]) as server:
+        async def go():
+            client = InferenceClient([server.address], max_retries=0)
+            task = asyncio.create_task(client.generate([1, 2, 3], max_new_tokens=20))
+            while not server.requests:
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await client.close()  # waits for the abort to be sent
+        asyncio.run(go())
+        assert server.control_calls == ["/abort_request"]
+        assert server.control_bodies == [{"rid": server.requests[0]["rid"], "abort_all": False}]
+
+
+def test_a_server_without_top_logprobs_is_a_4xx_naming_them(tokenizer):
+    with ScriptedServer(tokenizer, [Reply("<answer> x </answer>")]) as server:
+        with pytest.raises(InferenceServerError, match="output_top_logprobs") as refused:
+            generate(server, max_new_tokens=20, top_logprobs=3)
+        assert server.requests[0]["top_logprobs_num"] == 3
+    assert refused.value.status == 400

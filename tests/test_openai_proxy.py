@@ -553,7 +553,6 @@ BAD_BODIES = [
     ({"n": 0}, "n"),
     ({"n": 17}, "n"),
     ({"logit_bias": {"5": 10}}, "logit_bias"),
-    ({"top_logprobs": 3, "logprobs": True}, "top_logprobs"),
     ({"temperature": -1}, "temperature"),
     ({"temperature": "hot"}, "temperature"),
     ({"top_p": 0}, "top_p"),

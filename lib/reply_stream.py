@@ -1,0 +1,81 @@
+"""What of a reply still being generated can be sent to the client: the streamed text of one
+choice of lib/openai_proxy.py, so that its deltas, joined, are the text the finished reply gives.
+
+The finished reply is read by rules that look ahead (a stop string is left out, `</think>` splits
+reasoning from content, a `<tool_call>` block becomes a tool call and the content around it is
+stripped). So the text of the tokens so far is sent only up to where no later token can change
+it: a tail that may begin a stop string or a tag, an incomplete UTF-8 character, whitespace that
+a strip may drop, and everything after a `<tool_call>` wait for more tokens, or for the end,
+where `finish` sends what the finished reply has beyond what was sent.
+
+    stream = ReplyText(tokenizer, stop=["</answer>"], parse_tools=True, thinking=False)
+    for ids in runs_of_new_tokens:
+        for kind, delta in stream.add(ids):     # kind: "reasoning" | "content"
+            ...
+    for kind, delta in stream.finish(reasoning, content):   # the finished reply's fields
+        ...
+"""
+THINK_START, THINK_END = "<think>", "</think>"
+TOOL_CALL_START = "<tool_call>"
+
+
+def until(text: str, tag: str) -> str:
+    """`text` before `tag`, or, where `tag` is not in it, without a tail that may begin `tag`."""
+    at = text.find(tag)
+    if at >= 0:
+        return text[:at]
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return text[:-k]
+    return text
+
+
+class ReplyText:
+    def __init__(self, tokenizer, *, stop: list[str] | None, parse_tools: bool, thinking: bool | None):
+        """`thinking`: True where the prompt opened `<think>` (the reply begins inside its
+        thinking), False where it did not, None for a text completion (no reasoning, no tools)."""
+        self.tokenizer, self.stop, self.parse_tools, self.thinking = tokenizer, stop or [], parse_tools, thinking
+        self.ids: list[int] = []
+        self.sent = {"reasoning": "", "content": ""}
+
+    def add(self, ids: list[int]) -> list[tuple[str, str]]:
+        """The deltas the tokens so far (these new `ids` appended) allow to send."""
+        self.ids += ids
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True).rstrip("\ufffd")  # a character may be half
+        for stop in self.stop:
+            text = until(text, stop)
+        return self._deltas(*self._sendable(text))
+
+    def finish(self, reasoning: str | None, content: str | None) -> list[tuple[str, str]]:
+        """The rest of the finished reply's `reasoning` and `content` beyond what was sent."""
+        return self._deltas(reasoning or "", content or "")
+
+    def _sendable(self, text: str) -> tuple[str, str]:
+        """(reasoning, content) of the finished reply that `text` already fixes."""
+        if self.thinking is None:
+            return "", text
+        if not self.thinking and THINK_START.startswith(text[:len(THINK_START)]):
+            if len(text) < len(THINK_START):
+                return "", ""  # may yet be "<think>": wait
+        thinking = self.thinking or text.startswith(THINK_START)
+        if thinking:
+            reasoning, closed, answer = text.partition(THINK_END)
+            if not closed:  # stripped at the end: leading whitespace goes now, trailing waits
+                return until(reasoning.removeprefix(THINK_START), THINK_END).strip(), ""
+            reasoning, text = reasoning.removeprefix(THINK_START).strip(), answer.lstrip()
+        else:
+            reasoning = ""
+        if not self.parse_tools:
+            return reasoning, text
+        if text[:1].isspace():  # stripped if a tool call follows, kept if none does: only the end tells
+            return reasoning, ""
+        return reasoning, until(text, TOOL_CALL_START).rstrip()
+
+    def _deltas(self, reasoning: str, content: str) -> list[tuple[str, str]]:
+        out = []
+        for kind, text in (("reasoning", reasoning), ("content", content)):
+            sent = self.sent[kind]
+            if len(text) > len(sent) and text.startswith(sent):
+                out.append((kind, text[len(sent):]))
+                self.sent[kind] = text
+        return out

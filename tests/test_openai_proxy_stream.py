@@ -1,0 +1,187 @@
+"""lib/openai_proxy.py streams a reply while the model generates it: chunks arrive before the
+generation ends, their deltas joined are the reply a plain request gets (content, reasoning, tool
+calls, log-probs), the openai SDK's stream helpers assemble it, and a client that leaves
+mid-stream stops the generation and has nothing recorded. Against lib.scripted_server streaming
+as SGLang does (the output so far in each event, or only the new tokens)."""
+import asyncio
+import time
+
+import aiohttp
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from lib.client import InferenceClient  # noqa: E402
+from lib.openai_proxy import OpenAIProxy  # noqa: E402
+from lib.scripted_server import Reply, ScriptedServer  # noqa: E402
+from lib.tiny_model import TOOLS_CHAT_TEMPLATE  # noqa: E402
+from tests.test_openai_proxy import SEARCH_TOOL, sampled, tokenizer, user  # noqa: E402, F401 (fixture)
+
+CALL = '<tool_call>{"name": "search", "arguments": {"query": "Ostrel Guild"}}</tool_call>'
+REPLIES = {  # what the model writes, and the request fields that read it
+    "text": ("Pem Varo founded the Ostrel Guild in 1820.", {}),
+    "tool call only": (CALL, {"tools": [SEARCH_TOOL]}),
+    "text then a tool call": ("Let me look.\n" + CALL, {"tools": [SEARCH_TOOL]}),
+    "a stop string": ("<answer> Pem Varo </answer> and more", {"stop": ["</answer>"]}),
+    "thinking": ("<think>The founder is named in the text.</think>\n\nPem Varo.", {}),
+    "leading space": ("  Pem Varo.", {"tools": [SEARCH_TOOL]}),
+}
+
+
+def run(tokenizer, script, agent, incremental=False):
+    async def go(address):
+        client = InferenceClient([address], max_retries=0)
+        proxy = OpenAIProxy(client, tokenizer, chat_template=TOOLS_CHAT_TEMPLATE)
+        await proxy.start()
+        try:
+            return await agent(proxy)
+        finally:
+            await proxy.close()
+            await client.close()
+    with ScriptedServer(tokenizer, script, incremental_streaming=incremental) as server:
+        return asyncio.run(go(server.address)), server
+
+
+def joined(chunks) -> dict:
+    """A chat stream's chunks assembled as an agent reads them."""
+    content, reasoning, calls, logprobs, finish = "", "", [], [], None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+            calls += [(c.function.name, c.function.arguments) for c in choice.delta.tool_calls or []]
+            logprobs += [(e.token, e.logprob, tuple(e.bytes)) for e in (choice.logprobs.content or [])] if choice.logprobs else []
+            finish = choice.finish_reason or finish
+    return {"content": content, "reasoning": reasoning, "calls": calls, "logprobs": logprobs, "finish": finish}
+
+
+def plain(reply) -> dict:
+    message, choice = reply.choices[0].message, reply.choices[0]
+    return {"content": message.content or "", "reasoning": getattr(message, "reasoning_content", None) or "",
+            "calls": [(c.function.name, c.function.arguments) for c in message.tool_calls or []],
+            "logprobs": [(e.token, e.logprob, tuple(e.bytes)) for e in choice.logprobs.content],
+            "finish": choice.finish_reason}
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+@pytest.mark.parametrize("name", list(REPLIES))
+def test_a_streamed_chat_reply_joins_into_the_plain_reply(tokenizer, name, incremental):
+    text, fields = REPLIES[name]
+
+    async def agent(proxy):
+        key = proxy.new_session()
+        async with openai.AsyncOpenAI(base_url=proxy.url, api_key=key, max_retries=0) as llm:
+            whole = await llm.chat.completions.create(model="policy", messages=[user("Q")], logprobs=True, **fields)
+            stream = await llm.chat.completions.create(model="policy", messages=[user("Q")], logprobs=True,
+                                                       stream=True, **fields)
+            chunks = [c async for c in stream]
+        return whole, chunks, proxy.end_session(key)
+
+    (whole, chunks, episode), server = run(tokenizer, [Reply(text, eos=True)] * 2, agent, incremental)
+    assert joined(chunks) == {**plain(whole), "logprobs": joined(chunks)["logprobs"]}
+    # the log-probs differ between the two requests (the server counts them), their tokens do not
+    assert [e[0] for e in joined(chunks)["logprobs"]] == [e[0] for e in plain(whole)["logprobs"]]
+    assert [e[1] for e in joined(chunks)["logprobs"]] == pytest.approx(
+        [row[0] for row in server.answers[1]["meta_info"]["output_token_logprobs"]])
+    ids, _ = sampled(episode["segments"])
+    assert ids == server.answers[0]["output_ids"] + server.answers[1]["output_ids"]  # both recorded, once each
+
+
+def test_chunks_arrive_while_the_model_generates(tokenizer):
+    text = " ".join(["Pem Varo founded the Ostrel Guild."] * 4)
+
+    async def agent(proxy):
+        key = proxy.new_session()
+        arrivals = []
+        async with openai.AsyncOpenAI(base_url=proxy.url, api_key=key, max_retries=0) as llm:
+            started = time.perf_counter()
+            stream = await llm.chat.completions.create(model="policy", messages=[user("Q")], stream=True)
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    arrivals.append(time.perf_counter() - started)
+            total = time.perf_counter() - started
+        return arrivals, total, proxy.end_session(key)
+
+    (arrivals, total_s, episode), server = run(tokenizer, [Reply(text, eos=True, token_delay_s=0.03)], agent)
+    tokens = len(server.answers[0]["output_ids"])
+    assert total_s > 0.03 * tokens
+    assert len(arrivals) > tokens // 2 and arrivals[0] < total_s / 4
+    assert len(episode["segments"]) == 1
+
+
+def test_the_openai_sdks_stream_helpers_assemble_the_streamed_reply(tokenizer):
+    async def agent(proxy):
+        key = proxy.new_session()
+        async with openai.AsyncOpenAI(base_url=proxy.url, api_key=key, max_retries=0) as llm:
+            async with llm.chat.completions.stream(model="policy", messages=[user("Q")], tools=[SEARCH_TOOL]) as stream:
+                kinds = [event.type async for event in stream]
+                final = await stream.get_final_completion()
+            async with llm.responses.stream(model="policy", input="Q") as stream:
+                deltas = [event.delta async for event in stream if event.type == "response.output_text.delta"]
+                response = await stream.get_final_response()
+        return kinds, final, deltas, response, proxy.end_session(key)
+
+    script = [Reply("Let me look.\n" + CALL, eos=True), Reply("Pem Varo founded it.", eos=True)]
+    (kinds, final, deltas, response, episode), _ = run(tokenizer, script, agent)
+    message = final.choices[0].message
+    assert message.content == "Let me look." and message.tool_calls[0].function.name == "search"
+    assert "content.delta" in kinds and "tool_calls.function.arguments.done" in kinds
+    assert len(deltas) > 1 and "".join(deltas) == response.output_text == "Pem Varo founded it."
+    assert episode["requests"] == 2
+
+
+@pytest.mark.parametrize("api", ["completions", "responses"])
+def test_a_streamed_completion_and_response_join_into_the_plain_ones(tokenizer, api):
+    async def agent(proxy):
+        key = proxy.new_session()
+        async with openai.AsyncOpenAI(base_url=proxy.url, api_key=key, max_retries=0) as llm:
+            if api == "completions":
+                whole = await llm.completions.create(model="policy", prompt="Q:", logprobs=0, stop=["</answer>"])
+                stream = await llm.completions.create(model="policy", prompt="Q:", logprobs=0, stop=["</answer>"],
+                                                      stream=True)
+                chunks = [c async for c in stream]
+                return ((whole.choices[0].text, whole.choices[0].logprobs.tokens, whole.choices[0].logprobs.text_offset),
+                        ("".join(c.choices[0].text for c in chunks if c.choices),
+                         [t for c in chunks if c.choices for t in c.choices[0].logprobs.tokens],
+                         [o for c in chunks if c.choices for o in c.choices[0].logprobs.text_offset]))
+            whole = await llm.responses.create(model="policy", input="Q", tools=[{
+                "type": "function", "name": "search", "parameters": SEARCH_TOOL["function"]["parameters"]}])
+            stream = await llm.responses.create(model="policy", input="Q", stream=True, tools=[{
+                "type": "function", "name": "search", "parameters": SEARCH_TOOL["function"]["parameters"]}])
+            events = [e async for e in stream]
+            final = events[-1].response
+            text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+            added = [e.item.type for e in events if e.type == "response.output_item.added"]
+            return ([(o.type, getattr(o, "name", None)) for o in whole.output], whole.output_text), (
+                [(o.type, getattr(o, "name", None)) for o in final.output], text, added)
+
+    text = "<think>Look it up.</think>Founded by Pem Varo.\n" + CALL if api == "responses" else "<answer> x </answer> y"
+    (whole, streamed), _ = run(tokenizer, [Reply(text, eos=True)] * 2, agent)
+    if api == "completions":
+        assert streamed == whole and whole[0] == "<answer> x "
+    else:
+        items, output_text = whole
+        assert items == streamed[0] == [("reasoning", None), ("message", None), ("function_call", "search")]
+        assert streamed[1] == output_text == "Founded by Pem Varo." and streamed[2] == ["reasoning", "message",
+                                                                                      "function_call"]
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+def test_a_client_that_leaves_mid_stream_stops_the_generation_and_nothing_is_recorded(tokenizer, incremental):
+    async def agent(proxy):
+        key = proxy.new_session()
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as http:
+            async with http.post(proxy.url + "/chat/completions",
+                                 json={"model": "policy", "messages": [user("Q")], "stream": True}) as response:
+                got = b""
+                while b'"content": "' not in got.replace(b'"content": ""', b""):
+                    got += await response.content.readany()
+                # leaving here closes the connection mid-stream
+        await asyncio.sleep(0.5)
+        return proxy.end_session(key)
+
+    text = " ".join(["Pem Varo founded the Ostrel Guild."] * 6)
+    episode, server = run(tokenizer, [Reply(text, eos=True, token_delay_s=0.05)], agent, incremental)
+    assert episode["segments"] == [] and episode["requests"] == 0
+    assert server.control_calls == ["/abort_request"]
+    assert server.control_bodies[0]["rid"] == server.requests[0]["rid"]
