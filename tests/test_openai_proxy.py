@@ -31,7 +31,7 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(default_tiny_model_dir())
 
 
-def run_agent(tokenizer, script, agent, **proxy_kwargs):
+def run_agent(tokenizer, script, agent, incremental_streaming=False, **proxy_kwargs):
     """Run `await agent(proxy)` against a proxy in front of a scripted server: (its result, server)."""
     proxy_kwargs.setdefault("chat_template", TOOLS_CHAT_TEMPLATE)
 
@@ -44,7 +44,7 @@ def run_agent(tokenizer, script, agent, **proxy_kwargs):
         finally:
             await proxy.close()
             await client.close()
-    with ScriptedServer(tokenizer, script) as server:
+    with ScriptedServer(tokenizer, script, incremental_streaming=incremental_streaming) as server:
         return asyncio.run(go(server.address)), server
 
 

@@ -11,11 +11,8 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from lib.client import InferenceClient  # noqa: E402
-from lib.openai_proxy import OpenAIProxy  # noqa: E402
-from lib.scripted_server import Reply, ScriptedServer  # noqa: E402
-from lib.tiny_model import TOOLS_CHAT_TEMPLATE  # noqa: E402
-from tests.test_openai_proxy import SEARCH_TOOL, sampled, tokenizer, user  # noqa: E402, F401 (fixture)
+from lib.scripted_server import Reply  # noqa: E402
+from tests.test_openai_proxy import SEARCH_TOOL, run_agent, sampled, tokenizer, user  # noqa: E402, F401 (fixture)
 
 CALL = '<tool_call>{"name": "search", "arguments": {"query": "Ostrel Guild"}}</tool_call>'
 REPLIES = {  # what the model writes, and the request fields that read it
@@ -29,17 +26,7 @@ REPLIES = {  # what the model writes, and the request fields that read it
 
 
 def run(tokenizer, script, agent, incremental=False):
-    async def go(address):
-        client = InferenceClient([address], max_retries=0)
-        proxy = OpenAIProxy(client, tokenizer, chat_template=TOOLS_CHAT_TEMPLATE)
-        await proxy.start()
-        try:
-            return await agent(proxy)
-        finally:
-            await proxy.close()
-            await client.close()
-    with ScriptedServer(tokenizer, script, incremental_streaming=incremental) as server:
-        return asyncio.run(go(server.address)), server
+    return run_agent(tokenizer, script, agent, incremental_streaming=incremental)
 
 
 def joined(chunks) -> dict:
