@@ -9,10 +9,12 @@ only the trainer, which then tears the servers down itself. Three ways a server 
 interrupted), and PR_SET_PDEATHSIG on Linux (trainer is SIGKILLed or crashes hard).
 """
 import atexit
+import concurrent.futures
 import contextlib
 import ctypes
 import dataclasses
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -169,12 +171,8 @@ def launch_server_process(cmd: list, *, host: str, port: int, log_path: str | No
     with open(log_path, "a") as log:  # a restarted server adds to its predecessor's log
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
-        # PDEATHSIG fires when the forking *thread* ends, so only a main-thread launch gets it: a
-        # server started from a worker thread would otherwise die with that thread.
-        die_with_parent = sys.platform == "linux" and threading.current_thread() is threading.main_thread()
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env={**os.environ, **(env or {})}, start_new_session=True,
-                                   preexec_fn=_die_with_parent if die_with_parent else None)
+        process = _popen_dying_with_us(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       env={**os.environ, **(env or {})}, start_new_session=True)
     server = ServerProcess(address=f"http://{host}:{port}", process=process, log_path=log_path)
     _register(server)
     try:
@@ -196,6 +194,38 @@ def _die_with_parent():
     # Runs in the child between fork and exec: ask the kernel to SIGKILL it when the thread that
     # forked it dies, which covers a trainer killed by SIGKILL or the OOM killer.
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+_spawner: tuple[int, queue.SimpleQueue] | None = None  # (pid of the process it serves, its job queue)
+_spawner_lock = threading.Lock()
+
+
+def _popen_dying_with_us(cmd: list, **kwargs) -> subprocess.Popen:
+    """subprocess.Popen(cmd, **kwargs) whose process (on Linux) is SIGKILLed when this one dies.
+
+    PR_SET_PDEATHSIG fires when the *thread* that forked the child ends, not the process: a server
+    started by a thread that ends first (a supervisor's restart) would die with it. So every server
+    is forked by one daemon thread, which ends only with the process."""
+    if _prctl is None:
+        return subprocess.Popen(cmd, **kwargs)
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None or _spawner[0] != os.getpid():  # a forked copy of us has no spawner thread
+            _spawner = (os.getpid(), queue.SimpleQueue())
+            threading.Thread(target=_spawn_forever, args=(_spawner[1],), name="server-spawner", daemon=True).start()
+        jobs = _spawner[1]
+    done = concurrent.futures.Future()
+    jobs.put((cmd, kwargs, done))
+    return done.result()
+
+
+def _spawn_forever(jobs: queue.SimpleQueue):
+    while True:
+        cmd, kwargs, done = jobs.get()
+        try:
+            done.set_result(subprocess.Popen(cmd, preexec_fn=_die_with_parent, **kwargs))
+        except BaseException as e:  # handed to the caller, which raises it
+            done.set_exception(e)
 
 
 def _group_alive(pgid: int) -> bool:

@@ -109,21 +109,28 @@ def test_terminate_kills_the_servers_whole_process_group(tmp_path):
 
 
 TRAINER = textwrap.dedent("""
-    import sys, time
+    import sys, threading, time
     sys.path.insert(0, {repo!r})
     from lib.launch import free_port, launch_server_process
-    port = free_port()
-    server = launch_server_process([sys.executable, "-c", {fake!r}, str(port)], host="127.0.0.1", port=port,
-                                   log_path={log!r}, timeout_s=30)
+    def launch():
+        port = free_port()
+        launch_server_process([sys.executable, "-c", {fake!r}, str(port)], host="127.0.0.1", port=port,
+                              log_path={log!r}, timeout_s=30)
+    if {in_thread!r}:  # as a supervisor's restart does: from a thread that ends before the trainer
+        thread = threading.Thread(target=launch)
+        thread.start()
+        thread.join()
+    else:
+        launch()
     print("ready", flush=True)
     time.sleep(300)
 """)
 
 
-def _start_trainer(tmp_path) -> tuple[subprocess.Popen, str]:
+def _start_trainer(tmp_path, in_thread: bool = False) -> tuple[subprocess.Popen, str]:
     log = str(tmp_path / "fake.log")
-    trainer = subprocess.Popen([sys.executable, "-c", TRAINER.format(repo=REPO, fake=FAKE_SERVER, log=log)],
-                               stdout=subprocess.PIPE, text=True)
+    script = TRAINER.format(repo=REPO, fake=FAKE_SERVER, log=log, in_thread=in_thread)
+    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     assert trainer.stdout.readline().strip() == "ready"
     return trainer, log
 
@@ -156,6 +163,18 @@ def test_a_sigkilled_trainer_takes_its_server_with_it(tmp_path):
         trainer.wait(timeout=10)
         # PR_SET_PDEATHSIG reaches the server itself; SGLang's own children follow their parent the
         # same way (the fake's `sleep` does not, and is cleaned up below).
+        assert _gone(server_pid)
+    finally:
+        _kill_group(trainer, server_pid)
+
+
+def test_a_server_launched_from_a_thread_outlives_the_thread_and_dies_with_the_sigkilled_trainer(tmp_path):
+    trainer, log = _start_trainer(tmp_path, in_thread=True)
+    server_pid, _ = _pids_from_log(log)
+    try:
+        assert not _gone(server_pid, within_s=1.0)  # the launching thread has ended, the server runs on
+        trainer.kill()
+        trainer.wait(timeout=10)
         assert _gone(server_pid)
     finally:
         _kill_group(trainer, server_pid)
