@@ -1,5 +1,6 @@
-"""Under torchrun: start the trainer's process group, and what rank 0 (the one that runs the servers
-and the rollouts) shares with the other ranks. With one process every function here is a no-op."""
+"""Under torchrun: start the trainer's process group, say which rank this is and how many there are
+(the one place lib looks them up), and what rank 0 (the one that runs the servers and the rollouts)
+shares with the other ranks. With one process every function here is a no-op."""
 import os
 
 import torch
