@@ -46,7 +46,7 @@ from lib.padding import concat_padded_tensors
 from lib.ranks import broadcast_from_rank0, init_trainer_ranks, server_seed
 from lib.reward_pool import RewardPool
 from lib.supervise import Supervisor
-from lib.traces import trace_records, trainer_logprobs_by_episode, write_traces
+from lib.traces import episode_record, trainer_logprobs_by_episode, write_traces
 from lib.weight_sync import ServerWeightSync
 
 
@@ -379,54 +379,78 @@ async def close_openai_clients():
         await _openai_clients.pop(key).close()
 
 
-async def arun_episode_openai(proxy: OpenAIProxy, tokenizer, reflection_ids, reward_pool: RewardPool, cfg: Config,
-                              item: dict, temperature: float) -> dict:
-    """arun_episode's loop as an agent author writes it: chat messages in, text out, no token in
-    sight. The proxy renders the messages with the chat template, keeps the tokens the server
-    sampled, and hands the trajectory back at the end of the session: for the same sampled
-    tokens it is arun_episode's, id for id (tests/test_reflect.py checks)."""
+async def run_agent(base_url: str, api_key: str, item: dict, temperature: float, *, sdk, reward_pool: RewardPool,
+                    cfg: Config) -> dict:
+    """arun_episode's loop as an agent author writes it, in train_agent.py's shape (a run_agent against
+    the episode's base URL and key; here also the shared SDK client `sdk` to copy, the reward pool
+    and the config): chat messages in, text out, no token in sight. Returns the reward and the
+    episode's stats."""
     from openai import BadRequestError  # only this path needs the SDK
 
-    # one episode = one session; its key is the agent's API key. A training session samples at the
-    # trainer's temperature only (the proxy refuses others); evaluation (greedy) is not trained on.
-    key = proxy.new_session(train=temperature != 0.0)
-    llm = openai_client(proxy, cfg.openai_http_client).with_options(api_key=key)
+    llm = sdk.with_options(base_url=base_url, api_key=api_key)
     messages = [{"role": "user", "content": PROMPT_TEMPLATE.format(question=item["question"])}]
     score, turns, finish, texts = 0.0, 0, "max_turns", []
-    try:
-        for turn in range(cfg.max_turns):
-            try:
-                reply = await llm.chat.completions.create(model="policy", messages=messages, temperature=temperature,
-                                                          max_tokens=cfg.max_new_tokens_per_turn)
-            except BadRequestError as e:
-                if e.code != "context_length_exceeded":  # the proxy's context budget is cfg.max_tokens
-                    raise
-                finish = "max_tokens"
-                break
-            turns += 1
-            text = reply.choices[0].message.content or ""
-            texts.append(text)
-            score = await reward_pool.score(reward_fn, text, item["answer"])
-            if score > 0:
-                finish = "correct"
-                break
-            messages += [{"role": "assistant", "content": text}, {"role": "user", "content": REFLECTION}]
-    finally:
-        episode = proxy.end_session(key)
-    if len(episode["segments"]) != 1:  # the conversation only grows, so the proxy records one sequence
-        raise ValueError(f"expected one recorded segment, got {len(episode['segments'])}")
-    reward = score * cfg.turn_discount ** (turns - 1) if turns else 0.0
+    for turn in range(cfg.max_turns):
+        try:
+            reply = await llm.chat.completions.create(model="policy", messages=messages, temperature=temperature,
+                                                      max_tokens=cfg.max_new_tokens_per_turn)
+        except BadRequestError as e:
+            if e.code != "context_length_exceeded":  # the proxy's context budget is cfg.max_tokens
+                raise
+            finish = "max_tokens"
+            break
+        turns += 1
+        text = reply.choices[0].message.content or ""
+        texts.append(text)
+        score = await reward_pool.score(reward_fn, text, item["answer"])
+        if score > 0:
+            finish = "correct"
+            break
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": REFLECTION}]
     return {
-        **episode["segments"][0],
-        "rewards": torch.tensor([reward], dtype=torch.float32),
+        "reward": score * cfg.turn_discount ** (turns - 1) if turns else 0.0,
         "num_turns": turns,
         "correct_turn": turns if score > 0 else 0,
         "shows_work": bool(texts) and shows_work(texts[0]),
         "finish_reason": finish,
-        "question": item["question"],
-        "gold": item["answer"],
         "turn_texts": texts,
     }
+
+
+async def arun_episode_openai(proxy: OpenAIProxy, tokenizer, reflection_ids, reward_pool: RewardPool, cfg: Config,
+                              item: dict, temperature: float) -> dict:
+    """run_agent in a proxy session of its own, as train_agent.py runs an episode. The proxy renders
+    the messages with the chat template, keeps the tokens the server sampled, and hands back the
+    session's `segments` (one per unbroken conversation: this agent only appends, so one), each a
+    training row with the episode's reward; for the same sampled tokens the segment is
+    arun_episode's trajectory, id for id (tests/test_reflect.py checks)."""
+    # A training session samples at the trainer's temperature only (the proxy refuses others);
+    # evaluation (greedy) is not trained on.
+    key = proxy.new_session(train=temperature != 0.0)
+    try:
+        result = await run_agent(proxy.session_url(key), key, item, temperature, reward_pool=reward_pool, cfg=cfg,
+                                 sdk=openai_client(proxy, cfg.openai_http_client))
+    finally:
+        episode = proxy.end_session(key)
+    segments = episode["segments"]
+    return {
+        "segments": segments,
+        # every sampled token's version, for the async producer's staleness check
+        "versions": torch.cat([s["versions"] for s in segments], 1) if segments else torch.zeros(1, 0, dtype=torch.long),
+        "rewards": torch.tensor([result.pop("reward")], dtype=torch.float32),
+        **result,
+        "question": item["question"],
+        "gold": item["answer"],
+    }
+
+
+TRAJECTORY_KEYS = ("input_ids", "loss_mask", "logprobs", "versions", "attention_mask")  # a training row's tensors
+
+
+def episode_rows(episodes: list[dict]) -> list[tuple[int, dict]]:
+    """(episode index, trajectory) per training row, in batch order: every segment the openai
+    agent's session recorded (none if it sampled nothing), or the token loop's episode itself."""
+    return [(i, row) for i, e in enumerate(episodes) for row in e.get("segments", [e])]
 
 
 # --- group rollout ---
@@ -873,19 +897,23 @@ def rollout_step(run: Run) -> tuple[dict, list[dict], dict]:
             more, failed = take_groups(run, missing, f"step {run.step + 1}'s refill")
             groups, failed_groups = groups + more, failed_groups + failed
         episodes = [e for g in groups for e in g]
-        full = concat_padded_tensors([{k: v for k, v in e.items() if isinstance(v, torch.Tensor)} for e in episodes])
-        rewards = full["rewards"]
-        # a token's staleness: the version this step trains at minus the version that sampled it
-        token_staleness = (run.version - full["versions"])[full["loss_mask"].bool()].float()
+        rewards = torch.cat([e["rewards"] for e in episodes])
 
-        # 2. advantages (per sequence, broadcast over its tokens by the loss); a group whose
-        # rewards are all equal has advantage exactly 0, and dynamic sampling drops it
-        full["advantages"], equal, keep = advantages_and_keep(cfg, rewards)
+        # 2. advantages per episode over its group; a group whose rewards are all equal has advantage
+        # exactly 0, and dynamic sampling drops it. Each training row (an episode, or each segment
+        # of one) has its episode's reward and advantage, broadcast over its tokens by the loss.
+        advantages, equal, keep = advantages_and_keep(cfg, rewards)
         if equal.all():
             tqdm.write(f"step {run.step + 1}: every group's rewards are equal: no learning signal this step")
-        batch = {k: v[keep] for k, v in full.items()}
+        rows = episode_rows(episodes)
+        row_episode = torch.tensor([i for i, _ in rows], dtype=torch.long)
+        full = concat_padded_tensors([{k: row[k] for k in TRAJECTORY_KEYS} for _, row in rows])
+        full["rewards"], full["advantages"], row_keep = rewards[row_episode], advantages[row_episode], keep[row_episode]
+        batch = {k: v[row_keep] for k, v in full.items()} if rows else {}
+        # a token's staleness: the version this step trains at minus the version that sampled it
+        token_staleness = (run.version - full["versions"])[full["loss_mask"].bool()].float() if rows else torch.zeros(0)
         for i, e in enumerate(episodes):  # for the traces (tensors: out of a trace record's stats)
-            e["advantages"], e["keep"] = full["advantages"][i:i + 1], keep[i:i + 1]
+            e["advantages"], e["keep"] = advantages[i:i + 1], keep[i:i + 1]
         metrics = {
             "rollout/reward": rewards.mean().item(),
             "rollout/episodes": len(episodes),
@@ -894,21 +922,21 @@ def rollout_step(run: Run) -> tuple[dict, list[dict], dict]:
             "rollout/turns": float(np.mean([e["num_turns"] for e in episodes])),
             "rollout/shows_work": float(np.mean([e["shows_work"] for e in episodes])),
             "rollout/max_tokens_hit": float(np.mean([e["finish_reason"] == "max_tokens" for e in episodes])),
-            "rollout/seq_len": full["attention_mask"].sum(1).float().mean().item(),
-            "rollout/gen_tokens": int(full["loss_mask"].sum()),
+            "rollout/seq_len": full["attention_mask"].sum(1).float().mean().item() if rows else 0.0,
+            "rollout/gen_tokens": int(full["loss_mask"].sum()) if rows else 0,
             "rollout/kept_groups": int(keep.sum()) // cfg.group_size,
             "rollout/equal_reward_groups": int(equal.sum()) // cfg.group_size,
             "rollout/staleness_mean": token_staleness.mean().item() if token_staleness.numel() else 0.0,
             "rollout/staleness_max": token_staleness.max().item() if token_staleness.numel() else 0.0,
             # sampled tokens of groups not trained on: dropped as stale, or by dynamic sampling
             "rollout/wasted_tokens": (run.producer.num_wasted_tokens if run.producer else 0) - wasted_before
-                                     + int(full["loss_mask"][~keep].sum()),
+                                     + (int(full["loss_mask"][~row_keep].sum()) if rows else 0),
             "rollout/failed_groups": failed_groups,
         }
     if cfg.colocate_sleep and run.is_main:  # the server is idle until the sync: lend its memory to the trainer
         run.bg.run(run.client.release_memory_occupation())
     batch = broadcast_from_rank0(batch, run.cpu_group)
-    return (batch if len(batch["rewards"]) >= run.world_size else {}), episodes, metrics  # a row for every rank
+    return (batch if len(batch.get("rewards", ())) >= run.world_size else {}), episodes, metrics  # a row for every rank
 
 
 def train_step(run: Run, batch: dict) -> dict:
@@ -992,12 +1020,16 @@ def log_step(run: Run, metrics: dict, episodes: list[dict], batch: dict):
     if cfg.eval_every and run.step % cfg.eval_every == 0:
         metrics.update({f"eval/{k}": v for k, v in run_evaluation(run, "eval", run.dev_items, log=False).items()})
     run.logger.log(run.step, metrics)
-    if cfg.trace_every and run.step % cfg.trace_every == 0:
-        keep = torch.cat([e["keep"] for e in episodes])
-        trainer_lp = trainer_logprobs_by_episode(keep, batch.get("rank_proximal_logprobs"), run.rank, run.world_size)
-        records = trace_records(run.step, episodes, torch.cat([e["advantages"] for e in episodes]), trainer_lp,
-                                run.tokenizer, cfg.group_size, cfg.trace_groups, context_role="reflection",
-                                correct=lambda e: e["correct_turn"] > 0)
+    if cfg.trace_every and run.step % cfg.trace_every == 0:  # a record per training row of the first groups
+        rows = episode_rows(episodes)
+        row_keep = torch.cat([episodes[i]["keep"] for i, _ in rows]) if rows else torch.zeros(0, dtype=torch.bool)
+        trainer_lp = trainer_logprobs_by_episode(row_keep, batch.get("rank_proximal_logprobs"), run.rank,
+                                                 run.world_size)
+        records = [episode_record({**episodes[i], **row}, run.tokenizer, step=run.step, group=i // cfg.group_size,
+                                  index=i % cfg.group_size, advantage=episodes[i]["advantages"].item(),
+                                  trainer_logprobs=trainer_lp[r], context_role="reflection",
+                                  correct=float(episodes[i]["correct_turn"] > 0))
+                   for r, (i, row) in enumerate(rows) if i < cfg.trace_groups * cfg.group_size]
         write_traces(run.trace_file, records)
         run.logger.log_traces(run.step, records)
 

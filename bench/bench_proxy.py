@@ -83,7 +83,7 @@ def main():
                                                      reward_pool, run_cfg, items, 0.0, args.group_size)
             elapsed = time.perf_counter() - t0
             assert failed == 0
-            tokens[agent] = sum(int(e["loss_mask"].sum()) for g in groups for e in g)
+            tokens[agent] = sum(int(row["loss_mask"].sum()) for g in groups for _, row in tr.episode_rows(g))
             times[agent].append(elapsed)
             cpu[agent].append(time.process_time() - c0)
         await tr.close_openai_clients()

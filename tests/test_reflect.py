@@ -361,9 +361,11 @@ def test_the_openai_sdk_agent_gives_the_token_loops_trajectory_id_for_id(tokeniz
     script_fn, overrides = _scenarios(tokenizer)[scenario]
     (tokens, token_server), (sdk, sdk_server) = both_paths(tokenizer, script_fn, openai_http_client=http_client,
                                                            **overrides)
-    for key in ("input_ids", "loss_mask", "versions", "attention_mask", "rewards"):
-        assert torch.equal(tokens[key], sdk[key]), key
-    assert torch.allclose(tokens["logprobs"], sdk["logprobs"])
+    [segment] = sdk["segments"]  # the conversation only grows: one training row
+    assert tr.episode_rows([sdk]) == [(0, segment)] and tr.episode_rows([tokens]) == [(0, tokens)]
+    for key in ("input_ids", "loss_mask", "versions", "attention_mask"):
+        assert torch.equal(tokens[key], segment[key]), key
+    assert torch.allclose(tokens["logprobs"], segment["logprobs"]) and torch.equal(tokens["rewards"], sdk["rewards"])
     for key in ("num_turns", "correct_turn", "finish_reason", "turn_texts", "shows_work"):
         assert tokens[key] == sdk[key], key
     assert [r["input_ids"] for r in token_server.requests] == [r["input_ids"] for r in sdk_server.requests]
@@ -465,6 +467,50 @@ def test_a_step_with_no_rows_trains_nothing():
     actor = RecordingActor()
     metrics = tr.train_step(tr.Run(tr.Config(), actor=actor), {})
     assert actor.updates == [] and set(metrics) == {"perf/logp_s", "perf/update_s"}
+
+
+class FixedProducer:
+    """Stands in for the async producer: hands out the groups it was given, all fresh."""
+    num_failed = num_wasted_tokens = num_dropped_stale = 0
+
+    def __init__(self, groups):
+        self.groups = groups
+
+    def get_groups(self, num_groups, timeout_s=None):
+        out, self.groups = self.groups[:num_groups], self.groups[num_groups:]
+        return out
+
+    def data_position(self):
+        return 0
+
+
+def sdk_episode(reward, *segment_lengths):
+    segments = [{"input_ids": torch.arange(n)[None], "loss_mask": torch.ones(1, n, dtype=torch.long),
+                 "logprobs": torch.zeros(1, n), "versions": torch.zeros(1, n, dtype=torch.long),
+                 "attention_mask": torch.ones(1, n, dtype=torch.long)} for n in segment_lengths]
+    return {"segments": segments, "rewards": torch.tensor([reward]), "num_turns": 1, "correct_turn": int(reward > 0),
+            "shows_work": False, "finish_reason": "correct" if reward else "max_turns"}
+
+
+def test_every_segment_of_an_sdk_agents_episode_is_a_row_with_its_episodes_advantage():
+    from lib.grpo import grpo_advantages
+
+    episodes = [sdk_episode(1.0, 3, 5), sdk_episode(0.0)]  # two segments; none (the agent sampled nothing)
+    run = tr.Run(tr.Config(batch_size=1, group_size=2), producer=FixedProducer([episodes]),
+                 reward_pool=SimpleNamespace(num_timeouts=0, num_failures=0))
+    batch, got, metrics = tr.rollout_step(run)
+    advantage = grpo_advantages(torch.tensor([1.0, 0.0]), 2)[0]
+    assert batch["advantages"].tolist() == [advantage] * 2 and batch["rewards"].tolist() == [1.0, 1.0]
+    assert batch["attention_mask"].sum(1).tolist() == [3, 5] and metrics["rollout/gen_tokens"] == 8
+    assert metrics["rollout/reward"] == 0.5 and metrics["rollout/episodes"] == 2  # each episode counted once
+    assert [i for i, _ in tr.episode_rows(got)] == [0, 0]
+
+
+def test_a_step_whose_sdk_agent_sampled_nothing_has_nothing_to_train():
+    run = tr.Run(tr.Config(batch_size=1, group_size=2), producer=FixedProducer([[sdk_episode(1.0), sdk_episode(0.0)]]),
+                 reward_pool=SimpleNamespace(num_timeouts=0, num_failures=0))
+    batch, _, metrics = tr.rollout_step(run)
+    assert batch == {} and metrics["rollout/gen_tokens"] == 0 and metrics["rollout/kept_groups"] == 1
 
 
 # --- end to end ---
