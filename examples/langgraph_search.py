@@ -241,7 +241,8 @@ def agent_http_clients() -> tuple:
 async def run_agent(base_url: str, api_key: str, item: dict, temperature: float) -> dict:
     """Run the LangGraph agent once on `item` ({"question", "answer": [gold, ...]}) against the
     OpenAI-compatible server at `base_url`, as it would run anywhere. Returns the F1 of its final
-    answer as the reward, with its counts (logged as rollout/<name> and eval/<name>) and its answer."""
+    answer as the reward, and its stats: the F1 again, its counts (each logged as rollout/<name> and
+    eval/<name>), how it finished and its answer (in the traces)."""
     cfg = AGENT["cfg"]
     tool_http, chat_http = agent_http_clients()
     llm = ChatOpenAI(model="policy", base_url=base_url, api_key=api_key, temperature=temperature,
@@ -261,9 +262,9 @@ async def run_agent(base_url: str, api_key: str, item: dict, temperature: float)
         if e.code != "context_length_exceeded":  # the proxy's budget is cfg.max_tokens
             raise
         finish = "max_tokens"
-    return {"reward": f1_score(answer, item["answer"]) if answer else 0.0, "searches": counts["searches"],
-            "tool_failures": counts["failures"], "answered": finish == "answer", "finish_reason": finish,
-            "answer": answer}
+    f1 = f1_score(answer, item["answer"]) if answer else 0.0
+    return {"reward": f1, "f1": f1, "searches": counts["searches"], "tool_failures": counts["failures"],
+            "answered": finish == "answer", "finish_reason": finish, "answer": answer}
 
 
 async def close_agent():

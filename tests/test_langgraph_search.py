@@ -69,8 +69,8 @@ def test_the_agents_tool_calls_reach_the_retrieval_server_and_the_run_is_recorde
     script = [call("who founded Eskar Circle"), call("where was Ciqua Eskranden born"), Reply("Hatarmor", eos=True)]
     [episode], server = run_episodes(tokenizer, script, retrieval)
     assert episode["reward"] == 1.0 and episode["requests"] == 3
-    assert episode["stats"] == {"searches": 2, "tool_failures": 0, "answered": True, "finish_reason": "answer",
-                                "answer": "Hatarmor"}
+    assert episode["stats"] == {"f1": 1.0, "searches": 2, "tool_failures": 0, "answered": True,
+                                "finish_reason": "answer", "answer": "Hatarmor"}
     [segment] = episode["segments"]
     ids, mask = segment["input_ids"][0].tolist(), segment["loss_mask"][0].bool()
     assert segment["input_ids"][0][mask].tolist() == [t for a in server.answers for t in a["output_ids"]]
@@ -101,7 +101,7 @@ def test_two_grpo_steps_of_the_langgraph_agent_run_end_to_end(tmp_path):
     result = lg.main(config="configs/langgraph_search_tiny.yaml", run_dir=run_dir, max_steps=2, batch_size=2,
                      group_size=2, max_turns=3, warm_start_steps=4, warm_start_batch_size=2, eval_every=0,
                      test_size=2, checkpoint_every=0, tensorboard=False, trainer_threads=1, warm_start_worlds=0)
-    assert result["failed"] == 0 and {"reward", "searches", "answered", "tool_failures"} <= set(result)
+    assert result["failed"] == 0 and {"reward", "f1", "searches", "answered", "tool_failures"} <= set(result)
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     steps = [r for r in rows if "rollout/reward" in r]
     assert [r["step"] for r in steps] == [1, 2]
