@@ -490,11 +490,15 @@ class Run:
 def check_config(cfg: Config):
     if cfg.server not in ("cpu", "sglang", "external"):
         raise ValueError(f"server must be 'cpu', 'sglang' or 'external', got {cfg.server!r}")
+    if cfg.server == "external" and not cfg.server_addrs:
+        raise ValueError("server 'external' needs server_addrs: --server_addrs '[\"http://host:port\"]'")
+    if cfg.weight_sync not in ("disk", "nccl"):
+        raise ValueError(f"weight_sync must be 'disk' or 'nccl', got {cfg.weight_sync!r}")
 
 
 def setup(cfg: Config) -> Run:
-    """Seeds, model, data, servers (retrieval, inference), client, proxy, actor, weight sync, the resumed checkpoint and the
-    logger. If any of it fails, what was opened is closed."""
+    """Seeds, model, data, servers (retrieval, inference), client, proxy, actor, weight sync, the
+    resumed checkpoint and the logger. If any of it fails, what was opened is closed."""
     check_config(cfg)
     run = Run(cfg)
     try:
