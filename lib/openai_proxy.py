@@ -46,7 +46,7 @@ import torch
 from aiohttp import web
 
 from lib.chat_format import (LONE_SURROGATE, LONG_TEXT_CHARS, ChatFormatError, PromptTooLong, continuation_ids, encode,
-                             end_of_turn_token, message_key, parse_tool_calls, render_ids, template_renders_tools,
+                             end_of_turn_token, message_key, parse_tool_calls, render_text, template_renders_tools,
                              to_template_messages, token_bytes_reader)
 from lib.client import GenerationAborted, InferenceServerError
 from lib.http_body import BadRequest, body_too_large, lone_surrogate, parse_json_body, read_body
@@ -68,6 +68,9 @@ class _Segment:
         self.states: list[tuple[tuple, str, int, bool]] = []
         self.text_states: list[tuple[str, int]] = []  # /v1/completions: (prompt + completion text, token count)
         self.busy = False  # a request is generating on it: a concurrent one forks instead
+        # The template's text of the conversation before its latest state's reply, through the last end
+        # of turn (None if unknown): a request that continues that state renders only its own messages.
+        self.rendered: str | None = None
 
 
 class _Session:
@@ -700,15 +703,28 @@ class OpenAIProxy:
                         and (best is None or len(state_keys) >= len(best[2][0]))):
                     best = (segment, index, segment.states[index])
 
-        def tokenize():  # (the tokens after `best`, None) or (None, the whole prompt)
+        def render():  # the template's text of this request's conversation, with the generation prompt
+            return render_text(self.tokenizer, messages, tools, add_generation_prompt=True,
+                               chat_template=self.chat_template, tools_as_text=self.tools_as_text)
+
+        def tokenize():  # (the tokens after `best`, None, text) or (None, the whole prompt, text); text may be None
             if best is not None:
-                delta = continuation_ids(self.tokenizer, messages[:len(best[2][0])], messages, tools,
+                segment, index, (state_keys, *_) = best
+                before = segment.rendered if index == len(segment.states) - 1 else None
+                # Rendered once: the text up to the state's reply is what the last request rendered, and
+                # the reply ends at the next end of turn (unless its own text holds one: rendered twice).
+                if before is not None and self.end_of_turn not in keys[len(state_keys) - 1]:
+                    text = render()
+                    cut = text.find(self.end_of_turn, len(before)) if text.startswith(before) else -1
+                    if cut >= 0:
+                        return encode(self.tokenizer, text[cut + len(self.end_of_turn):]), None, text
+                delta = continuation_ids(self.tokenizer, messages[:len(state_keys)], messages, tools,
                                          end_of_turn=self.end_of_turn, chat_template=self.chat_template,
                                          tools_as_text=self.tools_as_text)
                 if delta is not None:
-                    return delta, None
-            return None, render_ids(self.tokenizer, messages, tools, self.chat_template,
-                                    tools_as_text=self.tools_as_text)
+                    return delta, None, None
+            text = render()
+            return None, encode(self.tokenizer, text), text
         # A GRPO group sends the same first request group_size times: a short fresh prompt is rendered
         # and tokenized once, then taken from this cache (the same messages and tools give the same ids;
         # not with tool calls, whose ids a template may render and message keys leave out).
@@ -717,19 +733,22 @@ class OpenAIProxy:
         cache_key = (keys, tools_key) if cacheable else None
         if cache_key is not None and cache_key in self._prompt_cache:
             self._prompt_cache.move_to_end(cache_key)
-            delta, rendered = None, list(self._prompt_cache[cache_key])
+            ids, text = self._prompt_cache[cache_key]
+            delta, rendered = None, list(ids)
         # A long conversation is rendered and tokenized on a thread (encode lets go of the GIL there), so
         # that the event loop goes on serving the other sessions (a 30 MB message held it for 54 s).
         elif chars > LONG_TEXT_CHARS:
-            delta, rendered = await asyncio.to_thread(tokenize)
+            delta, rendered, text = await asyncio.to_thread(tokenize)
         else:
-            delta, rendered = tokenize()
+            delta, rendered, text = tokenize()
             if cache_key is not None:
-                self._prompt_cache[cache_key] = array.array("q", rendered)
+                self._prompt_cache[cache_key] = (array.array("q", rendered), text)
                 if len(self._prompt_cache) > _PROMPT_CACHE_SIZE:
                     self._prompt_cache.popitem(last=False)
         plan = {"segment": None, "in_place": False, "prefix": None, "keys": keys, "tools_key": tools_key,
-                "prompt": rendered, "text": None}
+                "prompt": rendered, "text": None,
+                # what the next request renders only beyond: this conversation through its last end of turn
+                "rendered": None if text is None else text[:text.rfind(self.end_of_turn) + len(self.end_of_turn)]}
         if delta is not None:
             # Decided after tokenizing: another request of the session may have moved on meanwhile.
             segment, index, (_, _, length, closed) = best
@@ -850,6 +869,7 @@ class OpenAIProxy:
             segment.text_states.append((plan["text"] + turn["text"], len(segment.ids)))
         else:
             segment.states.append((plan["keys"] + (turn["key"],), plan["tools_key"], len(segment.ids), turn["closed"]))
+            segment.rendered = plan["rendered"] if self.end_of_turn in (plan["rendered"] or "") else None
 
 
 # --- what each API reads; helpers of the three APIs ---

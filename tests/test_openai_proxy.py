@@ -660,3 +660,31 @@ def test_any_request_body_gets_a_2xx_or_a_4xx_and_a_refused_one_changes_nothing(
             bg.run(proxy.close())
             bg.run(client.close())
             bg.close()
+
+
+def test_a_continuing_request_renders_the_template_once_and_gets_the_ids_of_two_renderings(tokenizer, monkeypatch):
+    """The text before the state's reply is what the last request rendered, so a continuing request
+    renders only its own conversation; its new tokens are those continuation_ids cuts from two."""
+    from lib import openai_proxy
+    from lib.chat_format import continuation_ids
+    rendered = []
+    render = openai_proxy.render_text
+    monkeypatch.setattr(openai_proxy, "render_text", lambda *a, **k: rendered.append(1) or render(*a, **k))
+
+    async def agent(proxy):
+        key = proxy.new_session()
+        messages = [{"role": "system", "content": "Be brief."}, user("Who founded the Ostrel Guild?")]
+        async with sdk(proxy, key) as llm:
+            for follow_up in ("Sure?", "Thanks."):
+                reply = await llm.chat.completions.create(model="policy", messages=messages, tools=[SEARCH_TOOL])
+                messages += [reply.choices[0].message.model_dump(exclude_none=True), user(follow_up)]
+        return messages, proxy.end_session(key)
+
+    (messages, episode), server = run_agent(tokenizer, [Reply("Pem Varo.", eos=True), Reply("Yes, Pem Varo.", eos=True)],
+                                            agent)
+    assert len(rendered) == 2 and len(episode["segments"]) == 1
+    history = messages[:3]  # through the first reply
+    delta = continuation_ids(tokenizer, to_template_messages(history), to_template_messages(messages[:4]), [SEARCH_TOOL],
+                             end_of_turn="<|im_end|>", chat_template=TOOLS_CHAT_TEMPLATE)
+    first, second = server.requests[0]["input_ids"], server.requests[1]["input_ids"]
+    assert second == first + server.answers[0]["output_ids"] + delta

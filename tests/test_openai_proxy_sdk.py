@@ -541,9 +541,10 @@ def _utf8(raw: list[int]) -> bool:
 def test_a_groups_shared_first_prompt_is_rendered_once_and_gets_the_same_ids(tokenizer, monkeypatch):
     from lib import openai_proxy
     from tests.test_openai_proxy import SEARCH_TOOL
+    from lib.chat_format import render_ids
     rendered = []
-    render = openai_proxy.render_ids
-    monkeypatch.setattr(openai_proxy, "render_ids", lambda *a, **k: rendered.append(1) or render(*a, **k))
+    render = openai_proxy.render_text
+    monkeypatch.setattr(openai_proxy, "render_text", lambda *a, **k: rendered.append(1) or render(*a, **k))
 
     async def agent(proxy):
         async def episode(tools):
@@ -558,4 +559,4 @@ def test_a_groups_shared_first_prompt_is_rendered_once_and_gets_the_same_ids(tok
     plain, tooled = [b["input_ids"] for b in server.requests[:4]], [b["input_ids"] for b in server.requests[4:]]
     assert len(rendered) == 2  # once per distinct (messages, tools)
     assert all(ids == plain[0] for ids in plain) and all(ids == tooled[0] for ids in tooled)
-    assert plain[0] == render(tokenizer, [user("Q")], None, TOOLS_CHAT_TEMPLATE) and tooled[0] != plain[0]
+    assert plain[0] == render_ids(tokenizer, [user("Q")], None, TOOLS_CHAT_TEMPLATE) and tooled[0] != plain[0]
