@@ -223,6 +223,26 @@ def test_an_episode_past_its_deadline_drops_its_group_and_the_others_train(token
     assert failed == 1 and len(groups) == 1 and [e["item"]["question"] for e in groups[0]] == ["fast", "fast"]
 
 
+# --- set-up and tear-down ---
+def test_a_setup_that_fails_midway_closes_what_it_opened(tmp_path, monkeypatch):
+    from lib.async_rollout import BackgroundLoop
+    from lib.tiny_model import default_tiny_model_dir
+
+    for split in ("train", "dev", "test"):
+        (tmp_path / f"{split}.jsonl").write_text(json.dumps(ITEM) + "\n")
+    loops = []
+    monkeypatch.setattr(ta, "BackgroundLoop", lambda: loops.append(BackgroundLoop()) or loops[-1])
+    monkeypatch.setattr(ta, "embedded_model", lambda cfg: default_tiny_model_dir())
+
+    def broken_proxy(*args, **kwargs):
+        raise RuntimeError("the proxy did not start")
+    monkeypatch.setattr(ta, "OpenAIProxy", broken_proxy)
+    with pytest.raises(RuntimeError, match="the proxy did not start"):
+        ta.setup(ta.Config(run_dir=str(tmp_path / "run"), data_dir=str(tmp_path), server="external",
+                           server_addrs=["http://127.0.0.1:9"], tensorboard=False))
+    assert len(loops) == 1 and loops[0].loop.is_closed()  # the event loop it had started is closed
+
+
 # --- (c) end to end ---
 E2E = dict(max_steps=2, batch_size=2, group_size=2, max_new_tokens_per_turn=24, eval_every=0, eval_size=4, test_size=4,
            warm_start_steps=4, warm_start_batch_size=4, warm_start_direct_steps=2, warm_start_problems=2000,
