@@ -15,8 +15,9 @@ reward 1 for the gold number after `####` (0.9 at the second try).
     python train_agent.py --model_path Qwen/Qwen2.5-1.5B-Instruct --server sglang --trainer_dtype bfloat16
 
 Sync GRPO in one trainer process (async mode and torchrun: train_reflect.py). Reads top to bottom:
-config, your agent, one episode, group rollout, training rows, evaluation, data, model, main()
-with the GRPO loop. docs/train_agent.md: how to plug in other frameworks, what is trained, the
+config, your agent, one episode, group rollout, training rows, evaluation, data, model, the run's
+set-up and tear-down, one GRPO step phase by phase (the names and order of train_reflect.py and
+train_search.py), main() with the loop. docs/train_agent.md: how to plug in other frameworks, what is trained, the
 deadline and the sampling lock.
 """
 import asyncio

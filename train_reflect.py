@@ -10,8 +10,9 @@ to `max_turns`; the reward is 1 for a correct answer, times `turn_discount` per 
     python train_reflect.py --config configs/reflect_qwen2.5_1.5b.yaml   # Qwen2.5 + SGLang on GPUs
 
 Reads top to bottom: config, prompt, reward, one episode (as a token loop, and as an openai-SDK
-agent behind lib/openai_proxy.py), group rollout, evaluation, data, warm start (embedded default
-only), main() with the GRPO loop.
+agent behind lib/openai_proxy.py, in train_agent.py's shape), group rollout, evaluation, data, warm
+start (embedded default only), the run's set-up and tear-down, one GRPO step phase by phase
+(rollout_step, train_step, sync_weights, log_step, save_checkpoint), main() with the loop.
 """
 import asyncio
 import dataclasses
