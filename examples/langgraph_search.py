@@ -124,7 +124,7 @@ class Config:
     trainer_offload_optimizer: bool = False  # bf16, one GPU: fp32 master + AdamW state in CPU memory between updates
     weight_sync: str = "disk"  # "disk" (safetensors + /update_weights_from_disk) or "nccl" (broadcast; gloo on CPUs)
     # --- warm start (embedded default only) ---
-    warm_start_steps: int = 4000  # SFT steps on tool-calling demonstrations (1200 did not copy answers: dev F1 0.03)
+    warm_start_steps: int = 4000  # SFT steps on tool-calling demonstrations (copying answers out of results comes last)
     warm_start_worlds: int = 1  # counterfactual worlds (same names, other facts) whose questions are demonstrations too
     warm_start_lr: float = 2e-3
     warm_start_batch_size: int = 8
