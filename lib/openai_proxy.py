@@ -1160,6 +1160,7 @@ class _ResponseEvents:
         self.item_ids = {"reasoning": "rs_" + uuid.uuid4().hex, "message": "msg_" + uuid.uuid4().hex}
         self.sequence, self.index = 0, 0  # events sent; output items opened
         self.reasoning, self.message = "", None  # thinking so far; the message's output index once opened
+        self.logprobs = []
 
     def finished(self, plan: dict, turns: list[dict]) -> dict:
         [turn] = turns
@@ -1229,7 +1230,7 @@ class _ResponseEvents:
                                     output_index=self.message, content_index=0, delta=text, logprobs=logprobs)]
 
     def end_choice(self, i: int, turn: dict, logprobs: list) -> list[dict]:
-        self.turn, self.logprobs = turn, logprobs
+        self.logprobs = logprobs  # sent with the message's last delta, in end()
         return []
 
     def end(self, plan: dict, turns: list[dict]) -> list[dict]:

@@ -20,7 +20,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from lib.cpu_server import Request, Runner, SamplingParams, parse_args
+from lib.cpu_engine import Request, Runner, SamplingParams
+from lib.cpu_server import parse_args
 from lib.launch import free_port, launch_cpu_server
 from lib.process_group import destroy_custom_process_group, init_custom_process_group
 from lib.tiny_model import build_tiny_model

@@ -340,7 +340,7 @@ def test_tools_and_tool_messages_are_checked_as_openai_checks_them(tokenizer):
 
 # --- 5. structured output, reasoning, a base URL per session ---
 def test_response_format_reaches_sglang_as_a_json_schema_and_the_cpu_server_names_itself_when_it_cannot(tokenizer):
-    from lib.cpu_server import parse_sampling_params
+    from lib.cpu_engine import parse_sampling_params
     from lib.http_body import BadRequest
     schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
 
