@@ -13,8 +13,9 @@ Nothing generated is thrown away for that (given `batch_groups`, the groups a tr
 - admission: a group starts only if the steps still to come within its staleness bound have room
   for it: at most what the current step still takes plus max_staleness x batch_groups groups
   started and not yet trained on (AReaL's rule, counted in groups);
-- the trainer takes the oldest groups first, and waits for every group that would be too stale at
-  the next version (it may then take more than `batch_groups`).
+- the trainer takes groups in the order they started (a ready group waits while an older one
+  still runs), and waits for every group that would be too stale at the next version. Taken in
+  that order, those are never more than `batch_groups`: every step trains exactly its batch.
 So every group is trained on within `max_staleness` versions of its start, and with max_staleness 0
 the producer runs exactly sync mode's schedule: a step's groups start after the previous update.
 A group found stale anyway (without `batch_groups`, or a resumed run) is dropped and counted.
@@ -369,8 +370,9 @@ class RolloutProducer:
         return {i for i, start in self._started.items() if self.version + 1 - start > self.max_staleness}
 
     def get_groups(self, num_groups: int, timeout_s: float | None = None) -> list[list[dict]]:
-        """Block until `num_groups` groups are ready, the oldest first, and every group that would be
-        too stale at the next version is among them (then more than `num_groups` may come back).
+        """Block until `num_groups` groups are ready, taken in the order they started (the oldest
+        start version, then the lowest item), and every group that would be too stale at the next
+        version is among them (more than `num_groups` come back only without admission control).
         A group already too stale is dropped and counted. With `timeout_s` (`rollout_deadline_s`):
         RolloutTimeout, naming what is running, when no group finished or failed for that long (each
         episode has its own deadline: the loop is stuck)."""
@@ -382,7 +384,12 @@ class RolloutProducer:
             while len(out) < num_groups or must_take & self._started.keys():
                 if self._error is not None:
                     raise RuntimeError("the rollout producer failed") from self._error
-                if not self._ready:
+                # the oldest ready group (by its start version, then its item), but never one younger
+                # than a group still running: the trainer takes groups in the order they started
+                oldest_start = min(self._started.values(), default=0)
+                pos = min(range(len(self._ready)), key=lambda k: (self._started[self._ready[k][0]], self._ready[k][0]),
+                          default=None)
+                if pos is None or self._started[self._ready[pos][0]] > oldest_start:
                     if self._num_ended != ended:
                         ended, since = self._num_ended, time.monotonic()
                     remaining = None if timeout_s is None else since + timeout_s - time.monotonic()
@@ -391,8 +398,6 @@ class RolloutProducer:
                         break
                     self._cond.wait(min(remaining, 1.0) if remaining is not None else 1.0)
                     continue
-                # the oldest ready group first (by its start version, then its item)
-                pos = min(range(len(self._ready)), key=lambda k: (self._started[self._ready[k][0]], self._ready[k][0]))
                 index, group = self._ready[pos]
                 del self._ready[pos]
                 del self._started[index]
