@@ -8,7 +8,8 @@ Reward: F1 of the answer against the gold answers.
     python train_search.py --config configs/search_qwen2.5_3b.yaml   # Qwen2.5 + SGLang on GPUs
 
 Reads top to bottom: config, prompt, parsers, tools, reward, one episode, group rollout,
-evaluation, warm start (embedded default only), main() with the GRPO loop.
+evaluation, data, warm start (embedded default only), the run (set-up and tear-down), one GRPO step
+phase by phase, main() with the GRPO loop.
 """
 import asyncio
 import collections
@@ -1064,8 +1065,10 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
         run.progress.close()
         if run.producer is not None:  # the test evaluation has the servers to itself
             run.producer.stop()
-        log_step(run, run_evaluation(run, "test", run.test_items))
+        test_metrics = run_evaluation(run, "test", run.test_items)
+        log_step(run, test_metrics)
         run.actor.save_hf(os.path.join(cfg.run_dir, "final"))
+        return test_metrics
     finally:
         close(run)
 

@@ -10,7 +10,6 @@ import time
 from fractions import Fraction
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
@@ -340,123 +339,6 @@ def test_the_warm_start_key_changes_when_the_demonstration_code_changes(monkeypa
     monkeypatch.undo()
     monkeypatch.setattr(tc, "RESULT_TEMPLATE", "<output> {} </output>")
     assert key() != original
-
-
-# --- one GRPO step (the loop's phases, without servers) ---
-def fake_episode(reward: float, version: int = 0, gen_tokens: int = 3) -> dict:
-    ids = list(range(2 + gen_tokens))
-    t = lambda xs, dtype: torch.tensor([xs], dtype=dtype)  # noqa: E731
-    return {"input_ids": t(ids, torch.long), "loss_mask": t([0, 0] + [1] * gen_tokens, torch.long),
-            "logprobs": t([0.0, 0.0] + [-1.0] * gen_tokens, torch.float32),
-            "versions": t([-1, -1] + [version] * gen_tokens, torch.long),
-            "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
-            "rewards": torch.tensor([reward], dtype=torch.float32),
-            "num_turns": 1, "num_tool_calls": 1, "num_tool_failures": 0, "finish_reason": "answer"}
-
-
-class CountingPool:
-    num_timeouts = num_failures = 0
-
-
-@pytest.fixture
-def step_run(monkeypatch):
-    """A Run with a background loop and scripted rollouts: the groups of each call to rollout_groups
-    are the next entry of `run.scripted` (lists of rewards, one list a group)."""
-    from lib.async_rollout import BackgroundLoop
-
-    calls = []
-
-    async def rollout_groups(client, tokenizer, reward_pool, cfg, items, temperature, group_size):
-        rewards = run.scripted[len(calls)]
-        calls.append(len(items))
-        assert len(rewards) == len(items) and all(len(g) == group_size for g in rewards)
-        return [[fake_episode(r, version=run.sampled_version) for r in g] for g in rewards], 0
-    monkeypatch.setattr(tc, "rollout_groups", rollout_groups)
-    run = tc.Run(cfg=tc.Config(batch_size=2, group_size=2), bg=BackgroundLoop(), reward_pool=CountingPool(),
-                 train_items=[{"question": str(i), "answer": "#### 1"} for i in range(10)])
-    run.scripted, run.sampled_version, run.calls = [], 0, calls
-    yield run
-    run.bg.close()
-
-
-def test_dynamic_sampling_refills_the_batch_until_it_has_batch_size_groups_with_a_learning_signal(step_run):
-    run = step_run
-    run.cfg = tc.Config(batch_size=2, group_size=2, drop_equal_groups=True, refill_rounds=2)
-    run.scripted = [[[1.0, 1.0], [0.0, 1.0]], [[1.0, 0.0]]]  # one equal group, then the one missing
-    batch, episodes, metrics = tc.rollout_step(run)
-    assert run.calls == [2, 1] and run.data_position == 3 and len(episodes) == 6
-    assert batch["keep"].tolist() == [False, False, True, True, True, True]
-    assert metrics["rollout/kept_groups"] == 2 and metrics["rollout/equal_reward_groups"] == 1
-    assert metrics["rollout/wasted_tokens"] == 6  # the equal group's sampled tokens, not trained on
-
-
-def test_refill_stops_after_refill_rounds(step_run):
-    run = step_run
-    run.cfg = tc.Config(batch_size=2, group_size=2, drop_equal_groups=True, refill_rounds=1)
-    run.scripted = [[[1.0, 1.0], [0.0, 0.0]], [[1.0, 1.0], [0.0, 0.0]]]
-    batch, _, metrics = tc.rollout_step(run)
-    assert run.calls == [2, 2] and not batch["keep"].any() and metrics["rollout/kept_groups"] == 0
-
-
-def test_neg_adv_scale_weights_the_below_average_episodes(step_run):
-    run = step_run
-    run.scripted = [[[0.0, 1.0], [1.0, 0.0]]] * 2
-    full = tc.rollout_step(run)[0]["advantages"]
-    run.cfg = tc.Config(batch_size=2, group_size=2, neg_adv_scale=0.5)
-    scaled = tc.rollout_step(run)[0]["advantages"]
-    assert torch.equal(scaled, torch.where(full < 0, full * 0.5, full)) and (full < 0).sum() == 2
-
-
-def test_staleness_is_the_trained_version_minus_the_sampled_one(step_run):
-    run = step_run
-    run.version, run.sampled_version = 3, 2
-    run.scripted = [[[0.0, 1.0], [1.0, 0.0]]]
-    metrics = tc.rollout_step(run)[2]
-    assert metrics["rollout/staleness_mean"] == 1.0 and metrics["rollout/staleness_max"] == 1.0
-
-
-class RecordingActor:
-    device = torch.device("cpu")
-
-    def __init__(self):
-        self.updates = []
-
-    def compute_logprobs(self, batch):
-        return batch["logprobs"].clone()
-
-    def update(self, batch, step=None):
-        self.updates.append(batch["input_ids"].shape[0])
-        return {"loss": 1.0, "num_tokens": int(batch["loss_mask"].sum())}
-
-
-@pytest.mark.parametrize("ppo_minibatches, updates", [(1, [4]), (2, [2, 2]), (3, [2, 1, 1]), (9, [1, 1, 1, 1])])
-def test_ppo_minibatches_split_the_kept_rows_into_that_many_optimizer_steps(step_run, ppo_minibatches, updates):
-    run = step_run
-    run.cfg, run.actor = tc.Config(batch_size=2, group_size=2, ppo_minibatches=ppo_minibatches), RecordingActor()
-    run.scripted = [[[0.0, 1.0], [1.0, 0.0]]]
-    batch = tc.rollout_step(run)[0]
-    metrics = tc.train_step(run, batch)
-    assert run.updated and run.actor.updates == updates and metrics["loss/minibatches"] == len(updates)
-    assert metrics["loss/num_tokens"] == 12  # every generated token once
-    assert all(lp is not None for lp in batch["trainer_logprobs"])
-
-
-def test_a_step_with_nothing_to_train_keeps_the_weights_and_the_version(step_run):
-    run = step_run
-    run.cfg, run.actor = tc.Config(batch_size=2, group_size=2, drop_equal_groups=True, refill_rounds=0), RecordingActor()
-    run.scripted = [[[1.0, 1.0], [0.0, 0.0]]]
-    batch = tc.rollout_step(run)[0]
-    metrics = tc.train_step(run, batch)
-    assert not run.updated and run.actor.updates == [] and "loss/minibatches" not in metrics
-    tc.sync_weights(run)  # no client: a pause or a sync would fail here
-    assert run.version == 0 and batch["trainer_logprobs"] == [None] * 4
-
-
-def test_the_time_budget_ends_the_loop_once_spent():
-    run = tc.Run(cfg=tc.Config(time_budget_s=0.5))
-    start = time.time()
-    assert not tc.out_of_time(run, start) and tc.out_of_time(run, start - 1.0)
-    assert not tc.out_of_time(tc.Run(cfg=tc.Config()), start - 1e6)  # 0: no budget
 
 
 # --- end to end ---
