@@ -342,13 +342,15 @@ def test_the_warm_start_key_changes_when_the_demonstration_code_changes(monkeypa
 
 
 # --- end to end ---
+SMALL = ["--batch_size", "2", "--group_size", "2", "--max_turns", "3", "--max_new_tokens_per_turn", "16", "--max_tokens",
+         "128", "--eval_every", "0", "--test_size", "2", "--warm_start_steps", "2", "--warm_start_batch_size", "2",
+         "--lr", "1e-4", "--tensorboard", "False"]
+
+
 @pytest.mark.slow
 def test_two_grpo_steps_then_resume_from_the_checkpoint(tmp_path):
     run_dir = str(tmp_path / "run")
-    args = [sys.executable, "train_calc.py", "--run_dir", run_dir, "--batch_size", "2", "--group_size", "2",
-            "--max_turns", "3", "--max_new_tokens_per_turn", "16", "--max_tokens", "128", "--eval_every", "0",
-            "--test_size", "2", "--warm_start_steps", "2", "--warm_start_batch_size", "2", "--checkpoint_every", "1",
-            "--lr", "1e-4", "--tensorboard", "False"]
+    args = [sys.executable, "train_calc.py", "--run_dir", run_dir, *SMALL, "--checkpoint_every", "1"]
     first = subprocess.run(args + ["--max_steps", "2"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
@@ -375,11 +377,8 @@ def test_two_grpo_steps_then_resume_from_the_checkpoint(tmp_path):
 @pytest.mark.slow
 def test_async_mode_with_pause_mode_abort_runs_two_steps_within_the_staleness_bound(tmp_path):
     run_dir = str(tmp_path / "async")
-    args = [sys.executable, "train_calc.py", "--run_dir", run_dir, "--mode", "async", "--pause_mode", "abort",
-            "--batch_size", "2", "--group_size", "2", "--max_turns", "3", "--max_new_tokens_per_turn", "16",
-            "--max_tokens", "128", "--eval_every", "0", "--test_size", "2", "--warm_start_steps", "2",
-            "--warm_start_batch_size", "2", "--checkpoint_every", "0", "--lr", "1e-4", "--max_steps", "2",
-            "--tensorboard", "False"]
+    args = [sys.executable, "train_calc.py", "--run_dir", run_dir, *SMALL, "--mode", "async", "--pause_mode", "abort",
+            "--checkpoint_every", "0", "--max_steps", "2"]
     out = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [r for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if "rollout/reward" in r]
