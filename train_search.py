@@ -569,32 +569,33 @@ def embedded_model_and_data(cfg: Config) -> tuple[str, str]:
 # --- the run: set-up and tear-down ---
 @dataclass
 class Run:
-    """What the GRPO loop touches: built by setup(), closed by close(). Under torchrun every rank has
-    one; rank 0 (`is_main`) alone holds the servers, the client, the rollouts, the logger and traces."""
+    """What the loop touches: built by setup(), closed by close(). Under torchrun rank 0 alone holds
+    the servers, the client, the tool session, the rollouts, the logger and the trace file (None on
+    the other ranks); every rank holds its shard of the actor."""
     cfg: Config
     rank: int = 0
     world_size: int = 1
-    cpu_group: object = None  # gloo group of the trainer ranks (None with one process)
+    cpu_group: object = None  # gloo group for Python objects under torchrun
     tokenizer: object = None
-    train_items: list = field(default_factory=list)
-    dev_items: list = field(default_factory=list)
-    test_items: list = field(default_factory=list)
-    supervisors: list = field(default_factory=list)  # launched servers, checked every step
+    train_items: list = None
+    dev_items: list = None
+    test_items: list = None
+    supervisors: list = field(default_factory=list)  # of the servers launched here
     retrieval_addr: str = ""
-    bg: BackgroundLoop | None = None  # the event loop (a thread) that every client call runs on
-    client: InferenceClient | None = None
-    session: aiohttp.ClientSession | None = None  # tool calls
-    actor: Actor | None = None
-    weight_sync: ServerWeightSync | None = None
-    logger: MetricsLogger | None = None
+    bg: BackgroundLoop = None  # the event loop of every client call and episode
+    client: InferenceClient = None
+    session: aiohttp.ClientSession = None  # for tool calls
+    actor: Actor = None
+    weight_sync: ServerWeightSync = None
+    producer: RolloutProducer = None  # async mode
+    logger: MetricsLogger = None
     trace_file: object = None
-    producer: RolloutProducer | None = None  # async mode: rollouts running in the background
-    progress: tqdm | None = None
-    recent_tool_calls: collections.deque | None = None  # (calls, failures) per step
+    ckpt_dir: str = ""
+    resumed: bool = False
     step: int = 0
     version: int = 0  # policy version: weight syncs so far
-    data_position: int = 0  # index of the next training item
-    updated: bool = False  # the last train_step changed the weights
+    data_position: int = 0  # index of the next train item
+    recent_tool_calls: collections.deque = None  # (calls, failures) per step, over tool_failure_window steps
 
     @property
     def is_main(self) -> bool:
@@ -602,34 +603,80 @@ class Run:
 
 
 def check_config(cfg: Config):
+    if cfg.trace_backend not in ("jsonl", "mlflow"):
+        raise ValueError(f"trace_backend must be 'jsonl' or 'mlflow', got {cfg.trace_backend!r}")
     if cfg.mode not in ("sync", "async"):
         raise ValueError(f"mode must be 'sync' or 'async', got {cfg.mode!r}")
     if cfg.pause_mode not in ("in_place", "abort", "retract"):
         raise ValueError(f"pause_mode must be 'in_place', 'abort' or 'retract', got {cfg.pause_mode!r}")
-    if cfg.trace_backend not in ("jsonl", "mlflow"):
-        raise ValueError(f"trace_backend must be 'jsonl' or 'mlflow', got {cfg.trace_backend!r}")
     if cfg.weight_sync not in ("disk", "nccl", "tensor"):
         raise ValueError(f"weight_sync must be 'disk', 'nccl' or 'tensor', got {cfg.weight_sync!r}")
     if cfg.colocate_sleep and cfg.mode != "sync":
         raise ValueError("colocate_sleep needs mode sync: in async mode the server generates while the trainer works")
+    if cfg.weight_sync == "nccl" and cfg.dp_size > 1:
+        raise ValueError("weight_sync nccl sends to each server's TP ranks: use num_servers instead of dp_size")
     if cfg.reward not in ("f1", "em"):
         raise ValueError(f"reward must be 'f1' or 'em', got {cfg.reward!r}")
     if cfg.behav_imp_weight_mode not in ("truncate", "mask"):
         raise ValueError(f"behav_imp_weight_mode must be 'truncate' or 'mask', got {cfg.behav_imp_weight_mode!r}")
-    if cfg.weight_sync == "nccl" and cfg.dp_size > 1:
-        raise ValueError("weight_sync nccl sends to each server's TP ranks: use num_servers instead of dp_size")
 
 
-def start_servers(run: Run, model_path: str, data_dir: str, sampling_seed: int) -> list[str]:
-    """Rank 0's servers, started here and killed with this process, or given by the user; returns the
-    inference servers' addresses. Launched servers are supervised (lib/supervise.py): the retrieval
-    server, which holds no state, is restarted on its address when it dies; a dead inference server
-    stops the run with its log."""
+def setup(cfg: Config) -> Run:
+    """Ranks, seeds, model, data, servers, client, actor, weight sync, the resumed checkpoint, the
+    logger and (async mode) the rollout producer. If any of it fails, what was opened is closed."""
+    check_config(cfg)
+    # Under torchrun every rank holds a shard of the model (FSDP2, lib/actor.py); rank 0 alone runs the
+    # servers, the rollouts, evaluation and logging; every rank trains on its rows of rank 0's batch.
+    world_size, rank, cpu_group = init_trainer_ranks()
+    run = Run(cfg, rank=rank, world_size=world_size, cpu_group=cpu_group,
+              recent_tool_calls=collections.deque(maxlen=cfg.tool_failure_window))
+    try:
+        _setup(run)
+    except BaseException:
+        close(run)
+        raise
+    return run
+
+
+def _setup(run: Run):
     from lib.retrieval import launch_retrieval_server
+    from lib.wiki_data import default_wiki_dir
 
-    cfg, supervisors = run.cfg, run.supervisors
+    cfg, is_main = run.cfg, run.is_main
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    from transformers import AutoTokenizer
+
+    if not is_main:
+        dist.barrier()  # rank 0 builds the cache first; the others then find it there
+    if cfg.model_path:  # a known name (smollm2-135m-instruct) is built once and cached; the bundled data by default
+        model_path, data_dir = resolve_model_path(cfg.model_path), cfg.data_dir or default_wiki_dir(seed=0)
+    else:
+        model_path, data_dir = embedded_model_and_data(cfg)
+    if is_main and run.world_size > 1:
+        dist.barrier()
+    if not data_dir:
+        raise ValueError("set data_dir to a folder with train.jsonl, dev.jsonl, test.jsonl (and corpus.jsonl "
+                         "unless retrieval_addr points at a running retrieval server)")
+    run.tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if not cfg.stop_token_ids:  # a turn ends on any of the model's EOS ids (Qwen2.5: <|im_end|> and <|endoftext|>)
+        cfg = run.cfg = dataclasses.replace(cfg, stop_token_ids=model_eos_ids(model_path, run.tokenizer))
+    run.train_items = read_jsonl(os.path.join(data_dir, "train.jsonl"))
+    run.dev_items = read_jsonl(os.path.join(data_dir, "dev.jsonl"))[: cfg.eval_size]
+    run.test_items = read_jsonl(os.path.join(data_dir, "test.jsonl"))[: cfg.test_size]
+
+    # Servers (rank 0): started here and killed with this process, or given by the user. A resumed run
+    # seeds the server's sampling by its step, so it does not replay the start of the run.
+    run.ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
+    resume_extra = read_checkpoint_extra(os.path.join(run.ckpt_dir, "latest")) if cfg.resume else None
+    sampling_seed = server_seed(cfg.seed, resume_extra["step"] if resume_extra else 0)
+    # Launched servers are supervised (lib/supervise.py): the retrieval server, which holds no state,
+    # is restarted on its address when it dies; a dead inference server stops the run with its log.
+    addrs, supervisors = [], run.supervisors
     run.retrieval_addr = cfg.retrieval_addr.rstrip("/")
-    if not run.retrieval_addr:
+    if is_main and not run.retrieval_addr:
         corpus = os.path.join(data_dir, "corpus.jsonl")
         retrieval = launch_retrieval_server(corpus, log_path=os.path.join(cfg.run_dir, "retrieval.log"))
         run.retrieval_addr, port = retrieval.address, int(retrieval.address.rsplit(":", 1)[1])
@@ -638,10 +685,9 @@ def start_servers(run: Run, model_path: str, data_dir: str, sampling_seed: int) 
             log_path = os.path.join(cfg.run_dir, f"retrieval.restart{supervisors[0].restarts + 1}.log")
             return launch_retrieval_server(corpus, port=port, log_path=log_path)
         supervisors.append(Supervisor("retrieval server", retrieval, relaunch_retrieval))
-    if cfg.server == "external":
-        return list(cfg.server_addrs)
-    if cfg.server == "sglang":
-        addrs = []
+    if is_main and cfg.server == "external":
+        addrs = list(cfg.server_addrs)
+    elif is_main and cfg.server == "sglang":
         for i in range(cfg.num_servers):
             server = launch_sglang(model_path, base_gpu_id=cfg.base_gpu_id + i * cfg.tp_size * cfg.dp_size,
                                    tp_size=cfg.tp_size, dp_size=cfg.dp_size,
@@ -651,127 +697,85 @@ def start_servers(run: Run, model_path: str, data_dir: str, sampling_seed: int) 
                                    log_path=os.path.join(cfg.run_dir, f"sglang{i}.log"))
             supervisors.append(Supervisor("inference server", server))
             addrs.append(server.address)
-        return addrs
-    server = launch_cpu_server(model_path, device=cfg.server_device, num_threads=cfg.server_threads,
-                               random_seed=sampling_seed, log_path=os.path.join(cfg.run_dir, "cpu_server.log"))
-    supervisors.append(Supervisor("inference server", server))
-    return [server.address]
+    elif is_main:
+        server = launch_cpu_server(model_path, device=cfg.server_device, num_threads=cfg.server_threads,
+                                   random_seed=sampling_seed, log_path=os.path.join(cfg.run_dir, "cpu_server.log"))
+        supervisors.append(Supervisor("inference server", server))
+        addrs = [server.address]
 
-
-def setup(cfg: Config) -> Run:
-    """Ranks, seeds, tokenizer, data, servers, client, actor, weight sync, the resumed checkpoint,
-    logger. Under torchrun every rank holds a shard of the model (FSDP2, lib/actor.py); rank 0 alone
-    runs the servers, the rollouts, evaluation and logging, and every rank trains on its rows of rank
-    0's batch. What was opened before an error is closed again."""
-    check_config(cfg)
-    world_size, rank, cpu_group = init_trainer_ranks()
-    run = Run(cfg=cfg, rank=rank, world_size=world_size, cpu_group=cpu_group,
-              recent_tool_calls=collections.deque(maxlen=cfg.tool_failure_window))
-    try:
-        random.seed(cfg.seed)
-        np.random.seed(cfg.seed)
-        torch.manual_seed(cfg.seed)
-        os.makedirs(cfg.run_dir, exist_ok=True)
-        from transformers import AutoTokenizer
-
-        from lib.wiki_data import default_wiki_dir
-
-        if not run.is_main:
-            dist.barrier()  # rank 0 builds the cache first; the others then find it there
-        if cfg.model_path:  # a known name (smollm2-135m-instruct) is built once and cached; the bundled data by default
-            model_path, data_dir = resolve_model_path(cfg.model_path), cfg.data_dir or default_wiki_dir(seed=0)
-        else:
-            model_path, data_dir = embedded_model_and_data(cfg)
-        if run.is_main and world_size > 1:
-            dist.barrier()
-        if not data_dir:
-            raise ValueError("set data_dir to a folder with train.jsonl, dev.jsonl, test.jsonl (and corpus.jsonl "
-                             "unless retrieval_addr points at a running retrieval server)")
-        run.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        if not cfg.stop_token_ids:  # a turn ends on any of the model's EOS ids (Qwen2.5: <|im_end|> and <|endoftext|>)
-            cfg = run.cfg = dataclasses.replace(cfg, stop_token_ids=model_eos_ids(model_path, run.tokenizer))
-        run.train_items = read_jsonl(os.path.join(data_dir, "train.jsonl"))
-        run.dev_items = read_jsonl(os.path.join(data_dir, "dev.jsonl"))[: cfg.eval_size]
-        run.test_items = read_jsonl(os.path.join(data_dir, "test.jsonl"))[: cfg.test_size]
-
-        # A resumed run seeds the server's sampling by its step, so it does not replay the start of the run.
-        ckpt = os.path.join(cfg.run_dir, "checkpoints", "latest")
-        resume_extra = read_checkpoint_extra(ckpt) if cfg.resume else None
-        sampling_seed = server_seed(cfg.seed, resume_extra["step"] if resume_extra else 0)
-        addrs = start_servers(run, model_path, data_dir, sampling_seed) if run.is_main else []
-
-        # Every client call runs on one event loop in a background thread, so in async mode the
-        # trainer (this thread) can update while episodes run.
-        run.bg = BackgroundLoop()
-        if run.is_main:
-            run.client = InferenceClient(addrs, max_concurrent_requests=cfg.max_concurrent_requests,
-                                         version_cache_key=cfg.prefix_cache_per_version,
-                                         sampling_seed=cfg.seed if cfg.seeded_sampling else None)
-        run.actor = Actor(model_path, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(cfg.adam_betas),
-                          adam_eps=cfg.adam_eps, warmup_steps=cfg.warmup_steps, total_steps=cfg.max_steps,
-                          lr_schedule=cfg.lr_schedule, grad_clip=cfg.grad_clip,
-                          temperature=cfg.temperature, max_tokens_per_mb=cfg.max_tokens_per_mb, dtype=cfg.trainer_dtype,
-                          kl_coef=cfg.kl_coef, ref_model_path=model_path if cfg.kl_coef > 0 else None,
-                          eps_clip_low=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high, loss_agg=cfg.loss_agg,
-                          loss_norm_tokens=cfg.max_tokens,
-                          freeze_embeddings=cfg.freeze_embeddings, packed=cfg.pack_sequences,
-                          behaviour_weight_cap=cfg.behav_imp_weight_cap or None,
-                          behaviour_cap_mode=cfg.behav_imp_weight_mode, attn_implementation=cfg.attn_implementation,
-                          gradient_checkpointing=cfg.trainer_gradient_checkpointing,
-                          compile_layers=cfg.trainer_compile, offload_optimizer=cfg.trainer_offload_optimizer)
+    # Every client call runs on one event loop in a background thread, so in async mode the
+    # trainer (this thread) can update while episodes run.
+    run.bg = BackgroundLoop()
+    if is_main:
+        run.client = InferenceClient(addrs, max_concurrent_requests=cfg.max_concurrent_requests,
+                                     version_cache_key=cfg.prefix_cache_per_version,
+                                     sampling_seed=cfg.seed if cfg.seeded_sampling else None)
 
         async def new_session():  # aiohttp sessions belong to the loop they are made in
             return aiohttp.ClientSession()
+        run.session = run.bg.run(new_session())
+    run.actor = Actor(model_path, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(cfg.adam_betas),
+                      adam_eps=cfg.adam_eps, warmup_steps=cfg.warmup_steps, total_steps=cfg.max_steps,
+                      lr_schedule=cfg.lr_schedule, grad_clip=cfg.grad_clip,
+                      temperature=cfg.temperature, max_tokens_per_mb=cfg.max_tokens_per_mb, dtype=cfg.trainer_dtype,
+                      kl_coef=cfg.kl_coef, ref_model_path=model_path if cfg.kl_coef > 0 else None,
+                      eps_clip_low=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high, loss_agg=cfg.loss_agg,
+                      loss_norm_tokens=cfg.max_tokens, freeze_embeddings=cfg.freeze_embeddings,
+                      packed=cfg.pack_sequences, attn_implementation=cfg.attn_implementation,
+                      gradient_checkpointing=cfg.trainer_gradient_checkpointing, compile_layers=cfg.trainer_compile,
+                      offload_optimizer=cfg.trainer_offload_optimizer,
+                      behaviour_weight_cap=cfg.behav_imp_weight_cap or None,
+                      behaviour_cap_mode=cfg.behav_imp_weight_mode)
 
-        if run.is_main:
-            run.session = run.bg.run(new_session())
-        # Weight sync (lib/weight_sync.py): "disk" = safetensors + /update_weights_from_disk; "nccl" = the
-        # trainer and every server's TP workers join one process group once, then each step broadcasts the
-        # new weights (NCCL on GPUs, gloo on CPUs).
-        run.weight_sync = ServerWeightSync(cfg.weight_sync, run.actor, run.client, run.bg.run, num_servers=len(addrs),
-                                           tp_size=cfg.tp_size, disk_dir=os.path.join(cfg.run_dir, "weights"),
-                                           bucket_mb=cfg.weight_sync_bucket_mb,
-                                           master_address=cfg.weight_sync_master_address)
-        if cfg.resume and resume_extra is None:
-            print(f"--resume True: no checkpoint in {os.path.dirname(ckpt)}; starting from step 0")
-        if resume_extra is not None:
-            load_checkpoint(run, ckpt)
-            if run.is_main:
-                print(f"resumed from step {run.step} (policy version {run.version}); data position "
-                      f"{run.data_position}; server sampling seed {sampling_seed}")
-        if run.is_main:
-            run.client.set_version(run.version)
-            # One run per file: a fresh start moves an earlier run's rows aside, a resume drops the rows of
-            # steps after its checkpoint (they are about to be run again).
-            resume_step = run.step if resume_extra is not None else None
-            run.logger = MetricsLogger(cfg.run_dir, to_dict(cfg), tensorboard=cfg.tensorboard,
-                                       wandb_project=cfg.wandb_project, resume_step=resume_step,
-                                       mlflow=cfg.trace_backend == "mlflow")
-            run.trace_file = open(continue_jsonl(os.path.join(cfg.run_dir, "traces.jsonl"), resume_step), "a")
-            if cfg.mode == "async":
-                run.producer = RolloutProducer(
-                    run.bg, lambda item: rollout_group(run.client, run.session, run.tokenizer, cfg, item,
-                                                       run.retrieval_addr, cfg.temperature, cfg.group_size),
-                    functools.partial(item_at, run), capacity=cfg.async_capacity or (cfg.max_staleness + 1) * cfg.batch_size,
-                    max_staleness=cfg.max_staleness, batch_groups=cfg.batch_size, start_index=run.data_position,
-                    version=run.version)
-    except BaseException:
-        close(run)
-        raise
-    return run
+    # Weight sync (lib/weight_sync.py): "disk" = safetensors + /update_weights_from_disk; "nccl" = the
+    # trainer and every server's TP workers join one process group once, then each step broadcasts the
+    # new weights (NCCL on GPUs, gloo on CPUs).
+    run.weight_sync = ServerWeightSync(cfg.weight_sync, run.actor, run.client, run.bg.run, num_servers=len(addrs),
+                                       tp_size=cfg.tp_size, disk_dir=os.path.join(cfg.run_dir, "weights"),
+                                       bucket_mb=cfg.weight_sync_bucket_mb,
+                                       master_address=cfg.weight_sync_master_address)
+
+    if cfg.resume and resume_extra is None:
+        print(f"--resume True: no checkpoint in {run.ckpt_dir}; starting from step 0")
+    if resume_extra is not None:
+        extra = run.actor.load_checkpoint(os.path.join(run.ckpt_dir, "latest"))
+        run.step, run.version = extra["step"], extra["version"]
+        run.data_position = extra.get("data_position", run.step * cfg.batch_size)
+        random.setstate(extra["python_rng"])
+        if "numpy_rng" in extra:  # checkpoints written before it was saved lack it
+            np.random.set_state(extra["numpy_rng"])
+        torch.set_rng_state(extra["torch_rng"])
+        # The server still holds the initial weights: give it the resumed policy.
+        run.weight_sync.sync(run.version)
+        run.resumed = True
+        if is_main:
+            print(f"resumed from step {run.step} (policy version {run.version}); server sampling seed {sampling_seed}")
+    if is_main:
+        run.client.set_version(run.version)
+        # One run per file: a fresh start moves an earlier run's rows aside, a resume drops the rows of
+        # steps after its checkpoint (they are about to be run again).
+        resume_step = run.step if run.resumed else None
+        run.logger = MetricsLogger(cfg.run_dir, to_dict(cfg), tensorboard=cfg.tensorboard,
+                                   wandb_project=cfg.wandb_project, resume_step=resume_step,
+                                   mlflow=cfg.trace_backend == "mlflow")
+        run.trace_file = open(continue_jsonl(os.path.join(cfg.run_dir, "traces.jsonl"), resume_step), "a")
+        if cfg.mode == "async":
+            run.producer = RolloutProducer(
+                run.bg, lambda item: rollout_group(run.client, run.session, run.tokenizer, cfg, item,
+                                                   run.retrieval_addr, cfg.temperature, cfg.group_size),
+                functools.partial(item_at, run), capacity=cfg.async_capacity or (cfg.max_staleness + 1) * cfg.batch_size,
+                max_staleness=cfg.max_staleness, batch_groups=cfg.batch_size, start_index=run.data_position,
+                version=run.version)
 
 
 def close(run: Run):
-    """Everything setup() opened, in reverse order, also after an error (and after a partial setup)."""
+    """Everything setup() opened, in reverse order; also after an error, when some of it may be missing."""
     try:
         if run.producer is not None:
             run.producer.stop()
-        if run.progress is not None:
-            run.progress.close()
-        if run.trace_file is not None:
-            run.trace_file.close()
-        if run.logger is not None:
-            run.logger.close()
+        for opened in (run.trace_file, run.logger):
+            if opened is not None:
+                opened.close()
         if run.weight_sync is not None:
             run.weight_sync.close()
         if run.session is not None:
@@ -787,17 +791,15 @@ def close(run: Run):
             dist.destroy_process_group()
 
 
-# --- one GRPO step ---
 @functools.lru_cache(maxsize=2)
-def epoch_order(seed: int, epoch: int, num_items: int) -> np.ndarray:
-    return np.random.RandomState(seed + epoch).permutation(num_items)
+def epoch_order(seed: int, num_items: int) -> np.ndarray:
+    return np.random.RandomState(seed).permutation(num_items)
 
 
 def item_at(run: Run, index: int) -> dict:
-    """The training item at `index` of the run's stream of epochs. The order is a function of (seed,
-    index), so a resumed run sees the same questions."""
+    # The data order is a function of (seed, index), so a resumed run sees the same questions.
     epoch, offset = divmod(index, len(run.train_items))
-    return {**run.train_items[epoch_order(run.cfg.seed, epoch, len(run.train_items))[offset]], "index": index}
+    return {**run.train_items[epoch_order(run.cfg.seed + epoch, len(run.train_items))[offset]], "index": index}
 
 
 def run_rollout(run: Run, rollout, what: str):
@@ -806,20 +808,20 @@ def run_rollout(run: Run, rollout, what: str):
     return run.bg.run(rollout, timeout_s=rollout_deadline_s(run.cfg.episode_timeout_s), what=what)
 
 
+# --- one GRPO step ---
 def take_groups(run: Run, num_groups: int, what: str) -> tuple[list, int]:
-    """(groups, how many failed): sync mode rolls out the next items now; async mode takes the oldest
-    groups the producer has been generating. A group with a failed episode (server error, abort, past
-    episode_timeout_s) is dropped and counted, never trained on."""
-    cfg = run.cfg
+    """(groups, how many failed): sync mode rolls out the next items now; async mode takes the
+    oldest groups the producer has been generating."""
     if run.producer is not None:
         failed_before = run.producer.num_failed
-        groups = run.producer.get_groups(num_groups, timeout_s=rollout_deadline_s(cfg.episode_timeout_s))
+        groups = run.producer.get_groups(num_groups, timeout_s=rollout_deadline_s(run.cfg.episode_timeout_s))
         run.data_position = run.producer.data_position()
         return groups, run.producer.num_failed - failed_before
     items = [item_at(run, run.data_position + i) for i in range(num_groups)]
     try:
-        groups, failed = run_rollout(run, rollout_groups(run.client, run.session, run.tokenizer, cfg, items,
-                                                         run.retrieval_addr, cfg.temperature, cfg.group_size), what)
+        groups, failed = run_rollout(run, rollout_groups(run.client, run.session, run.tokenizer, run.cfg, items,
+                                                         run.retrieval_addr, run.cfg.temperature,
+                                                         run.cfg.group_size), what)
     except RuntimeError:
         for s in run.supervisors:
             s.check()  # a dead server is the clearer cause
@@ -842,117 +844,119 @@ def check_tool_failures(run: Run, episodes: list[dict]):
             f"{run.retrieval_addr} (retrieval*.log in {cfg.run_dir}), or raise max_tool_failure_rate")
 
 
-def rollout_step(run: Run) -> tuple[dict | None, list[dict], dict]:
-    """1. rollout and 2. advantages, on rank 0 (other ranks get (None, [], {})). Returns the batch:
-    every episode as one padded row [B, T] (docs/trajectory.md) with `advantages [B]` and `keep [B]`
-    (the rows to train on); the episodes, in the same order; and the rollout's metrics."""
-    cfg, t0 = run.cfg, time.time()
-    if not run.is_main:
-        return None, [], {}
-    for s in run.supervisors:
-        s.check()
-    # 1. rollout: sync mode runs this step's groups now; async mode takes groups that have been
-    # generating in the background (none too stale: lib/async_rollout.py)
-    wasted_before = run.producer.num_wasted_tokens if run.producer else 0
-    groups, failed_groups = take_groups(run, cfg.batch_size, f"step {run.step + 1}'s rollout")
-    # dynamic sampling (DAPO): a group whose rewards are all equal has no learning signal; more groups
-    # are rolled out (at most `refill_rounds` times) until batch_size have some
-    for _ in range(cfg.refill_rounds if cfg.drop_equal_groups else 0):
-        missing = cfg.batch_size - sum(not rewards_all_equal(g) for g in groups)
-        if missing <= 0:
-            break
-        more, failed = take_groups(run, missing, f"step {run.step + 1}'s refill")
-        groups, failed_groups = groups + more, failed_groups + failed
-    episodes = [e for group in groups for e in group]
-    check_tool_failures(run, episodes)
-    batch = concat_padded_tensors([{k: v for k, v in e.items() if isinstance(v, torch.Tensor)} for e in episodes])
-    rewards = batch["rewards"]
-    # versions the update trains on minus those the tokens were sampled under (0 in sync mode)
-    token_staleness = (run.version - batch["versions"])[batch["loss_mask"].bool()].float()
-
-    # 2. advantages (per sequence, broadcast over its tokens by the loss); a group whose rewards are
-    # all equal has advantage exactly 0, and dynamic sampling drops it
+def advantages_and_keep(cfg: Config, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GRPO advantages [B] (below-average ones weighted by neg_adv_scale), whether each row's group
+    has all-equal rewards [B], and the rows to train [B] (dynamic sampling drops those groups)."""
     adv = grpo_advantages(rewards, cfg.group_size, scale_by_std=cfg.scale_adv_by_std)
-    batch["advantages"] = torch.where(adv < 0, adv * cfg.neg_adv_scale, adv)
     equal = equal_reward_groups(rewards, cfg.group_size)
-    batch["keep"] = keep = ~equal if cfg.drop_equal_groups else torch.ones_like(equal)
-    if equal.all():
-        tqdm.write(f"step {run.step + 1}: every group's rewards are equal: no learning signal this step")
-    # sampled tokens of groups not trained on: dropped as stale, or by dynamic sampling
-    wasted_tokens = (run.producer.num_wasted_tokens if run.producer else 0) - wasted_before + int(
-        batch["loss_mask"][~keep].sum())
-    if cfg.colocate_sleep:  # the server is idle until the sync: lend its memory to the trainer
+    keep = ~equal if cfg.drop_equal_groups else torch.ones_like(equal)
+    return torch.where(adv < 0, adv * cfg.neg_adv_scale, adv), equal, keep
+
+
+def rollout_step(run: Run) -> tuple[dict, list[dict], dict]:
+    """1. rollout and 2. advantages, on rank 0; then every rank gets the rows to train. Returns
+    (batch: the kept rows, on every rank, {} when there are fewer than ranks: nothing to train;
+    episodes: rank 0's, each with its `advantages [1]` and `keep [1]`; the rollout's metrics)."""
+    cfg, batch, episodes, metrics = run.cfg, None, [], {}
+    if run.is_main:
+        for s in run.supervisors:
+            s.check()
+        # 1. rollout: sync mode runs this step's groups now; async mode takes groups that have
+        # been generating in the background, dropping any that are too stale.
+        # A group with a failed episode (server error, abort, past episode_timeout_s) is dropped
+        # and counted, never trained on.
+        wasted_before = run.producer.num_wasted_tokens if run.producer else 0
+        groups, failed_groups = take_groups(run, cfg.batch_size, f"step {run.step + 1}'s rollout")
+        # dynamic sampling (DAPO): a group whose rewards are all equal has no learning signal;
+        # more groups are rolled out (at most `refill_rounds` times) until batch_size have some
+        for _ in range(cfg.refill_rounds if cfg.drop_equal_groups else 0):
+            missing = cfg.batch_size - sum(not rewards_all_equal(g) for g in groups)
+            if missing <= 0:
+                break
+            more, failed = take_groups(run, missing, f"step {run.step + 1}'s refill")
+            groups, failed_groups = groups + more, failed_groups + failed
+        episodes = [e for g in groups for e in g]
+        check_tool_failures(run, episodes)
+        full = concat_padded_tensors([{k: v for k, v in e.items() if isinstance(v, torch.Tensor)} for e in episodes])
+        rewards = full["rewards"]
+        # a token's staleness: the version this step trains at minus the version that sampled it
+        token_staleness = (run.version - full["versions"])[full["loss_mask"].bool()].float()
+
+        # 2. advantages (per sequence, broadcast over its tokens by the loss); a group whose
+        # rewards are all equal has advantage exactly 0, and dynamic sampling drops it
+        full["advantages"], equal, keep = advantages_and_keep(cfg, rewards)
+        if equal.all():
+            tqdm.write(f"step {run.step + 1}: every group's rewards are equal: no learning signal this step")
+        batch = {k: v[keep] for k, v in full.items()}
+        for i, e in enumerate(episodes):  # for the traces (tensors: out of a trace record's stats)
+            e["advantages"], e["keep"] = full["advantages"][i:i + 1], keep[i:i + 1]
+        metrics = {
+            "rollout/reward": rewards.mean().item(),
+            "rollout/episodes": len(episodes),
+            "rollout/exact_match": float(np.mean([e["exact_match"] for e in episodes])),
+            "rollout/turns": float(np.mean([e["num_turns"] for e in episodes])),
+            "rollout/tool_calls": float(np.mean([e["num_tool_calls"] for e in episodes])),
+            "rollout/tool_failures": sum(e["num_tool_failures"] for e in episodes),
+            "rollout/answered": float(np.mean([e["finish_reason"] == "answer" for e in episodes])),
+            "rollout/max_tokens_hit": float(np.mean([e["finish_reason"] == "max_tokens" for e in episodes])),
+            "rollout/seq_len": full["attention_mask"].sum(1).float().mean().item(),
+            "rollout/gen_tokens": int(full["loss_mask"].sum()),
+            "rollout/kept_groups": int(keep.sum()) // cfg.group_size,
+            "rollout/equal_reward_groups": int(equal.sum()) // cfg.group_size,
+            "rollout/staleness_mean": token_staleness.mean().item() if token_staleness.numel() else 0.0,
+            "rollout/staleness_max": token_staleness.max().item() if token_staleness.numel() else 0.0,
+            # sampled tokens of groups not trained on: dropped as stale, or by dynamic sampling
+            "rollout/wasted_tokens": (run.producer.num_wasted_tokens if run.producer else 0) - wasted_before
+                                     + int(full["loss_mask"][~keep].sum()),
+            "rollout/failed_groups": failed_groups,
+            "tools/server_restarts": sum(s.restarts for s in run.supervisors),
+        }
+    if cfg.colocate_sleep and run.is_main:  # the server is idle until the sync: lend its memory to the trainer
         run.bg.run(run.client.release_memory_occupation())
-    return batch, episodes, {
-        "rollout/reward": rewards.mean().item(),
-        "rollout/episodes": len(episodes),
-        "rollout/exact_match": float(np.mean([e["exact_match"] for e in episodes])),
-        "rollout/turns": float(np.mean([e["num_turns"] for e in episodes])),
-        "rollout/tool_calls": float(np.mean([e["num_tool_calls"] for e in episodes])),
-        "rollout/tool_failures": sum(e["num_tool_failures"] for e in episodes),
-        "rollout/answered": float(np.mean([e["finish_reason"] == "answer" for e in episodes])),
-        "rollout/max_tokens_hit": float(np.mean([e["finish_reason"] == "max_tokens" for e in episodes])),
-        "rollout/seq_len": batch["attention_mask"].sum(1).float().mean().item(),
-        "rollout/gen_tokens": int(batch["loss_mask"].sum()),
-        "rollout/kept_groups": int(keep.sum()) // cfg.group_size,
-        "rollout/equal_reward_groups": int(equal.sum()) // cfg.group_size,
-        "rollout/staleness_mean": token_staleness.mean().item() if token_staleness.numel() else 0.0,
-        "rollout/staleness_max": token_staleness.max().item() if token_staleness.numel() else 0.0,
-        "rollout/dropped_stale_groups": run.producer.num_dropped_stale if run.producer else 0,
-        "rollout/wasted_tokens": wasted_tokens,
-        "rollout/failed_groups": failed_groups,
-        "tools/server_restarts": sum(s.restarts for s in run.supervisors),
-        "perf/rollout_s": time.time() - t0,
-    }
+    batch = broadcast_from_rank0(batch, run.cpu_group)
+    return (batch if len(batch["rewards"]) >= run.world_size else {}), episodes, metrics  # a row for every rank
 
 
-def train_step(run: Run, batch: dict | None) -> dict:
-    """3. proximal log-probs and 4. the PPO update, on this rank's share of rank 0's kept rows. Adds
-    `trainer_logprobs` to rank 0's batch: per row, its proximal log-probs where this rank scored it."""
-    cfg = run.cfg
-    batch = broadcast_from_rank0(batch, run.cpu_group)  # on rank 0 the same dict
-    kept = {k: v[batch["keep"]] for k, v in batch.items() if k != "keep"}
-    rows = {k: v[run.rank::run.world_size] for k, v in kept.items()}  # this rank's share of the batch
-    run.updated = len(kept["rewards"]) >= run.world_size  # every rank needs a row for the collectives
-
-    # 3. proximal log-probs, recomputed by the trainer (decoupled PPO: `logprobs` stays the behaviour
-    # policy's, as the server reported them). In sync mode the two policies are the same, so their
-    # gap is a bug detector.
+def train_step(run: Run, batch: dict) -> dict:
+    """3. proximal log-probs and 4. the PPO update, on this rank's rows of `batch` (none: nothing
+    to train). This rank's proximal log-probs go to `batch["rank_proximal_logprobs"]` for the traces."""
+    cfg, metrics = run.cfg, {}
+    rows = {k: v[run.rank::run.world_size] for k, v in batch.items()}  # this rank's share of the batch
+    # 3. proximal log-probs, recomputed by the trainer (decoupled PPO: `logprobs` stays the
+    # behaviour policy's, as the server reported them). In sync mode the two policies are
+    # the same, so their gap is a bug detector.
     t1 = time.time()
-    mismatch = {}
-    if run.updated:
-        rows["proximal_logprobs"] = run.actor.compute_logprobs(rows)
+    if batch:
+        rows["proximal_logprobs"] = batch["rank_proximal_logprobs"] = run.actor.compute_logprobs(rows)
         mismatch = logprob_mismatch(rows["proximal_logprobs"], rows["logprobs"], rows["loss_mask"],
                                     cfg.behav_imp_weight_cap or None)
         if (warning := mismatch_warning(mismatch)):
             tqdm.write(warning)
-    t_logp = time.time() - t1
+        metrics.update({f"logprob/{k}": v for k, v in mismatch.items()})  # server vs trainer, all ranks
+    metrics["perf/logp_s"] = time.time() - t1
 
-    # 4. PPO update: one optimizer step per mini-batch; after the first, the policy has moved away
-    # from the proximal one and the clip bounds it. Every rank runs the same number of steps (its
-    # collectives must pair up): the count fits the rank with the fewest rows.
+    # 4. PPO update: one optimizer step per mini-batch; after the first, the policy has moved
+    # away from the proximal one and the clip bounds it. Every rank runs the same number of
+    # steps (its collectives must pair up): the count fits the rank with the fewest rows.
     t2 = time.time()
-    stats = {}
-    if run.updated:
-        num_mb = max(1, min(cfg.ppo_minibatches, len(kept["rewards"]) // run.world_size))
+    if batch:
+        num_mb = max(1, min(cfg.ppo_minibatches, len(batch["rewards"]) // run.world_size))
         parts = minibatch_rows(len(rows["rewards"]), num_mb, seed=cfg.seed + run.step)
         stats = merge_stats([run.actor.update({k: v[part] for k, v in rows.items()}, step=run.step)
                              for part in parts])
         stats["minibatches"] = len(parts)
-    batch["trainer_logprobs"] = trainer_logprobs_by_episode(batch["keep"], rows.get("proximal_logprobs"),
-                                                            run.rank, run.world_size)
-    return {**{f"logprob/{k}": v for k, v in mismatch.items()},  # server vs trainer, all ranks
-            "perf/logp_s": t_logp, "perf/update_s": time.time() - t2,
-            **{f"loss/{k}": v for k, v in stats.items()}}  # rank 0's rows under FSDP
+        metrics.update({f"loss/{k}": v for k, v in stats.items()})  # rank 0's rows under FSDP
+    metrics["perf/update_s"] = time.time() - t2
+    return metrics
 
 
-def sync_weights(run: Run) -> dict:
-    """5. weight sync: pause generation, push the new weights, continue; bump the version. A step that
-    trained nothing leaves the weights and the version as they are (a server that lent its memory,
-    colocate_sleep, gets the same weights back)."""
+def sync_weights(run: Run, trained: bool) -> dict:
+    """5. weight sync: pause generation, push the new weights, continue; bump the version. A step
+    with nothing trained leaves the weights and the version as they are (a server that lent its
+    memory, colocate_sleep, gets the same weights back)."""
     cfg, t3 = run.cfg, time.time()
-    if run.updated or cfg.colocate_sleep:
-        run.version += int(run.updated)
+    if trained or cfg.colocate_sleep:
+        run.version += int(trained)
         # sync mode has nothing in flight: "abort" leaves SGLang in a state it can always flush
         pause_mode = cfg.pause_mode if run.producer is not None else "abort"
         if run.is_main:
@@ -961,8 +965,8 @@ def sync_weights(run: Run) -> dict:
             torch.cuda.empty_cache()  # what the update freed goes back to the driver, for the server
             if run.is_main:
                 run.bg.run(run.client.resume_memory_occupation(["weights"]))
-        # a held request keeps its KV (and SGLang can flush only an idle server: its scheduler dies on
-        # a failed flush), so the prefix cache is flushed only where nothing is held
+        # a held request keeps its KV (and SGLang can flush only an idle server: its scheduler
+        # dies on a failed flush), so the prefix cache is flushed only where nothing is held
         run.weight_sync.sync(run.version, flush_cache=pause_mode == "abort")
         if cfg.colocate_sleep and run.is_main:
             run.bg.run(run.client.resume_memory_occupation(["kv_cache", "cuda_graph"]))
@@ -973,100 +977,103 @@ def sync_weights(run: Run) -> dict:
     return {"perf/sync_s": time.time() - t3}
 
 
-def log_step(run: Run, metrics: dict, episodes: list[dict] | None = None, batch: dict | None = None):
-    """A metrics row at run.step (rank 0); for a training step also its throughput, the trainer's
-    memory, the progress bar and the traces of its first groups."""
-    cfg, actor = run.cfg, run.actor
+def log_step(run: Run, metrics: dict, episodes: list[dict], batch: dict):
+    """6. log (rank 0): the step's metrics row, with the dev evaluation every eval_every steps, and
+    its traces (after step 3: trainer log-probs exist)."""
     if not run.is_main:
         return
-    if episodes is not None:
-        metrics["perf/gen_tokens_per_s"] = metrics["rollout/gen_tokens"] / max(metrics["perf/rollout_s"], 1e-6)
-        metrics["perf/trained_tokens_per_s"] = metrics["rollout/gen_tokens"] / max(metrics["perf/step_s"], 1e-6)
-        if actor.device.type == "cuda":  # the trainer's high-water mark this step and what it holds now
-            # (while the server generates), and the GPU's free memory now
-            metrics["perf/trainer_peak_mem_gb"] = torch.cuda.max_memory_allocated(actor.device) / 1e9
-            metrics["perf/trainer_mem_gb"] = torch.cuda.memory_allocated(actor.device) / 1e9
-            metrics["perf/gpu_free_gb"] = torch.cuda.mem_get_info(actor.device)[0] / 1e9
-            torch.cuda.reset_peak_memory_stats(actor.device)
+    cfg = run.cfg
+    metrics.update({
+        "rollout/dropped_stale_groups": run.producer.num_dropped_stale if run.producer else 0,
+        "perf/gen_tokens_per_s": metrics["rollout/gen_tokens"] / max(metrics["perf/rollout_s"], 1e-6),
+        "perf/trained_tokens_per_s": metrics["rollout/gen_tokens"] / max(metrics["perf/step_s"], 1e-6),
+    })
+    if run.actor.device.type == "cuda":  # the trainer's high-water mark this step and what it holds now
+        # (while the server generates), and the GPU's free memory now
+        metrics["perf/trainer_peak_mem_gb"] = torch.cuda.max_memory_allocated(run.actor.device) / 1e9
+        metrics["perf/trainer_mem_gb"] = torch.cuda.memory_allocated(run.actor.device) / 1e9
+        metrics["perf/gpu_free_gb"] = torch.cuda.mem_get_info(run.actor.device)[0] / 1e9
+        torch.cuda.reset_peak_memory_stats(run.actor.device)
+    if cfg.eval_every and run.step % cfg.eval_every == 0:
+        metrics.update({f"eval/{k}": v for k, v in run_evaluation(run, "eval", run.dev_items, log=False).items()})
     run.logger.log(run.step, metrics)
-    if episodes is None:
-        return
-    run.progress.update(1)
-    run.progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", dev_em=metrics.get("eval/exact_match", ""))
-    if cfg.trace_every and run.step % cfg.trace_every == 0:  # after train_step: trainer log-probs exist
-        records = trace_records(run.step, episodes, batch["advantages"], batch["trainer_logprobs"], run.tokenizer,
-                                cfg.group_size, cfg.trace_groups, context_role="tool",
+    if cfg.trace_every and run.step % cfg.trace_every == 0:
+        keep = torch.cat([e["keep"] for e in episodes])
+        trainer_lp = trainer_logprobs_by_episode(keep, batch.get("rank_proximal_logprobs"), run.rank, run.world_size)
+        records = trace_records(run.step, episodes, torch.cat([e["advantages"] for e in episodes]), trainer_lp,
+                                run.tokenizer, cfg.group_size, cfg.trace_groups, context_role="tool",
                                 correct=lambda e: e["exact_match"], tool_failures=lambda e: e["num_tool_failures"])
         write_traces(run.trace_file, records)
         run.logger.log_traces(run.step, records)
 
 
 def save_checkpoint(run: Run):
-    run.actor.save_checkpoint(os.path.join(run.cfg.run_dir, "checkpoints", "latest"), extra={
+    """7. checkpoint: model, optimizer, scheduler (every rank writes its shard), the counters and the RNGs."""
+    run.actor.save_checkpoint(os.path.join(run.ckpt_dir, "latest"), extra={
         "step": run.step, "version": run.version, "data_position": run.data_position,
         "python_rng": random.getstate(), "numpy_rng": np.random.get_state(), "torch_rng": torch.get_rng_state()})
 
 
-def load_checkpoint(run: Run, path: str):
-    """The trainer's state and the counters and random states of save_checkpoint; the server still
-    holds the initial weights, so it gets the resumed policy."""
-    extra = run.actor.load_checkpoint(path)
-    run.step, run.version = extra["step"], extra["version"]
-    run.data_position = extra.get("data_position", run.step * run.cfg.batch_size)
-    random.setstate(extra["python_rng"])
-    if "numpy_rng" in extra:  # checkpoints written before it was saved lack it
-        np.random.set_state(extra["numpy_rng"])
-    torch.set_rng_state(extra["torch_rng"])
-    run.weight_sync.sync(run.version)
-
-
-def run_evaluation(run: Run, split: str, items: list[dict]) -> dict:
-    """Greedy, one episode per question (rank 0; {} elsewhere): metrics under f"{split}/...", printed."""
-    if not run.is_main:
-        return {}
+def run_evaluation(run: Run, split: str, items: list[dict], log: bool = True) -> dict:
+    """Greedy episodes on `items` (rank 0): their metrics, also logged under `{split}/...` at this
+    step unless `log` is False (log_step adds the dev evaluation to the step's row)."""
+    what = "the test evaluation" if split == "test" else f"step {run.step}'s evaluation"
     metrics = run_rollout(run, evaluate(run.client, run.session, run.tokenizer, run.cfg, items, run.retrieval_addr),
-                          f"step {run.step}'s {split} evaluation")
-    tqdm.write(f"{split} after {run.step} steps: {metrics}")
-    return {f"{split}/{k}": v for k, v in metrics.items()}
+                          what)
+    if log:
+        run.logger.log(run.step, {f"{split}/{k}": v for k, v in metrics.items()})
+    return metrics
 
 
 def out_of_time(run: Run, start: float) -> bool:
     # Under torchrun rank 0's clock decides for every rank, so all ranks leave the loop together.
-    cfg = run.cfg
-    return broadcast_from_rank0(bool(cfg.time_budget_s) and time.time() - start > cfg.time_budget_s, run.cpu_group)
+    budget = run.cfg.time_budget_s
+    return broadcast_from_rank0(bool(budget) and time.time() - start > budget, run.cpu_group)
 
 
 # --- main: the GRPO loop ---
 def main(config: str | None = "configs/search_tiny.yaml", **overrides):
-    run = setup(load_config(Config, config, overrides))
+    cfg = load_config(Config, config, overrides)
+    run = setup(cfg)
     cfg = run.cfg
     try:
-        if run.step == 0 and cfg.eval_every:  # a learning curve's starting points
-            log_step(run, run_evaluation(run, "eval", run.dev_items))
-        if run.step == 0 and cfg.test_at_start:
-            log_step(run, run_evaluation(run, "test", run.test_items))
+        if run.is_main and run.step == 0 and cfg.eval_every:
+            print(f"step 0 dev: {run_evaluation(run, 'eval', run.dev_items)}")
+        if run.is_main and run.step == 0 and cfg.test_at_start:
+            print(f"test before training: {run_evaluation(run, 'test', run.test_items)}")
         if run.producer is not None:
             run.producer.start()
-        run.progress = tqdm(total=cfg.max_steps, initial=run.step, desc=f"GRPO ({cfg.mode})", disable=not run.is_main)
+        progress = tqdm(total=cfg.max_steps, initial=run.step, desc=f"GRPO ({cfg.mode})", disable=not run.is_main)
         train_start, stopping = time.time(), False
         while run.step < cfg.max_steps and not stopping:
             t0 = time.time()
-            batch, episodes, metrics = rollout_step(run)  # 1. rollout, 2. advantages
-            metrics |= train_step(run, batch)  # 3. proximal log-probs, 4. PPO update
-            metrics |= sync_weights(run)  # 5. weight sync, version bump
+            # 1. rollout, 2. advantages: the rows to train, on every rank
+            batch, episodes, metrics = rollout_step(run)
+            metrics["perf/rollout_s"] = time.time() - t0
+            # 3. proximal log-probs, 4. PPO update: each rank on its share of the rows
+            metrics.update(train_step(run, batch))
+            # 5. weight sync and version bump, when anything was trained
+            metrics.update(sync_weights(run, trained=bool(batch)))
             run.step += 1
+            # 6. log
             metrics["perf/step_s"] = time.time() - t0
-            if cfg.eval_every and run.step % cfg.eval_every == 0:  # 6. evaluation
-                metrics |= run_evaluation(run, "eval", run.dev_items)
-            log_step(run, metrics, episodes, batch)  # 7. log
+            log_step(run, metrics, episodes, batch)
+            progress.update(1)
+            if run.is_main:
+                progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", dev_em=metrics.get("eval/exact_match", ""))
+            # 7. checkpoint
             stopping = out_of_time(run, train_start)
             if cfg.checkpoint_every and (run.step % cfg.checkpoint_every == 0 or run.step == cfg.max_steps or stopping):
-                save_checkpoint(run)  # 8. checkpoint
-        run.progress.close()
-        if run.producer is not None:  # the test evaluation has the servers to itself
+                save_checkpoint(run)
+        progress.close()
+        if run.producer is not None:  # the test evaluation alone uses the server
             run.producer.stop()
-        test_metrics = run_evaluation(run, "test", run.test_items)
-        log_step(run, test_metrics)
+            run.producer = None
+
+        test_metrics = None
+        if run.is_main:
+            test_metrics = run_evaluation(run, "test", run.test_items)
+            print(f"test after {run.step} steps: {test_metrics}")
         run.actor.save_hf(os.path.join(cfg.run_dir, "final"))
         return test_metrics
     finally:

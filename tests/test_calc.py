@@ -387,3 +387,21 @@ def test_async_mode_with_pause_mode_abort_runs_two_steps_within_the_staleness_bo
         assert r["rollout/staleness_max"] <= 1 and r["rollout/failed_groups"] == 0
         assert r["logprob/server_trainer_abs_diff_mean"] < 0.05
     assert os.path.exists(os.path.join(run_dir, "final", "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_train_on_their_share_of_rank0s_batch(tmp_path):
+    run_dir = str(tmp_path / "fsdp")
+    settings = dict(zip(SMALL[::2], SMALL[1::2]))
+    settings.update({"--batch_size": "3", "--group_size": "3", "--ppo_minibatches": "2", "--checkpoint_every": "0",
+                     "--max_steps": "2", "--weight_sync": "nccl"})  # FSDP2 and the weight broadcast over gloo
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "train_calc.py",
+            "--run_dir", run_dir, *[x for kv in settings.items() for x in kv]]
+    out = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [r for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if "rollout/reward" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:  # 9 episodes per step, 5 and 4 per rank; loss stats are rank 0's
+        assert r["loss/minibatches"] == 2 and r["logprob/server_trainer_abs_diff_max"] < 1e-3
+        assert r["loss/num_tokens"] < r["rollout/gen_tokens"]
+    assert os.path.exists(os.path.join(run_dir, "final", "model.safetensors"))

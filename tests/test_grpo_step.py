@@ -1,6 +1,6 @@
-"""One GRPO step of train_search.py, train_calc.py and train_tir.py, phase by phase (rollout_step,
-train_step, sync_weights) without servers: the rollouts are scripted groups of rewards, the actor
-records its updates. The three scripts share these phases; each is checked on each script."""
+"""One GRPO step of the training scripts, phase by phase (rollout_step, train_step, sync_weights)
+without servers: the rollouts are scripted groups of rewards, the actor records its updates. The
+scripts share these phases; each is checked on each script."""
 import collections
 import dataclasses
 import time
@@ -10,11 +10,12 @@ import pytest
 import torch
 
 import train_calc
+import train_reflect
 import train_search
 import train_tir
 from lib.async_rollout import BackgroundLoop
 
-SCRIPTS = [train_search, train_calc, train_tir]
+SCRIPTS = [train_search, train_reflect, train_calc, train_tir]
 
 
 def fake_episode(reward: float, version: int = 0, gen_tokens: int = 3) -> dict:
@@ -28,7 +29,7 @@ def fake_episode(reward: float, version: int = 0, gen_tokens: int = 3) -> dict:
             "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
             "rewards": torch.tensor([reward], dtype=torch.float32),
             "num_turns": 1, "num_tool_calls": 1, "num_tool_failures": 0, "finish_reason": "answer",
-            "exact_match": reward, "void_turn": False}
+            "exact_match": reward, "void_turn": False, "correct_turn": int(reward), "shows_work": True}
 
 
 class CountingPool:  # the reward pool's counters, read by rollout_step
@@ -83,12 +84,16 @@ def script(request, monkeypatch):
         loop.close()
 
 
+def keep_of(episodes):
+    return torch.cat([e["keep"] for e in episodes]).tolist()
+
+
 def test_dynamic_sampling_refills_the_batch_until_it_has_batch_size_groups_with_a_learning_signal(script):
     run = script.new_run(drop_equal_groups=True, refill_rounds=2)
     script.scripted.rewards = [[[1.0, 1.0], [0.0, 1.0]], [[1.0, 0.0]]]  # one equal group, then the one missing
     batch, episodes, metrics = script.m.rollout_step(run)
     assert script.scripted.calls == [2, 1] and run.data_position == 3 and len(episodes) == 6
-    assert batch["keep"].tolist() == [False, False, True, True, True, True]
+    assert keep_of(episodes) == [False, False, True, True, True, True] and len(batch["rewards"]) == 4
     assert metrics["rollout/kept_groups"] == 2 and metrics["rollout/equal_reward_groups"] == 1
     assert metrics["rollout/wasted_tokens"] == 6  # the equal group's sampled tokens, not trained on
 
@@ -96,15 +101,17 @@ def test_dynamic_sampling_refills_the_batch_until_it_has_batch_size_groups_with_
 def test_refill_stops_after_refill_rounds(script):
     run = script.new_run(drop_equal_groups=True, refill_rounds=1)
     script.scripted.rewards = [[[1.0, 1.0], [0.0, 0.0]], [[1.0, 1.0], [0.0, 0.0]]]
-    batch, _, metrics = script.m.rollout_step(run)
-    assert script.scripted.calls == [2, 2] and not batch["keep"].any() and metrics["rollout/kept_groups"] == 0
+    batch, episodes, metrics = script.m.rollout_step(run)
+    assert script.scripted.calls == [2, 2] and not any(keep_of(episodes)) and metrics["rollout/kept_groups"] == 0
+    assert batch == {}  # nothing to train
 
 
 def test_neg_adv_scale_weights_the_below_average_episodes(script):
     script.scripted.rewards = [[[0.0, 1.0], [1.0, 0.0]]] * 2
     full = script.m.rollout_step(script.new_run())[0]["advantages"]
-    scaled = script.m.rollout_step(script.new_run(neg_adv_scale=0.5))[0]["advantages"]
-    assert (full < 0).sum() == 2 and torch.equal(scaled, torch.where(full < 0, full * 0.5, full))
+    batch, episodes, _ = script.m.rollout_step(script.new_run(neg_adv_scale=0.5))
+    assert (full < 0).sum() == 2 and torch.equal(batch["advantages"], torch.where(full < 0, full * 0.5, full))
+    assert torch.equal(torch.cat([e["advantages"] for e in episodes]), batch["advantages"])  # for the traces
 
 
 def test_staleness_is_the_trained_version_minus_the_sampled_one(script):
@@ -121,9 +128,9 @@ def test_ppo_minibatches_split_the_kept_rows_into_that_many_optimizer_steps(scri
     script.scripted.rewards = [[[0.0, 1.0], [1.0, 0.0]]]
     batch = script.m.rollout_step(run)[0]
     metrics = script.m.train_step(run, batch)
-    assert run.updated and run.actor.updates == updates and metrics["loss/minibatches"] == len(updates)
+    assert run.actor.updates == updates and metrics["loss/minibatches"] == len(updates)
     assert metrics["loss/num_tokens"] == 12  # every generated token once
-    assert all(lp is not None for lp in batch["trainer_logprobs"])
+    assert batch["rank_proximal_logprobs"].shape == batch["logprobs"].shape  # for the traces
 
 
 def test_a_step_with_nothing_to_train_keeps_the_weights_and_the_version(script):
@@ -131,9 +138,9 @@ def test_a_step_with_nothing_to_train_keeps_the_weights_and_the_version(script):
     script.scripted.rewards = [[[1.0, 1.0], [0.0, 0.0]]]
     batch = script.m.rollout_step(run)[0]
     metrics = script.m.train_step(run, batch)
-    assert not run.updated and run.actor.updates == [] and "loss/minibatches" not in metrics
-    script.m.sync_weights(run)  # no client: a pause or a sync would fail here
-    assert run.version == 0 and batch["trainer_logprobs"] == [None] * 4
+    assert batch == {} and run.actor.updates == [] and "loss/minibatches" not in metrics
+    script.m.sync_weights(run, trained=bool(batch))  # no client: a pause or a sync would fail here
+    assert run.version == 0
 
 
 def test_the_time_budget_ends_the_loop_once_spent(script):
