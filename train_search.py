@@ -193,7 +193,7 @@ def build_prompt_ids(tokenizer, question: str, apply_chat_template: bool, templa
 def _last_tag(text: str, tag: str) -> str | None:
     """Content of the last complete <tag> ... </tag>, stripped; None if there is none or it is empty.
     One pass over the tags (linear time: model output is untrusted, and a regex from every unclosed
-    opening tag to the end was quadratic). A closing tag pairs with the latest opening tag before it,
+    opening tag to the end would be quadratic). A closing tag pairs with the latest opening tag before it,
     so a nested or restarted tag keeps its innermost part."""
     contents, opened_at = [], None
     for m in re.finditer(rf"<(/?){tag}>", text, flags=re.IGNORECASE):
