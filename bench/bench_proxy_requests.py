@@ -5,7 +5,9 @@ handling is timed), wall and CPU time of this process per request.
     python bench/bench_proxy_requests.py            # 128 concurrent requests, 32 tokens each, 3 repetitions
     python bench/bench_proxy_requests.py --model-path tiny --turns 4 --responses   # no warm start to build; 4-turn conversations
 
-Paths: `tokens` (lib's client posting the prompt ids, as the token loop does), `raw http` (an
+Paths: `tokens` (lib's client posting the prompt ids, as the token loop does), `proxy handler`
+(the proxy's handler called in-process with a stand-in client that answers at once: what the proxy
+itself costs, with no HTTP, no SDK and no inference client), `raw http` (an
 aiohttp client posting the chat request to lib/openai_proxy.py: the proxy's own cost on top of
 `tokens`), `sdk httpx`, `sdk aiohttp` and `sdk in_process` (the openai SDK posting it, over its
 default httpx transport, over `DefaultAioHttpClient`, and handed to the proxy without a socket by
@@ -19,6 +21,7 @@ after a warm-up one.
 import argparse
 import asyncio
 import gc
+import json
 import multiprocessing
 import os
 import statistics
@@ -30,7 +33,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import train_reflect as tr  # noqa: E402
-from lib.client import InferenceClient  # noqa: E402
+from lib.client import Generation, InferenceClient  # noqa: E402
 from lib.openai_proxy import OpenAIProxy  # noqa: E402
 
 QUESTION = "Tom has 3 apples and buys 4 more. How many apples does he have?"
@@ -46,10 +49,29 @@ def serve(model_path: str, reply_tokens: int, address_queue):
     from lib.scripted_server import Reply, ScriptedServer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    ids = tokenizer("the answer is" + " seven" * reply_tokens, add_special_tokens=False)["input_ids"][:reply_tokens - 1]
-    server = ScriptedServer(tokenizer, [Reply(ids=ids, eos=True)]).__enter__()
+    server = ScriptedServer(tokenizer, [Reply(ids=reply_ids(tokenizer, reply_tokens), eos=True)]).__enter__()
     address_queue.put(server.address)
     threading.Event().wait()
+
+
+def reply_ids(tokenizer, reply_tokens: int) -> list[int]:
+    """The reply every request gets, EOS not included."""
+    return tokenizer("the answer is" + " seven" * reply_tokens, add_special_tokens=False)["input_ids"][:reply_tokens - 1]
+
+
+class InstantClient:
+    """lib.client.InferenceClient's generate, answered at once with `ids` then EOS."""
+
+    def __init__(self, ids: list[int], eos: int):
+        self.ids, self.eos = ids + [eos], eos
+
+    async def generate(self, prompt, **_):
+        n = len(self.ids)
+        return Generation(output_ids=list(self.ids), logprobs=[-0.1] * n, finish_reason="stop", matched=self.eos, text="",
+                          prompt_tokens=len(prompt), cached_tokens=0, weight_version="0", versions=[0] * n)
+
+    def end_trajectory(self, key):
+        pass
 
 
 def main():
@@ -113,6 +135,21 @@ def main():
                     history += [{"role": "assistant", "content": text}, {"role": "user", "content": "Check it."}]
             return run
 
+        instant = OpenAIProxy(InstantClient(reply_ids(tokenizer, args.reply_tokens), eos[0]), tokenizer,
+                              stop_token_ids=eos, max_context_tokens=1024, default_max_tokens=64)
+
+        async def handler():
+            key = instant.new_session()
+
+            async def send(history):
+                body = json.dumps({"model": "policy", "messages": history, "max_tokens": 64, "temperature": 0}).encode()
+                status, payload, record = await instant._answer("POST", "/v1/chat/completions", f"Bearer {key}", body)
+                assert status == 200, payload
+                record()  # as a transport does when it hands the answer over
+                return payload["choices"][0]["message"]["content"]
+            await conversation(send)()
+            instant.end_session(key)
+
         async def raw():
             key = proxy.new_session()
 
@@ -166,7 +203,7 @@ def main():
                 proxy.end_session(key)
             return request
 
-        paths = {"tokens": tokens, "raw http": raw, "sdk httpx": sdk("httpx"), "sdk aiohttp": sdk("aiohttp"),
+        paths = {"tokens": tokens, "proxy handler": handler, "raw http": raw, "sdk httpx": sdk("httpx"), "sdk aiohttp": sdk("aiohttp"),
                  "sdk in_process": sdk("in_process")}
         if args.responses:
             paths["sdk aiohttp responses"] = responses

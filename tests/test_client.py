@@ -235,6 +235,27 @@ def test_a_streamed_generation_cut_by_a_pause_resumes_and_hands_over_every_token
     assert [lp for _, lps, _ in runs for lp in lps] == resumed.logprobs
 
 
+def test_an_in_place_pause_holds_a_streamed_generation_which_then_goes_on(server, prompt):
+    max_new_tokens = CONTEXT_LENGTH - len(prompt)
+    runs = []
+
+    async def body(client):
+        inflight = asyncio.create_task(client.generate(prompt, max_new_tokens=max_new_tokens, temperature=0.0,
+                                                       extra_sampling_params={"ignore_eos": True},
+                                                       on_tokens=lambda *run: runs.append(run)))
+        await _until_running(client)
+        await client.pause_generation("in_place")
+        await asyncio.sleep(0.2)  # a step under way when the pause came may still land
+        held = len(runs)
+        await asyncio.sleep(0.5)
+        assert len(runs) == held and not inflight.done(), "nothing is streamed while paused"
+        await client.continue_generation()
+        return await inflight, held
+    gen, held = with_client([server.address], body)
+    assert gen.num_resumes == 0 and len(runs) > held
+    assert [t for ids, _, _ in runs for t in ids] == gen.output_ids and len(gen.output_ids) == max_new_tokens
+
+
 def test_a_streamed_generation_equals_a_plain_one_with_the_same_seed(server, prompt):
     runs = []
 
