@@ -37,11 +37,25 @@ class ReplyText:
         self.tokenizer, self.stop, self.parse_tools, self.thinking = tokenizer, stop or [], parse_tools, thinking
         self.ids: list[int] = []
         self.sent = {"reasoning": "", "content": ""}
+        # A byte-level BPE decodes a token sequence as its bytes, so the text of the tokens so far is
+        # the text up to the last whole character plus the decoding of the tokens since: each step
+        # decodes its new tokens only (a whole decoding each step is quadratic in the reply's length).
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.by_parts = (type(getattr(backend, "decoder", None)).__name__ == "ByteLevel"
+                         and not getattr(tokenizer, "clean_up_tokenization_spaces", True))
+        self.text, self.undecoded = "", []  # by parts: the text through the last whole character; the tokens since
 
     def add(self, ids: list[int]) -> list[tuple[str, str]]:
         """The deltas the tokens so far (these new `ids` appended) allow to send."""
         self.ids += ids
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True).rstrip("\ufffd")  # a character may be half
+        if self.by_parts:
+            self.undecoded += ids
+            tail = self.tokenizer.decode(self.undecoded, skip_special_tokens=True)
+            if not tail.endswith("\ufffd"):  # a character may be half
+                self.text, self.undecoded = self.text + tail, []
+            text = self.text
+        else:
+            text = self.tokenizer.decode(self.ids, skip_special_tokens=True).rstrip("\ufffd")
         for stop in self.stop:
             text = until(text, stop)
         return self._deltas(*self._sendable(text))

@@ -22,6 +22,7 @@ REPLIES = {  # what the model writes, and the request fields that read it
     "a stop string": ("<answer> Pem Varo </answer> and more", {"stop": ["</answer>"]}),
     "thinking": ("<think>The founder is named in the text.</think>\n\nPem Varo.", {}),
     "leading space": ("  Pem Varo.", {"tools": [SEARCH_TOOL]}),
+    "characters split across tokens": ("Pem Varo héllo 🎉 ok", {}),
 }
 
 
@@ -172,3 +173,14 @@ def test_a_client_that_leaves_mid_stream_stops_the_generation_and_nothing_is_rec
     assert episode["segments"] == [] and episode["requests"] == 0
     assert server.control_calls == ["/abort_request"]
     assert server.control_bodies[0]["rid"] == server.requests[0]["rid"]
+
+
+def test_reply_text_decoded_token_by_token_is_the_whole_decoding(tokenizer):
+    from lib.reply_stream import ReplyText
+    text = "Pem Varo héllo 🎉 ok, naïve café – 東京 " * 8 + "<answer> done </answer>"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    stream = ReplyText(tokenizer, stop=None, parse_tools=False, thinking=None)
+    assert stream.by_parts  # a byte-level BPE: each token is decoded alone
+    sent = "".join(delta for i in ids for _, delta in stream.add([i]))
+    whole = tokenizer.decode(ids, skip_special_tokens=True)
+    assert sent == whole and stream.finish(None, whole) == []
