@@ -49,7 +49,7 @@ hold is refused before it is tokenized, and tokenizing and checkpoint reads run 
 so /health keeps answering; a client that disconnects cancels its handler and frees its rows at the
 next step (pauses, weight updates and group joins run to the end regardless). A request that breaks
 a step fails alone where it can be told apart: a row with no token left to sample ends with an
-abort, and a failed prefill is retried one newcomer at a time (Runner.step).
+abort, and a failed prefill is retried one newcomer at a time (lib/cpu_engine.py, Runner.step).
 """
 import argparse
 import asyncio
