@@ -135,6 +135,9 @@ class Config:
     # they go on under the new weights, "abort" cuts them (the client re-sends prompt + output) and
     # flushes the prefix cache (docs/client.md)
     pause_mode: str = "in_place"
+    # each request names its policy version as SGLang's prefix-cache namespace (`extra_key`), so no
+    # prefix cached under other weights is reused; False: old prefixes are reused (servers without extra_key)
+    prefix_cache_per_version: bool = True
     # --- warm start (embedded default only) ---
     warm_start_steps: int = 300  # SFT steps on demonstrations built from the gold solutions
     warm_start_lr: float = 2e-3
@@ -567,7 +570,7 @@ def _setup(run: Run):
     # trainer (this thread) can update while episodes run.
     run.bg = BackgroundLoop()
     if is_main:
-        run.client = InferenceClient(addrs)
+        run.client = InferenceClient(addrs, version_cache_key=cfg.prefix_cache_per_version)
         run.reward_pool = RewardPool(cfg.reward_workers, cfg.reward_timeout_s, preload=reward_fn)
     run.actor = Actor(model_path, lr=cfg.lr, grad_clip=cfg.grad_clip,
                       temperature=cfg.temperature, max_tokens_per_mb=cfg.max_tokens_per_mb, dtype=cfg.trainer_dtype,
