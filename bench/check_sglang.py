@@ -177,6 +177,84 @@ class Checks:
         assert worst < bound, f"mean |d| {worst:.3g} >= {bound} ({self.dtype} server vs fp32 reference)"
         return f"vs fp32 transformers on {self.device}, {self.dtype} server: " + "; ".join(lines)
 
+    async def streamed_equals_plain(self):
+        # lib.client's streamed generate (SGLang's `stream: true`): the runs handed to on_tokens arrive
+        # while the turn decodes and join into exactly the plain (non-streamed) greedy generation.
+        c, n = self.client, 64
+        plain = await c.generate(self.prompts[3], max_new_tokens=n, temperature=0.0, extra_sampling_params={"ignore_eos": True})
+        runs, arrivals, t0 = [], [], time.monotonic()
+
+        def on_tokens(ids, logprobs, tops):
+            runs.append((list(ids), list(logprobs)))
+            arrivals.append(time.monotonic() - t0)
+
+        streamed = await c.generate(self.prompts[3], max_new_tokens=n, temperature=0.0, on_tokens=on_tokens,
+                                    extra_sampling_params={"ignore_eos": True})
+        total_s = time.monotonic() - t0
+        joined = [t for ids, _ in runs for t in ids]
+        assert streamed.output_ids == plain.output_ids == joined, "streamed ids differ from the plain generation"
+        assert [lp for _, lps in runs for lp in lps] == streamed.logprobs
+        assert len(runs) > 1, f"one run only: the reply came whole ({len(joined)} tokens)"
+        diff = max(abs(a - b) for a, b in zip(streamed.logprobs, plain.logprobs))
+        assert diff < 5e-2, f"streamed and plain log-probs differ by {diff:.3g}"
+        return (f"{len(runs)} runs for {n} tokens, first after {arrivals[0]:.3f} s of {total_s:.3f} s; ids equal the plain "
+                f"generation, log-probs within {diff:.2e}")
+
+    async def streamed_through_a_pause(self):
+        c = self.client
+        n = self.long_generation_tokens(3.0)
+        got = []
+        c.set_version(20)
+        task = asyncio.create_task(c.generate(self.prompts[2], max_new_tokens=n, temperature=0.0,
+                                              on_tokens=lambda ids, lps, tops: got.extend(ids),
+                                              extra_sampling_params={"ignore_eos": True}))
+        await asyncio.sleep(min(1.0, 0.3 * n / (self.decode_tokens_per_s or 50)))
+        await c.pause_generation()
+        await asyncio.sleep(0.3)
+        await c.continue_generation(version=21)
+        gen = await task
+        c.set_version(0)
+        k = gen.versions.count(20)
+        assert gen.num_resumes == 1, f"expected one resume, got {gen.num_resumes}"
+        assert got == gen.output_ids and len(gen.output_ids) == n and 0 < k < n
+        return f"streamed {n} tokens through a pause at token {k}, every token handed over once"
+
+    async def top_logprobs(self):
+        k = 5
+        gen = await self.client.generate(self.prompts[1], max_new_tokens=16, top_logprobs=k,
+                                         extra_sampling_params={"ignore_eos": True})
+        assert gen.top_logprobs is not None and len(gen.top_logprobs) == len(gen.output_ids)
+        for lp, tops in zip(gen.logprobs, gen.top_logprobs):
+            assert len(tops) == k, tops
+            values = [v for v, _ in tops]
+            assert values == sorted(values, reverse=True), "top log-probs not in decreasing order"
+            assert lp <= values[0] + 1e-3, f"sampled token's log-prob {lp} above the top one {values[0]}"
+        hits = sum(tok in [t for _, t in tops] for tok, tops in zip(gen.output_ids, gen.top_logprobs))
+        greedy = await self.client.generate(self.prompts[1], max_new_tokens=16, top_logprobs=k, temperature=0.0,
+                                            extra_sampling_params={"ignore_eos": True})
+        assert all(tops[0][1] == tok for tok, tops in zip(greedy.output_ids, greedy.top_logprobs)), \
+            "a greedy token is not the first of its top log-probs"
+        return (f"{k} per token, decreasing; sampled (T=1) token among them at {hits}/{len(gen.output_ids)} steps; "
+                f"greedy: always the first")
+
+    async def cancelled_generate_aborts_its_request(self):
+        # A caller that gives up (the proxy's client disconnected, an episode's deadline) cancels the
+        # generate: the client posts /abort_request with that request's rid, and the server stops it.
+        n = self.long_generation_tokens(20.0)
+        task = asyncio.create_task(self.client.generate(self.prompts[4], max_new_tokens=n,
+                                                        extra_sampling_params={"ignore_eos": True}))
+        await asyncio.sleep(1.0)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 10:
+            running = await _running_requests(self.client)
+            if running == 0:
+                break
+            await asyncio.sleep(0.2)
+        assert running == 0, f"{running} requests still running 10 s after the cancel"
+        return f"cancelled a {n}-token request after 1 s: 0 running {time.monotonic() - t0:.2f} s later"
+
     async def error_400(self):
         try:
             await self.client.generate(self.prompts[0], max_new_tokens=self.context_length + 1)
@@ -257,6 +335,19 @@ class Checks:
         return f"model_type {model_info.get('model_type')}, server version {server_info.get('version')}"
 
 
+async def _running_requests(client) -> int:
+    """Requests the server holds now: lib.cpu_server reports them in /get_server_info, SGLang per
+    scheduler in /get_load (`num_reqs`: running and waiting)."""
+    info = (await client.get_server_info())[0]
+    if "num_running_requests" in info:
+        return int(info["num_running_requests"]) + int(info.get("num_waiting_requests", 0))
+    load = await client._request("GET", client.addresses[0], "/get_load")
+    loads = load if isinstance(load, list) else [load]
+    if loads and all(isinstance(x, dict) and "num_reqs" in x for x in loads):
+        return sum(int(x["num_reqs"]) for x in loads)
+    raise AssertionError(f"no running-request count: /get_server_info keys {sorted(info)[:20]}, /get_load {str(load)[:200]}")
+
+
 async def run_checks(address: str, model_path: str, out_dir: str, dtype: str, context: int) -> list[dict]:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -264,7 +355,8 @@ async def run_checks(address: str, model_path: str, out_dir: str, dtype: str, co
     checks = Checks(client, tokenizer, model_path, context, dtype, device, out_dir)
     results = []
     for name in ["generate_single", "generate_16_concurrent", "stop_strings", "stop_token_ids",
-                 "logprobs_vs_transformers", "error_400", "pause_continue_inflight", "abort_request",
+                 "logprobs_vs_transformers", "streamed_equals_plain", "streamed_through_a_pause", "top_logprobs",
+                 "cancelled_generate_aborts_its_request", "error_400", "pause_continue_inflight", "abort_request",
                  "flush_cache", "update_weights_from_disk", "info"]:
         client.exchanges = []
         t0 = time.monotonic()
