@@ -146,12 +146,15 @@ def to_template_messages(messages, max_chars: int | None = None) -> list[dict]:
     return out
 
 
-def message_key(msg: dict) -> str:
+def message_key(msg: dict) -> tuple[str, str, str, str | None]:
     """What two template messages must share to be the same turn: everything the template may
-    render (tool call ids excepted: they are the proxy's labels, and SDKs keep them anyway)."""
-    calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in msg.get("tool_calls", [])]
-    return json.dumps({"role": msg["role"], "content": msg["content"], "tool_calls": calls,
-                       "name": msg.get("name")}, sort_keys=True, ensure_ascii=False)
+    render (tool call ids excepted: they are the proxy's labels, and SDKs keep them anyway), as
+    (role, content, tool calls as JSON or "", name). A tuple: built without serializing the
+    content, which a long conversation sends back on every request."""
+    calls = msg.get("tool_calls")
+    calls = json.dumps([{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls],
+                       sort_keys=True, ensure_ascii=False) if calls else ""
+    return msg["role"], msg["content"], calls, msg.get("name")
 
 
 def render_text(tokenizer, messages: list[dict], tools=None, *, add_generation_prompt: bool,

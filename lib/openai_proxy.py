@@ -692,8 +692,8 @@ class OpenAIProxy:
         messages, tools = params["messages"], params["tools"]
         keys = tuple(message_key(m) for m in messages)
         tools_key = json.dumps(tools, sort_keys=True)
-        # What the template renders (contents, tool calls, tools), as JSON: a cheap measure of its length
-        chars = sum(map(len, keys)) + len(tools_key)
+        # What the template renders (contents, tool calls, tools): a cheap measure of its length
+        chars = sum(len(content) + len(calls) for _, content, calls, _ in keys) + len(tools_key)
         if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
             raise self._too_long(chars)
         best = None
@@ -713,7 +713,8 @@ class OpenAIProxy:
                 before = segment.rendered if index == len(segment.states) - 1 else None
                 # Rendered once: the text up to the state's reply is what the last request rendered, and
                 # the reply ends at the next end of turn (unless its own text holds one: rendered twice).
-                if before is not None and self.end_of_turn not in keys[len(state_keys) - 1]:
+                _, content, calls, _ = keys[len(state_keys) - 1]
+                if before is not None and self.end_of_turn not in content and self.end_of_turn not in calls:
                     text = render()
                     cut = text.find(self.end_of_turn, len(before)) if text.startswith(before) else -1
                     if cut >= 0:
