@@ -472,8 +472,9 @@ class OpenAIProxy:
         after it ends the stream with an error event."""
         plan = await self._plan(session, params)
         runs: asyncio.Queue = asyncio.Queue()  # (choice, ids, logprobs, tops) as they arrive; None at the end
+        release = _hold(plan)
         task = asyncio.ensure_future(self._sample(session, params, plan, lambda *run: runs.put_nowait(run)))
-        task.add_done_callback(lambda _: runs.put_nowait(None))
+        task.add_done_callback(lambda _: (release(), runs.put_nowait(None)))
         try:
             first = await runs.get()
         except asyncio.CancelledError:
@@ -639,7 +640,12 @@ class OpenAIProxy:
         read as a turn. Nothing is recorded here: the transport records the turns as it hands the
         answer over."""
         plan = await self._plan(session, params)
-        return plan, [self._reply(params, gen) for gen in await self._sample(session, params, plan)]
+        release = _hold(plan)
+        try:
+            gens = await self._sample(session, params, plan)
+        finally:
+            release()
+        return plan, [self._reply(params, gen) for gen in gens]
 
     async def _sample(self, session: _Session, params: dict, plan: dict, on_tokens=None) -> list:
         """The request's `n` generations; `on_tokens(i, ids, logprobs, tops)` streams sample i's
@@ -657,9 +663,6 @@ class OpenAIProxy:
                 trajectory_id=session.key, top_logprobs=params["top_logprobs"],
                 extra_sampling_params={**extra, **({"sampling_seed": (seed + i) % 2 ** 63} if seed is not None else {})}
                 or None, on_tokens=None if on_tokens is None else functools.partial(on_tokens, i))
-        segment = plan["segment"]
-        if segment is not None and plan["in_place"]:
-            segment.busy = True
         tasks = []
         try:
             if params["n"] == 1:
@@ -680,8 +683,6 @@ class OpenAIProxy:
         finally:
             for task in tasks:  # one sample failed: the others are not waited for (nor recorded)
                 task.cancel()
-            if segment is not None and plan["in_place"]:
-                segment.busy = False
         return gens
     # --- recording ---
     async def _plan(self, session: _Session, params: dict) -> dict:
@@ -1065,6 +1066,19 @@ def _response_input_as_messages(items, instructions) -> list:
             raise _Refused(400, f"input[{i}] of type {kind!r} is not supported (message, function_call, "
                                 "function_call_output, reasoning)", param="input")
     return messages
+
+
+def _hold(plan: dict):
+    """Mark the segment a request continues in place as generating (a concurrent request on it forks
+    instead), from its planning on, with nothing awaited in between; returns the release."""
+    segment = plan["segment"] if plan["in_place"] else None
+    if segment is None:
+        return lambda: None
+    segment.busy = True
+
+    def release():
+        segment.busy = False
+    return release
 
 
 def _legacy_logprobs(entries: list[dict], offset: int) -> dict:

@@ -184,3 +184,22 @@ def test_reply_text_decoded_token_by_token_is_the_whole_decoding(tokenizer):
     sent = "".join(delta for i in ids for _, delta in stream.add([i]))
     whole = tokenizer.decode(ids, skip_special_tokens=True)
     assert sent == whole and stream.finish(None, whole) == []
+
+
+def test_concurrent_streams_on_one_conversation_fork_and_train_each_token_once(tokenizer):
+    async def agent(proxy):
+        key = proxy.new_session()
+        async with openai.AsyncOpenAI(base_url=proxy.url, api_key=key, max_retries=0) as llm:
+            a = await llm.chat.completions.create(model="policy", messages=[user("Q")])
+            history = [user("Q"), {"role": "assistant", "content": a.choices[0].message.content}, user("Next")]
+
+            async def streamed():
+                return [c async for c in await llm.chat.completions.create(model="policy", messages=history, stream=True)]
+            await asyncio.gather(streamed(), streamed())
+        return proxy.end_session(key)
+
+    script = [Reply("A.", eos=True), Reply("B b b.", eos=True, token_delay_s=0.05),
+              Reply("C c c.", eos=True, token_delay_s=0.05)]
+    episode, server = run(tokenizer, script, agent)
+    assert len(episode["segments"]) == 2
+    assert sorted(sampled(episode["segments"])[0]) == sorted(t for a in server.answers for t in a["output_ids"])
