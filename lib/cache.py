@@ -1,5 +1,6 @@
 """The cache of things built on first use (data sets, the tiny model, warm starts): where it lives
 and how a directory in it is written so that a killed or concurrent build never leaves half of one."""
+import fcntl
 import os
 import shutil
 import tempfile
@@ -29,9 +30,25 @@ def atomic_dir(out_dir: str):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@contextmanager
+def build_lock(out_dir: str):
+    """Held while `out_dir` is built: a second process building the same directory (parallel test
+    workers, ranks) waits here, then finds it built instead of building it again."""
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    with open(os.path.join(parent, f".{os.path.basename(out_dir)}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def build_once(out_dir: str, build: Callable[[str], object]) -> str:
-    """`out_dir`, made by `build(tmp_dir)` unless it already exists."""
-    if not os.path.isdir(out_dir):
-        with atomic_dir(out_dir) as tmp:
-            build(tmp)
+    """`out_dir`, made by `build(tmp_dir)` unless it already exists. Processes that ask for the same
+    directory at once (parallel test workers, ranks) wait for the first one's build instead of
+    repeating it."""
+    if os.path.isdir(out_dir):
+        return out_dir
+    with build_lock(out_dir):
+        if not os.path.isdir(out_dir):
+            with atomic_dir(out_dir) as tmp:
+                build(tmp)
     return out_dir

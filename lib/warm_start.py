@@ -14,7 +14,7 @@ import random
 import torch
 from tqdm import tqdm
 
-from lib.cache import atomic_dir, cache_root
+from lib.cache import atomic_dir, build_lock, cache_root
 
 
 def code_fingerprint(*functions) -> str:
@@ -56,10 +56,20 @@ def sft_warm_start(
     result (model + tokenizer, HF format) to `out_dir`. Returns `out_dir`; reuses it if present.
     `callback(step, model, tokenizer)` runs every `callback_every` steps (learning curves in bench/).
     `device`: None = cuda when there is one (a GPU box builds the embedded default in about a minute)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if os.path.exists(os.path.join(out_dir, "model.safetensors")):
         return out_dir
+    with build_lock(out_dir):  # another process training the same warm start: wait, then reuse it
+        if os.path.exists(os.path.join(out_dir, "model.safetensors")):
+            return out_dir
+        return _train(base_model_dir, examples, out_dir, steps=steps, lr=lr, batch_size=batch_size,
+                      warmup_steps=warmup_steps, seed=seed, num_threads=num_threads, device=device,
+                      callback=callback, callback_every=callback_every)
+
+
+def _train(base_model_dir, examples, out_dir, *, steps, lr, batch_size, warmup_steps, seed, num_threads, device,
+           callback, callback_every) -> str:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     if not examples:
         raise ValueError("sft_warm_start got no examples; build demonstrations from the warm-start split first")
     if device is None:

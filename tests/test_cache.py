@@ -1,0 +1,31 @@
+import multiprocessing
+import os
+import time
+
+from lib.cache import build_once
+
+
+def _build_slowly(out_dir: str, log: str):
+    def build(tmp):
+        with open(log, "a") as f:
+            f.write("built\n")
+        time.sleep(0.5)
+        with open(os.path.join(tmp, "data.txt"), "w") as f:
+            f.write("ok")
+    build_once(out_dir, build)
+
+
+def test_processes_asking_for_the_same_directory_at_once_build_it_once(tmp_path):
+    # Parallel test workers (and ranks) building the same cached model or warm start: the second
+    # waits for the first and reuses its directory instead of training it again.
+    out_dir, log = str(tmp_path / "cache" / "thing"), str(tmp_path / "log")
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_build_slowly, args=(out_dir, log)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=60)
+    assert all(p.exitcode == 0 for p in procs)
+    assert open(log).read() == "built\n"
+    assert open(os.path.join(out_dir, "data.txt")).read() == "ok"
+    assert sorted(os.listdir(tmp_path / "cache")) == [".thing.lock", "thing"]  # no half-built copy left
