@@ -1,5 +1,6 @@
 """The cache of things built on first use (data sets, the tiny model, warm starts): where it lives
 and how a directory in it is written so that a killed or concurrent build never leaves half of one."""
+import contextlib
 import fcntl
 import os
 import shutil
@@ -36,9 +37,13 @@ def build_lock(out_dir: str):
     workers, ranks) waits here, then finds it built instead of building it again."""
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
-    with open(os.path.join(parent, f".{os.path.basename(out_dir)}.lock"), "w") as lock:
+    lock_path = os.path.join(parent, f".{os.path.basename(out_dir)}.lock")
+    with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
+        if os.path.isdir(out_dir):  # built: whoever comes later finds the directory and takes no lock
+            with contextlib.suppress(OSError):
+                os.unlink(lock_path)
 
 
 def build_once(out_dir: str, build: Callable[[str], object]) -> str:
