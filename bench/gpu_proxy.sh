@@ -2,7 +2,7 @@
 # The OpenAI-proxy path vs the token path with real SGLang on one GPU (bench/bench_proxy.py), on the
 # embedded reflect warm start (built here on the GPU, cast to bf16 for SGLang).
 #
-#   OUT=/tmp/out bash bench/gpu_proxy.sh
+#   OUT=/tmp/out SDK_WHEELS=<dir> bash bench/gpu_proxy.sh
 #
 # Needs SGLang 0.5.15 from the offline kit in .kit (docs/gpu.md); wheels the machine lacks (openai,
 # fire, ...) may come in $WHEELS.
@@ -12,10 +12,18 @@ eval "$(bash .kit/install.sh)"
 if [ -n "${WHEELS:-}" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 "$WHEELS"/*.whl 2>&1 | grep -v WARN
 fi
+# The kit's openai (2.6.1) has no aiohttp transport the machine's aiohttp can run, so the SDK would
+# fall back to httpx (several times the CPU per request): $SDK_WHEELS (openai 3.x and its aiohttp
+# extra: openai, httpx2, httpcore2, jiter, aiohttp and its deps, as wheels) go first on the path.
+if [ -n "${SDK_WHEELS:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/sdk "$SDK_WHEELS"/*.whl 2>&1 | grep -v WARN
+  PYTHONPATH=/tmp/sdk:$PYTHONPATH
+fi
 export PYTHONPATH=$PWD:$PYTHONPATH:/tmp/site2 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 \
   TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/gpu_proxy_out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=index,name --format=csv,noheader
+python3 -c "import openai; print('openai', openai.__version__)"
 for direct in 150 0; do  # stage-2 SFT steps: 150 = ~10-token answers (the default's shape), 0 = worked solutions
   ts "warm start (direct $direct)"
   python3 - "$direct" <<'PY'
