@@ -200,19 +200,42 @@ class Checks:
         return (f"{len(runs)} runs for {n} tokens, first after {arrivals[0]:.3f} s of {total_s:.3f} s; ids equal the plain "
                 f"generation, log-probs within {diff:.2e}")
 
+    async def paused_midway(self, start, new_version: int, while_paused=None):
+        """Start a long generation (`start(n)` returns the task), pause while it decodes, run
+        `while_paused()` if given, continue under `new_version`: (n, the Generation, what
+        while_paused returned, how long the pause call took). The decode rate measured at the start
+        may be stale (a loaded machine): a generation that ended before the pause is tried again, longer."""
+        c = self.client
+        for attempt in range(3):
+            n = self.long_generation_tokens(3.0)
+            t0, ended = time.monotonic(), []
+            task = start(n)
+            task.add_done_callback(lambda _: ended.append(time.monotonic()))
+            await asyncio.sleep(min(1.0, 0.3 * n / (self.decode_tokens_per_s or 50)))
+            if task.done():  # it ended before the pause: decoding is faster than measured
+                await task
+                self.decode_tokens_per_s = max(2 * (self.decode_tokens_per_s or 50), n / max(ended[0] - t0, 1e-3))
+                continue
+            t1 = time.monotonic()
+            await c.pause_generation()
+            pause_s = time.monotonic() - t1
+            extra = await while_paused(task) if while_paused else await asyncio.sleep(0.3)
+            await c.continue_generation(version=new_version)
+            return n, await task, extra, pause_s
+        raise AssertionError("every generation ended before the pause (3 tries, each longer)")
+
     async def streamed_through_a_pause(self):
         c = self.client
-        n = self.long_generation_tokens(3.0)
         got = []
         c.set_version(20)
-        task = asyncio.create_task(c.generate(self.prompts[2], max_new_tokens=n, temperature=0.0,
-                                              on_tokens=lambda ids, lps, tops: got.extend(ids),
-                                              extra_sampling_params={"ignore_eos": True}))
-        await asyncio.sleep(min(1.0, 0.3 * n / (self.decode_tokens_per_s or 50)))
-        await c.pause_generation()
-        await asyncio.sleep(0.3)
-        await c.continue_generation(version=21)
-        gen = await task
+
+        def start(n):
+            got.clear()
+            return asyncio.create_task(c.generate(self.prompts[2], max_new_tokens=n, temperature=0.0,
+                                                  on_tokens=lambda ids, lps, tops: got.extend(ids),
+                                                  extra_sampling_params={"ignore_eos": True}))
+
+        n, gen, _, _ = await self.paused_midway(start, 21)
         c.set_version(0)
         k = gen.versions.count(20)
         assert gen.num_resumes == 1, f"expected one resume, got {gen.num_resumes}"
@@ -265,19 +288,20 @@ class Checks:
 
     async def pause_continue_inflight(self):
         c = self.client
-        n = self.long_generation_tokens(3.0)
         c.set_version(10)
-        inflight = asyncio.create_task(c.generate(self.prompts[2], max_new_tokens=n, temperature=0.0,
+
+        def start(n):
+            return asyncio.create_task(c.generate(self.prompts[2], max_new_tokens=n, temperature=0.0,
                                                   extra_sampling_params={"ignore_eos": True}))
-        await asyncio.sleep(min(1.0, 0.3 * n / (self.decode_tokens_per_s or 50)))
-        t0 = time.monotonic()
-        await c.pause_generation()
-        pause_s = time.monotonic() - t0
-        late = asyncio.create_task(c.generate(self.prompts[3], max_new_tokens=4, temperature=0.0))
-        await asyncio.sleep(0.5)
-        assert not inflight.done() and not late.done(), "requests wait while paused"
-        await c.continue_generation(version=11)
-        gen, late_gen = await inflight, await late
+
+        async def while_paused(inflight):
+            late = asyncio.create_task(c.generate(self.prompts[3], max_new_tokens=4, temperature=0.0))
+            await asyncio.sleep(0.5)
+            assert not inflight.done() and not late.done(), "requests wait while paused"
+            return late
+
+        n, gen, late, pause_s = await self.paused_midway(start, 11, while_paused)
+        late_gen = await late
         c.set_version(0)
         k = gen.versions.count(10)
         assert gen.num_resumes == 1, f"expected one resume, got {gen.num_resumes} (did the request end before the pause?)"
