@@ -40,8 +40,9 @@ def build_lock(out_dir: str):
     lock_path = os.path.join(parent, f".{os.path.basename(out_dir)}.lock")
     with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
-        if os.path.isdir(out_dir):  # built: whoever comes later finds the directory and takes no lock
+        try:
+            yield
+        finally:  # built or failed, the cache keeps no lock file (a builder checks for the directory again)
             with contextlib.suppress(OSError):
                 os.unlink(lock_path)
 

@@ -14,7 +14,7 @@ import random
 import torch
 from tqdm import tqdm
 
-from lib.cache import atomic_dir, build_lock, cache_root
+from lib.cache import build_once, cache_root
 
 
 def code_fingerprint(*functions) -> str:
@@ -56,18 +56,15 @@ def sft_warm_start(
     result (model + tokenizer, HF format) to `out_dir`. Returns `out_dir`; reuses it if present.
     `callback(step, model, tokenizer)` runs every `callback_every` steps (learning curves in bench/).
     `device`: None = cuda when there is one (a GPU box builds the embedded default in about a minute)."""
-    if os.path.exists(os.path.join(out_dir, "model.safetensors")):
-        return out_dir
-    with build_lock(out_dir):  # another process training the same warm start: wait, then reuse it
-        if os.path.exists(os.path.join(out_dir, "model.safetensors")):
-            return out_dir
-        return _train(base_model_dir, examples, out_dir, steps=steps, lr=lr, batch_size=batch_size,
-                      warmup_steps=warmup_steps, seed=seed, num_threads=num_threads, device=device,
-                      callback=callback, callback_every=callback_every)
+    # built once, like every cached directory: a second process asking for it waits, then reuses it
+    return build_once(out_dir, lambda tmp: _train(
+        base_model_dir, examples, tmp, steps=steps, lr=lr, batch_size=batch_size, warmup_steps=warmup_steps,
+        seed=seed, num_threads=num_threads, device=device, callback=callback, callback_every=callback_every))
 
 
 def _train(base_model_dir, examples, out_dir, *, steps, lr, batch_size, warmup_steps, seed, num_threads, device,
-           callback, callback_every) -> str:
+           callback, callback_every):
+    """The SFT itself; the model, tokenizer and warm_start.json are written into `out_dir`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not examples:
@@ -121,10 +118,8 @@ def _train(base_model_dir, examples, out_dir, *, steps, lr, batch_size, warmup_s
             callback(step + 1, model, tokenizer)
             model.train()
 
-    with atomic_dir(out_dir) as tmp:
-        model.to("cpu").save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        with open(os.path.join(tmp, "warm_start.json"), "w") as f:
-            json.dump({"steps": steps, "lr": lr, "batch_size": batch_size, "final_loss": loss.item(),
-                       "num_examples": len(examples)}, f)
-    return out_dir
+    model.to("cpu").save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    with open(os.path.join(out_dir, "warm_start.json"), "w") as f:
+        json.dump({"steps": steps, "lr": lr, "batch_size": batch_size, "final_loss": loss.item(),
+                   "num_examples": len(examples)}, f)
