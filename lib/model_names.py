@@ -19,7 +19,7 @@ import sys
 import tempfile
 import zipfile
 
-from lib.cache import atomic_dir, cache_root
+from lib.cache import atomic_dir, build_lock, cache_root
 
 # name -> where it ships. The sha256 is the GGUF's, so a different file under the same version is
 # refused instead of silently trained.
@@ -60,7 +60,9 @@ def resolve_model_path(model_path: str) -> str:
     if is_model_name(model_path):
         out = model_cache_dir(model_path)
         if not is_complete(out):
-            build_model_dir(model_path.strip().lower(), out)
+            with build_lock(out):  # another process building it: wait, then load its copy
+                if not is_complete(out):
+                    build_model_dir(model_path.strip().lower(), out)
         return out
     if "/" not in model_path and not os.path.exists(model_path):
         # A hub id always has an owner ("Qwen/Qwen2.5-1.5B-Instruct"); a bare word is a typo of a
