@@ -43,6 +43,7 @@ import torch
 from tqdm import tqdm
 
 from lib.actor import Actor
+from lib.agent_workers import AgentWorkers
 from lib.async_rollout import BackgroundLoop, gather_groups, rollout_deadline_s, with_deadline
 from lib.checkpoint import read_checkpoint_extra
 from lib.client import InferenceClient, model_eos_ids
@@ -94,6 +95,11 @@ class Config:
     # the test evaluation's (500 episodes at once, 2 turns of 64 tokens): about 105 s on 2 busy CPU
     # cores for train_reflect.py's identical agent. Raise it for long agents on a slow server.
     episode_timeout_s: float = 600.0
+    # Run run_agent in this many worker processes, each with an event loop of its own: an SDK spends
+    # milliseconds of CPU per model call, and on the trainer's loop (which also serves the proxy) those
+    # run one after another while a GPU waits (docs/openai_proxy.md). 0 = on the trainer's loop.
+    # With workers, run_agent (and close_agent) must be module-level; items and results go by pickle.
+    agent_workers: int = 0
     # --- GRPO ---
     batch_size: int = 8  # items per step
     group_size: int = 4  # episodes per item
@@ -151,6 +157,12 @@ def math_reward(text: str, answer: str) -> float:
     return float(pred is not None and pred == gold)
 
 
+def start_agent(cfg: Config):
+    """Called once before the first episode in every process that runs episodes (this one, and each
+    worker process with cfg.agent_workers): set what run_agent reads besides its arguments (settings,
+    a tool server's address) in module globals here. The default agent needs nothing."""
+
+
 _openai_clients: dict = {}  # event loop -> AsyncOpenAI
 
 
@@ -205,14 +217,14 @@ RESERVED_STATS = {"reward", "item", "segments", "stats", "advantage", "rows", "e
                   "trained_rows", "gen_tokens", "equal_reward_groups", "failed_groups", "completion_tokens", "failed"}
 
 
-async def arun_episode(proxy: OpenAIProxy, cfg: Config, item: dict, train: bool) -> dict:
+async def arun_episode(proxy: OpenAIProxy, cfg: Config, item: dict, train: bool, agent=run_agent) -> dict:
     """Run the agent once in a session of its own; returns the session's `segments` (training
     sequences, [1, T] tensors: docs/trajectory.md), the reward, the agent's `stats` and the
     session's counts. A session whose generation failed raises (lib.openai_proxy.SessionFailed),
-    which drops the group."""
+    which drops the group. `agent`: run_agent, or the same run in a worker process (AgentWorkers.run)."""
     key = proxy.new_session(train=train)  # evaluation sessions are not trained on and sample as they ask
     try:
-        result = await run_agent(proxy.session_url(key), key, item, cfg.temperature if train else cfg.eval_temperature)
+        result = await agent(proxy.session_url(key), key, item, cfg.temperature if train else cfg.eval_temperature)
     finally:
         episode = proxy.end_session(key)
     reward, stats = agent_result(result)
@@ -248,17 +260,17 @@ def mean_stats(episodes: list[dict]) -> dict:
 
 
 # --- group rollout ---
-async def rollout_group(proxy, cfg, item, group_size: int, train: bool) -> list[dict]:
+async def rollout_group(proxy, cfg, item, group_size: int, train: bool, agent=run_agent) -> list[dict]:
     # Each episode under its deadline: one that runs past it is cancelled and fails the group.
-    return list(await asyncio.gather(*[with_deadline(arun_episode(proxy, cfg, item, train), cfg.episode_timeout_s, item)
-                                       for _ in range(group_size)]))
+    return list(await asyncio.gather(*[with_deadline(arun_episode(proxy, cfg, item, train, agent), cfg.episode_timeout_s,
+                                                     item) for _ in range(group_size)]))
 
 
-async def rollout_groups(proxy, cfg, items, group_size: int, train: bool):
+async def rollout_groups(proxy, cfg, items, group_size: int, train: bool, agent=run_agent):
     """(groups, number of failed groups): every group at once; a group with a failed episode (an
     exception in run_agent, a server error, past episode_timeout_s) is dropped, its traceback
     printed, and counted."""
-    return await gather_groups([rollout_group(proxy, cfg, item, group_size, train) for item in items])
+    return await gather_groups([rollout_group(proxy, cfg, item, group_size, train, agent) for item in items])
 
 
 # --- training rows ---
@@ -285,9 +297,9 @@ def build_batch(episodes: list[dict], group_size: int, scale_by_std: bool = True
 
 
 # --- evaluation ---
-async def evaluate(proxy, cfg, items) -> dict:
+async def evaluate(proxy, cfg, items, agent=run_agent) -> dict:
     """One episode per item in sessions that are not trained on, at cfg.eval_temperature."""
-    groups, failed = await rollout_groups(proxy, cfg, items, 1, train=False)
+    groups, failed = await rollout_groups(proxy, cfg, items, 1, train=False, agent=agent)
     episodes = [g[0] for g in groups]
     return {
         "failed": failed,
@@ -344,6 +356,8 @@ class Run:
     bg: BackgroundLoop = None  # the event loop of every client call and episode
     client: InferenceClient = None
     proxy: OpenAIProxy = None  # the agent's OpenAI-compatible server
+    agent: object = run_agent  # what runs an episode: run_agent, or AgentWorkers.run (cfg.agent_workers)
+    agent_workers: AgentWorkers = None
     actor: Actor = None
     weight_sync: ServerWeightSync = None
     logger: MetricsLogger = None
@@ -426,6 +440,11 @@ def _setup(run: Run):
                             max_context_tokens=cfg.max_tokens, default_max_tokens=cfg.max_new_tokens_per_turn,
                             train_sampling={"temperature": cfg.temperature})
     run.bg.run(run.proxy.start())
+    start_agent(cfg)
+    if cfg.agent_workers:  # run_agent in processes of its own, each with its own event loop
+        run.agent_workers = AgentWorkers(run_agent, cfg.agent_workers, init=start_agent, init_args=(cfg,),
+                                         close=close_agent)
+        run.agent = run.agent_workers.run
     run.actor = Actor(model_path, lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.max_steps,
                       lr_schedule=cfg.lr_schedule, grad_clip=cfg.grad_clip, temperature=cfg.temperature,
                       max_tokens_per_mb=cfg.max_tokens_per_mb, dtype=cfg.trainer_dtype,
@@ -461,7 +480,7 @@ def close(run: Run):
             if opened is not None:
                 opened.close()
         if run.proxy is not None:
-            run.bg.run(close_agent(), timeout_s=30)
+            run.bg.run(run.agent_workers.close() if run.agent_workers else close_agent(), timeout_s=60)
             run.bg.run(run.proxy.close(), timeout_s=30)
         if run.client is not None:
             run.bg.run(run.client.close(), timeout_s=30)
@@ -500,7 +519,7 @@ def rollout_step(run: Run) -> tuple[dict, list[dict], dict]:
     # 1. rollout: group_size episodes of the agent per item, each in its own proxy session
     items = [item_at(run, run.data_position + i) for i in range(cfg.batch_size)]
     try:
-        groups, failed_groups = run_rollout(run, rollout_groups(run.proxy, cfg, items, cfg.group_size, train=True),
+        groups, failed_groups = run_rollout(run, rollout_groups(run.proxy, cfg, items, cfg.group_size, train=True, agent=run.agent),
                                             f"step {run.step + 1}'s rollout")
     except RuntimeError:
         for s in run.supervisors:
@@ -601,7 +620,7 @@ def run_evaluation(run: Run, split: str, items: list[dict], log: bool = True) ->
     """One episode per item in sessions that are not trained on: their metrics, also logged under
     `{split}/...` at this step unless `log` is False (log_step adds the dev evaluation to the step's row)."""
     what = "the test evaluation" if split == "test" else f"step {run.step}'s evaluation"
-    metrics = run_rollout(run, evaluate(run.proxy, run.cfg, items), what)
+    metrics = run_rollout(run, evaluate(run.proxy, run.cfg, items, run.agent), what)
     if log:
         run.logger.log(run.step, {f"{split}/{k}": v for k, v in metrics.items()})
     return metrics

@@ -48,6 +48,7 @@ from langgraph.prebuilt import ToolNode, tools_condition
 from tqdm import tqdm
 
 from lib.actor import Actor
+from lib.agent_workers import AgentWorkers
 from lib.async_rollout import BackgroundLoop, gather_groups, rollout_deadline_s, with_deadline
 from lib.checkpoint import read_checkpoint_extra
 from lib.client import InferenceClient, model_eos_ids
@@ -104,6 +105,11 @@ class Config:
     # their searches: the embedded default's test evaluation (100 at once) generates at most half the tokens
     # of train_calc.py's (500 x 256, 137 s on 2 busy CPU cores). Raise it for big evaluations on a slow server.
     episode_timeout_s: float = 600.0
+    # Run run_agent in this many worker processes, each with an event loop of its own: an SDK spends
+    # milliseconds of CPU per model call, and on the trainer's loop (which also serves the proxy) those
+    # run one after another while a GPU waits (docs/openai_proxy.md). 0 = on the trainer's loop.
+    # With workers, run_agent (and close_agent) must be module-level; items and results go by pickle.
+    agent_workers: int = 0
     # --- GRPO ---
     batch_size: int = 4  # questions per step
     group_size: int = 4  # episodes per question
@@ -219,7 +225,8 @@ AGENT = {"cfg": Config(), "retrieval_addr": ""}  # what run_agent uses besides i
 
 
 def start_agent(cfg: Config, retrieval_addr: str):
-    """Called once by setup(), before the first episode: the settings and the retrieval server of run_agent."""
+    """Called once before the first episode in every process that runs episodes (this one, and each
+    worker process with cfg.agent_workers): the settings and the retrieval server of run_agent."""
     AGENT.update(cfg=cfg, retrieval_addr=retrieval_addr)
 
 
@@ -284,14 +291,14 @@ RESERVED_STATS = {"reward", "item", "segments", "stats", "advantage", "rows", "e
                   "trained_rows", "gen_tokens", "equal_reward_groups", "failed_groups", "completion_tokens", "failed"}
 
 
-async def arun_episode(proxy: OpenAIProxy, cfg: Config, item: dict, train: bool) -> dict:
+async def arun_episode(proxy: OpenAIProxy, cfg: Config, item: dict, train: bool, agent=run_agent) -> dict:
     """Run the agent once in a session of its own; returns the session's `segments` (training
     sequences, [1, T] tensors: docs/trajectory.md), the reward, the agent's `stats` and the
     session's counts. A session whose generation failed raises (lib.openai_proxy.SessionFailed),
-    which drops the group."""
+    which drops the group. `agent`: run_agent, or the same run in a worker process (AgentWorkers.run)."""
     key = proxy.new_session(train=train)  # evaluation sessions are not trained on and sample as they ask
     try:
-        result = await run_agent(proxy.session_url(key), key, item, cfg.temperature if train else cfg.eval_temperature)
+        result = await agent(proxy.session_url(key), key, item, cfg.temperature if train else cfg.eval_temperature)
     finally:
         episode = proxy.end_session(key)
     reward, stats = agent_result(result)
@@ -327,17 +334,17 @@ def mean_stats(episodes: list[dict]) -> dict:
 
 
 # --- group rollout ---
-async def rollout_group(proxy, cfg, item, group_size: int, train: bool) -> list[dict]:
+async def rollout_group(proxy, cfg, item, group_size: int, train: bool, agent=run_agent) -> list[dict]:
     # Each episode under its deadline: one that runs past it is cancelled and fails the group.
-    return list(await asyncio.gather(*[with_deadline(arun_episode(proxy, cfg, item, train), cfg.episode_timeout_s, item)
-                                       for _ in range(group_size)]))
+    return list(await asyncio.gather(*[with_deadline(arun_episode(proxy, cfg, item, train, agent), cfg.episode_timeout_s,
+                                                     item) for _ in range(group_size)]))
 
 
-async def rollout_groups(proxy, cfg, items, group_size: int, train: bool):
+async def rollout_groups(proxy, cfg, items, group_size: int, train: bool, agent=run_agent):
     """(groups, number of failed groups): every group at once; a group with a failed episode (an
     exception in run_agent, a server error, past episode_timeout_s) is dropped, its traceback
     printed, and counted."""
-    return await gather_groups([rollout_group(proxy, cfg, item, group_size, train) for item in items])
+    return await gather_groups([rollout_group(proxy, cfg, item, group_size, train, agent) for item in items])
 
 
 # --- training rows ---
@@ -364,9 +371,9 @@ def build_batch(episodes: list[dict], group_size: int, scale_by_std: bool = True
 
 
 # --- evaluation ---
-async def evaluate(proxy, cfg, items) -> dict:
+async def evaluate(proxy, cfg, items, agent=run_agent) -> dict:
     """One episode per item in sessions that are not trained on, at cfg.eval_temperature."""
-    groups, failed = await rollout_groups(proxy, cfg, items, 1, train=False)
+    groups, failed = await rollout_groups(proxy, cfg, items, 1, train=False, agent=agent)
     episodes = [g[0] for g in groups]
     return {
         "failed": failed,
@@ -476,6 +483,8 @@ class Run:
     bg: BackgroundLoop = None  # the event loop of every client call and episode
     client: InferenceClient = None
     proxy: OpenAIProxy = None  # the agent's OpenAI-compatible server
+    agent: object = run_agent  # what runs an episode: run_agent, or AgentWorkers.run (cfg.agent_workers)
+    agent_workers: AgentWorkers = None
     actor: Actor = None
     weight_sync: ServerWeightSync = None
     logger: MetricsLogger = None
@@ -571,6 +580,10 @@ def _setup(run: Run):
                             max_context_tokens=cfg.max_tokens, default_max_tokens=cfg.max_new_tokens_per_turn,
                             train_sampling={"temperature": cfg.temperature})
     run.bg.run(run.proxy.start())
+    if cfg.agent_workers:  # run_agent in processes of its own, each with its own event loop
+        run.agent_workers = AgentWorkers(run_agent, cfg.agent_workers, init=start_agent,
+                                         init_args=(cfg, retrieval_addr), close=close_agent)
+        run.agent = run.agent_workers.run
     run.actor = Actor(model_path, lr=cfg.lr, grad_clip=cfg.grad_clip, temperature=cfg.temperature,
                       max_tokens_per_mb=cfg.max_tokens_per_mb, dtype=cfg.trainer_dtype,
                       eps_clip_low=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high, loss_agg=cfg.loss_agg,
@@ -609,7 +622,7 @@ def close(run: Run):
             if opened is not None:
                 opened.close()
         if run.proxy is not None:
-            run.bg.run(close_agent(), timeout_s=30)
+            run.bg.run(run.agent_workers.close() if run.agent_workers else close_agent(), timeout_s=60)
             run.bg.run(run.proxy.close(), timeout_s=30)
         if run.client is not None:
             run.bg.run(run.client.close(), timeout_s=30)
@@ -648,7 +661,7 @@ def rollout_step(run: Run) -> tuple[dict, list[dict], dict]:
     # 1. rollout: group_size episodes of the agent per item, each in its own proxy session
     items = [item_at(run, run.data_position + i) for i in range(cfg.batch_size)]
     try:
-        groups, failed_groups = run_rollout(run, rollout_groups(run.proxy, cfg, items, cfg.group_size, train=True),
+        groups, failed_groups = run_rollout(run, rollout_groups(run.proxy, cfg, items, cfg.group_size, train=True, agent=run.agent),
                                             f"step {run.step + 1}'s rollout")
     except RuntimeError:
         for s in run.supervisors:
@@ -749,7 +762,7 @@ def run_evaluation(run: Run, split: str, items: list[dict], log: bool = True) ->
     """One episode per item in sessions that are not trained on: their metrics, also logged under
     `{split}/...` at this step unless `log` is False (log_step adds the dev evaluation to the step's row)."""
     what = "the test evaluation" if split == "test" else f"step {run.step}'s evaluation"
-    metrics = run_rollout(run, evaluate(run.proxy, run.cfg, items), what)
+    metrics = run_rollout(run, evaluate(run.proxy, run.cfg, items, run.agent), what)
     if log:
         run.logger.log(run.step, {f"{split}/{k}": v for k, v in metrics.items()})
     return metrics

@@ -96,11 +96,13 @@ def test_an_agent_that_keeps_calling_tools_ends_at_max_turns_and_keeps_its_token
 
 
 @pytest.mark.slow
-def test_two_grpo_steps_of_the_langgraph_agent_run_end_to_end(tmp_path):
+def test_two_grpo_steps_of_the_langgraph_agent_run_end_to_end_in_agent_worker_processes(tmp_path):
     run_dir = str(tmp_path / "run")
+    # agent_workers: the agent runs in two processes, each given the settings and the retrieval server by start_agent
     result = lg.main(config="configs/langgraph_search_tiny.yaml", run_dir=run_dir, max_steps=2, batch_size=2,
                      group_size=2, max_turns=3, warm_start_steps=4, warm_start_batch_size=2, eval_every=0,
-                     test_size=2, checkpoint_every=0, tensorboard=False, trainer_threads=1, warm_start_worlds=0)
+                     test_size=2, checkpoint_every=0, tensorboard=False, trainer_threads=1, warm_start_worlds=0,
+                     agent_workers=2)
     assert result["failed"] == 0 and {"reward", "f1", "searches", "answered", "tool_failures"} <= set(result)
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     steps = [r for r in rows if "rollout/reward" in r]

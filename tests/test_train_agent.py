@@ -223,6 +223,48 @@ def test_an_episode_past_its_deadline_drops_its_group_and_the_others_train(token
     assert failed == 1 and len(groups) == 1 and [e["item"]["question"] for e in groups[0]] == ["fast", "fast"]
 
 
+# --- run_agent in worker processes (cfg.agent_workers) ---
+async def slow_question_agent(base_url, api_key, item, temperature):  # module-level: a worker imports it by name
+    if item["question"] == "slow":
+        await asyncio.sleep(60)
+    return await ta.run_agent(base_url, api_key, item, temperature)
+
+
+def with_agent_workers(agent, num_workers, fn):
+    """`await fn(proxy, workers)` with `agent` run by AgentWorkers as train_agent.setup builds them."""
+    from lib.agent_workers import AgentWorkers
+
+    async def go(proxy):
+        workers = AgentWorkers(agent, num_workers, init=ta.start_agent, init_args=(ta.Config(),), close=ta.close_agent)
+        try:
+            return await fn(proxy, workers)
+        finally:
+            await workers.close()
+    return go
+
+
+def test_an_episode_run_in_a_worker_process_records_every_token_the_server_sampled(tokenizer):
+    script = [Reply("#### 8", eos=True), Reply("3 + 4 = 7.\n#### 7", eos=True)]
+    episode, server = with_proxy(tokenizer, script, with_agent_workers(ta.run_agent, 1, lambda proxy, workers: (
+        ta.arun_episode(proxy, ta.Config(), ITEM, True, workers.run))))
+    assert episode["reward"] == pytest.approx(ta.TURN_DISCOUNT) and episode["requests"] == 2
+    segment = episode["segments"][0]
+    sampled = segment["input_ids"][0][segment["loss_mask"][0].bool()].tolist()
+    assert sampled == [t for a in server.answers for t in a["output_ids"]]
+
+
+def test_an_episode_in_a_worker_past_its_deadline_drops_its_group_ends_its_session_and_the_others_train(tokenizer):
+    async def rollout(proxy, workers):
+        await ta.rollout_groups(proxy, ta.Config(), [ITEM], 2, True, workers.run)  # both workers started
+        result = await ta.rollout_groups(proxy, ta.Config(episode_timeout_s=2.0),
+                                         [{"question": "slow", "answer": "#### 7"}, ITEM], 2, True, workers.run)
+        return result, len(proxy.sessions), sum(len(w.jobs) for w in workers._workers)
+    ((groups, failed), open_sessions, running), _ = with_proxy(tokenizer, [Reply("#### 7", eos=True)],
+                                                                with_agent_workers(slow_question_agent, 2, rollout))
+    assert failed == 1 and [e["reward"] for e in groups[0]] == [1.0, 1.0] and groups[0][0]["item"] == ITEM
+    assert open_sessions == 0 and running == 0
+
+
 # --- set-up and tear-down ---
 def test_a_setup_that_fails_midway_closes_what_it_opened(tmp_path, monkeypatch):
     from lib.async_rollout import BackgroundLoop

@@ -1,0 +1,162 @@
+"""lib/agent_workers.py: agent episodes in spawned worker processes, each with its own event loop."""
+import asyncio
+import os
+import time
+
+import pytest
+
+from lib.agent_workers import AgentFailed, AgentWorkers
+
+# --- agents, importable by name in the workers ---
+_running = 0  # episodes running in this worker now
+_most_running = 0
+
+
+_suffix = ""  # set by init
+
+
+def set_suffix(suffix):
+    global _suffix
+    _suffix = suffix
+
+
+async def echo_agent(base_url, api_key, item, temperature):
+    global _running, _most_running
+    _running += 1
+    _most_running = max(_most_running, _running)
+    try:
+        await asyncio.sleep(item.get("sleep_s", 0.0))
+    finally:
+        _running -= 1
+    return {"pid": os.getpid(), "echo": (base_url, api_key, item["n"], temperature, _suffix),
+            "most_running": _most_running}
+
+
+async def failing_agent(base_url, api_key, item, temperature):
+    raise ValueError(f"the tool broke on item {item['n']}")
+
+
+async def dying_agent(base_url, api_key, item, temperature):
+    if item.get("die"):
+        os._exit(3)
+    return os.getpid()
+
+
+async def slow_agent(base_url, api_key, item, temperature):
+    try:
+        await asyncio.sleep(60)
+    except asyncio.CancelledError:
+        with open(item["cancelled_file"], "w") as f:
+            f.write(str(os.getpid()))
+        raise
+
+
+async def unpicklable_agent(base_url, api_key, item, temperature):
+    return lambda: None
+
+
+async def write_pid_on_close():
+    with open(os.path.join(os.environ["AGENT_WORKERS_CLOSE_DIR"], str(os.getpid())), "w") as f:
+        f.write("closed")
+
+
+def run_with(workers: AgentWorkers, coro_fn):
+    async def main():
+        try:
+            return await coro_fn()
+        finally:
+            await workers.close()
+    return asyncio.run(main())
+
+
+# --- tests ---
+def test_episodes_run_concurrently_in_the_workers_after_init_and_return_the_agents_results():
+    workers = AgentWorkers(echo_agent, 2, init=set_suffix, init_args=("!",))
+    items = [{"n": n, "sleep_s": 0.5} for n in range(8)]
+    results = run_with(workers, lambda: asyncio.gather(*[workers.run(f"url{i['n']}", f"key{i['n']}", i, 0.5)
+                                                          for i in items]))
+    assert [r["echo"] for r in results] == [(f"url{n}", f"key{n}", n, 0.5, "!") for n in range(8)]
+    pids = {r["pid"] for r in results}
+    assert len(pids) == 2 and os.getpid() not in pids  # both workers, not this process
+    assert max(r["most_running"] for r in results) >= 2  # a worker ran several episodes at once on its loop
+
+
+def test_an_exception_in_the_agent_is_raised_here_with_the_workers_traceback_and_the_worker_keeps_serving():
+    workers = AgentWorkers(failing_agent, 1)
+
+    async def go():
+        with pytest.raises(AgentFailed) as failed:
+            await workers.run("u", "k", {"n": 7}, 1.0)
+        assert "ValueError: the tool broke on item 7" in str(failed.value)
+        assert "failing_agent" in str(failed.value)  # the worker's traceback
+        with pytest.raises(AgentFailed):
+            await workers.run("u", "k", {"n": 8}, 1.0)
+    run_with(workers, go)
+
+
+def test_an_episode_cancelled_here_is_cancelled_in_its_worker(tmp_path):
+    workers = AgentWorkers(slow_agent, 1)
+    marker = tmp_path / "cancelled"
+
+    async def go():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(workers.run("u", "k", {"cancelled_file": str(marker)}, 1.0), 3.0)
+        deadline = time.monotonic() + 10
+        while not marker.exists() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert marker.exists()
+    run_with(workers, go)
+
+
+def test_a_worker_that_dies_fails_its_episodes_and_is_replaced():
+    workers = AgentWorkers(dying_agent, 1)
+
+    async def go():
+        first = await workers.run("u", "k", {}, 1.0)
+        with pytest.raises(AgentFailed, match="died, exit code 3"):
+            await workers.run("u", "k", {"die": True}, 1.0)
+        second = await workers.run("u", "k", {}, 1.0)
+        assert first != second  # a new worker process
+    run_with(workers, go)
+
+
+def test_a_result_pickle_cannot_take_fails_its_episode_with_a_clear_error():
+    workers = AgentWorkers(unpicklable_agent, 1)
+
+    async def go():
+        with pytest.raises(AgentFailed, match="cannot be sent to the trainer"):
+            await asyncio.wait_for(workers.run("u", "k", {}, 1.0), 60)
+    run_with(workers, go)
+
+
+def test_close_stops_every_worker_after_running_its_close_hook(tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENT_WORKERS_CLOSE_DIR", str(tmp_path))
+    workers = AgentWorkers(echo_agent, 2, close=write_pid_on_close)
+    results = run_with(workers, lambda: asyncio.gather(*[workers.run("u", "k", {"n": n, "sleep_s": 0.2}, 1.0)
+                                                          for n in range(4)]))
+    assert sorted(os.listdir(tmp_path)) == sorted({str(r["pid"]) for r in results})
+    assert not any(w.process.is_alive() for w in workers._workers)
+    with pytest.raises(RuntimeError, match="closed"):
+        asyncio.run(workers.run("u", "k", {"n": 0}, 1.0))
+
+
+def test_workers_whose_agent_cannot_be_imported_fail_every_episode_with_the_cause(tmp_path, monkeypatch):
+    module = tmp_path / "agent_breaks_in_workers.py"
+    module.write_text("import os\nif os.environ.get('BREAK_AGENT_IMPORT'):\n    raise ImportError('no such tool')\n"
+                      "async def agent(*args):\n    return 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import agent_breaks_in_workers
+
+    monkeypatch.setenv("BREAK_AGENT_IMPORT", "1")  # set after the import here: only the workers' import fails
+    workers = AgentWorkers(agent_breaks_in_workers.agent, 2)
+
+    async def go():
+        for _ in range(3):  # not replaced: every later episode fails at once too
+            with pytest.raises(AgentFailed, match="failed to start"):
+                await asyncio.wait_for(workers.run("u", "k", {}, 1.0), 60)
+    run_with(workers, go)
+
+
+def test_num_workers_must_be_positive():
+    with pytest.raises(ValueError, match="at least 1"):
+        AgentWorkers(echo_agent, 0)
