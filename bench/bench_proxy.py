@@ -4,6 +4,12 @@ token path, on train_reflect.py's episodes.
     python bench/bench_proxy.py                                   # embedded default, lib's CPU server
     python bench/bench_proxy.py --model-path M --server sglang    # a real model on SGLang (GPU)
 
+Paths: `tokens` (train_reflect.arun_episode, token ids to the server), `openai` (train_reflect
+--agent openai: the same agent on the openai SDK, on the trainer's event loop), `agent`
+(train_agent.py's default agent, the same conversation, on the trainer's event loop) and
+`agent_workers` (the same in `--agent-workers` processes, train_agent.py --agent_workers N:
+only the proxy and the inference client stay on the trainer's loop).
+
 Both paths run the same questions greedily (temperature 0), so they generate the same tokens
 (tests/test_reflect.py proves the two paths build the same trajectory for the same sampled
 tokens) and the difference in wall time is the proxy's cost: HTTP from the SDK to the proxy,
@@ -22,7 +28,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the proxy tokenizes 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+import train_agent as ta  # noqa: E402
 import train_reflect as tr  # noqa: E402
+from lib.agent_workers import AgentWorkers  # noqa: E402
 from lib.client import InferenceClient, model_eos_ids  # noqa: E402
 from lib.launch import launch_cpu_server, launch_sglang  # noqa: E402
 from lib.openai_proxy import OpenAIProxy  # noqa: E402
@@ -39,7 +47,10 @@ def main():
     p.add_argument("--max-turns", type=int, default=2)
     p.add_argument("--server-threads", type=int, default=1)
     p.add_argument("--http-client", default="aiohttp", choices=["aiohttp", "httpx", "in_process"],
-                   help="the openai SDK's HTTP transport (train_reflect's openai_http_client)")
+                   help="the openai SDK's HTTP transport (train_reflect's openai_http_client) on the `openai` path")
+    p.add_argument("--paths", default="tokens,openai,agent,agent_workers",
+                   help="which paths to time, comma-separated (tokens is the baseline and always runs)")
+    p.add_argument("--agent-workers", type=int, default=8, help="processes of the agent_workers path")
     p.add_argument("--no-gc-freeze", action="store_true",
                    help="leave out the gc.freeze() that train_reflect.main runs after its setup")
     p.add_argument("--warm-start-steps", type=int, default=300,
@@ -47,6 +58,12 @@ def main():
     p.add_argument("--warm-start-direct-steps", type=int, default=None,
                    help="stage-2 SFT steps (answers without worked steps: ~10 tokens); 0 = worked solutions (longer replies)")
     args = p.parse_args()
+    paths = ["tokens"] + [x for x in args.paths.split(",") if x and x != "tokens"]
+    unknown = set(paths) - {"tokens", "openai", "agent", "agent_workers"}
+    if unknown:
+        p.error(f"unknown paths {sorted(unknown)}")
+    if ta.MAX_TURNS != args.max_turns and {"agent", "agent_workers"} & set(paths):
+        p.error(f"train_agent.py's agent has {ta.MAX_TURNS} turns: --max-turns {ta.MAX_TURNS} for the agent paths")
 
     from transformers import AutoTokenizer
 
@@ -70,23 +87,36 @@ def main():
         proxy = OpenAIProxy(client, tokenizer, stop_token_ids=cfg.stop_token_ids, max_context_tokens=cfg.max_tokens,
                             default_max_tokens=cfg.max_new_tokens_per_turn)
         await proxy.start()
+        agent_cfg = ta.Config(eval_temperature=0.0, episode_timeout_s=cfg.episode_timeout_s)
+        workers = AgentWorkers(ta.run_agent, args.agent_workers, init=ta.start_agent, init_args=(agent_cfg,),
+                               close=ta.close_agent) if "agent_workers" in paths else None
         if not args.no_gc_freeze:
             gc.freeze()  # as train_reflect.main does before its loop
-        times = {"tokens": [], "openai": []}
-        cpu = {"tokens": [], "openai": []}  # this process's CPU seconds: the agent, the SDK, the proxy, the client
+        times = {path: [] for path in paths}
+        cpu = {path: [] for path in paths}  # this process's CPU seconds: the agent, the SDK, the proxy, the client
         tokens = {}
-        for agent in ("tokens", "openai") * (args.rounds + 1):  # the first round of each warms up
-            run_cfg = tr.dataclasses.replace(cfg, agent=agent, openai_http_client=args.http_client)
+        for path in paths * (args.rounds + 1):  # the first round of each warms up
             await client.flush_cache()
             t0, c0 = time.perf_counter(), time.process_time()
-            groups, failed = await tr.rollout_groups(proxy if agent == "openai" else client, tokenizer, reflection_ids,
-                                                     reward_pool, run_cfg, items, 0.0, args.group_size)
+            if path in ("tokens", "openai"):
+                run_cfg = tr.dataclasses.replace(cfg, agent="openai" if path == "openai" else "tokens",
+                                                 openai_http_client=args.http_client)
+                groups, failed = await tr.rollout_groups(proxy if path == "openai" else client, tokenizer,
+                                                         reflection_ids, reward_pool, run_cfg, items, 0.0, args.group_size)
+                rows = [row for g in groups for _, row in tr.episode_rows(g)]
+            else:  # train=False: greedy, as the token path here
+                groups, failed = await ta.rollout_groups(proxy, agent_cfg, items, args.group_size, False,
+                                                         workers.run if path == "agent_workers" else ta.run_agent)
+                rows = [s for g in groups for e in g for s in e["segments"]]
             elapsed = time.perf_counter() - t0
             assert failed == 0
-            tokens[agent] = sum(int(row["loss_mask"].sum()) for g in groups for _, row in tr.episode_rows(g))
-            times[agent].append(elapsed)
-            cpu[agent].append(time.process_time() - c0)
+            tokens[path] = sum(int(row["loss_mask"].sum()) for row in rows)
+            times[path].append(elapsed)
+            cpu[path].append(time.process_time() - c0)
         await tr.close_openai_clients()
+        await ta.close_agent()
+        if workers is not None:
+            await workers.close()
         await proxy.close()
         await client.close()
         return {k: v[1:] for k, v in times.items()}, {k: v[1:] for k, v in cpu.items()}, tokens
@@ -99,16 +129,16 @@ def main():
     base = statistics.median(times["tokens"])
     episodes = args.questions * args.group_size
     print(f"\n{episodes} episodes ({args.questions} questions x {args.group_size}), max_turns {args.max_turns}, greedy; "
-          f"median of {args.rounds} rounds, {args.server} server, SDK over {args.http_client}, "
-          f"gc.freeze {'off' if args.no_gc_freeze else 'on'}")
+          f"median of {args.rounds} rounds, {args.server} server, openai path's SDK over {args.http_client}, "
+          f"{args.agent_workers} agent workers, gc.freeze {'off' if args.no_gc_freeze else 'on'}, {os.cpu_count()} CPUs")
     print("| path | rollout s (median) | min | max | generated tokens | tokens/s | overhead vs tokens | trainer-process CPU s (median) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for agent in ("tokens", "openai"):
-        med = statistics.median(times[agent])
-        print(f"| {agent} | {med:.3f} | {min(times[agent]):.3f} | {max(times[agent]):.3f} | {tokens[agent]} | "
-              f"{tokens[agent] / med:.0f} | {100 * (med / base - 1):+.1f}% | {statistics.median(cpu[agent]):.3f} |")
-    if tokens["tokens"] != tokens["openai"]:
-        print("note: the two paths generated different token counts; greedy decoding should make them equal")
+    for path in paths:
+        med = statistics.median(times[path])
+        print(f"| {path} | {med:.3f} | {min(times[path]):.3f} | {max(times[path]):.3f} | {tokens[path]} | "
+              f"{tokens[path] / med:.0f} | {100 * (med / base - 1):+.1f}% | {statistics.median(cpu[path]):.3f} |")
+    if len(set(tokens.values())) > 1:
+        print("note: the paths generated different token counts; greedy decoding should make them equal")
 
 
 if __name__ == "__main__":
