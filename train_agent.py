@@ -14,6 +14,8 @@ reward 1 for the gold number after `####` (0.9 at the second try).
     python train_agent.py                                 # embedded default: tiny model, CPU, no hub
     python train_agent.py --model_path Qwen/Qwen2.5-1.5B-Instruct --server sglang --trainer_dtype bfloat16
 
+With SGLang, run_agent runs in worker processes of its own (--agent_workers; docs/train_agent.md).
+
 Sync GRPO in one trainer process (async mode and torchrun: train_reflect.py). Reads top to bottom:
 config, your agent, one episode, group rollout, training rows, evaluation, data, model, the run's
 set-up and tear-down, one GRPO step phase by phase (the names and order of train_reflect.py and
@@ -97,9 +99,10 @@ class Config:
     episode_timeout_s: float = 600.0
     # Run run_agent in this many worker processes, each with an event loop of its own: an SDK spends
     # milliseconds of CPU per model call, and on the trainer's loop (which also serves the proxy) those
-    # run one after another while a GPU waits (docs/openai_proxy.md). 0 = on the trainer's loop.
-    # With workers, run_agent (and close_agent) must be module-level; items and results go by pickle.
-    agent_workers: int = 0
+    # run one after another while a GPU waits (docs/openai_proxy.md). 0 = on the trainer's loop; -1 =
+    # 0 with the CPU server (its cores are the server's), else half the cores, at most 8. With workers,
+    # run_agent, start_agent and close_agent must be module-level; items and results go by pickle.
+    agent_workers: int = -1
     # --- GRPO ---
     batch_size: int = 8  # items per step
     group_size: int = 4  # episodes per item
@@ -217,11 +220,12 @@ RESERVED_STATS = {"reward", "item", "segments", "stats", "advantage", "rows", "e
                   "trained_rows", "gen_tokens", "equal_reward_groups", "failed_groups", "completion_tokens", "failed"}
 
 
-async def arun_episode(proxy: OpenAIProxy, cfg: Config, item: dict, train: bool, agent=run_agent) -> dict:
+async def arun_episode(proxy: OpenAIProxy, cfg: Config, item: dict, train: bool, agent=None) -> dict:
     """Run the agent once in a session of its own; returns the session's `segments` (training
     sequences, [1, T] tensors: docs/trajectory.md), the reward, the agent's `stats` and the
     session's counts. A session whose generation failed raises (lib.openai_proxy.SessionFailed),
-    which drops the group. `agent`: run_agent, or the same run in a worker process (AgentWorkers.run)."""
+    which drops the group. `agent`: what runs it, run_agent by default (AgentWorkers.run: the same in a worker process)."""
+    agent = agent or run_agent
     key = proxy.new_session(train=train)  # evaluation sessions are not trained on and sample as they ask
     try:
         result = await agent(proxy.session_url(key), key, item, cfg.temperature if train else cfg.eval_temperature)
@@ -260,13 +264,13 @@ def mean_stats(episodes: list[dict]) -> dict:
 
 
 # --- group rollout ---
-async def rollout_group(proxy, cfg, item, group_size: int, train: bool, agent=run_agent) -> list[dict]:
+async def rollout_group(proxy, cfg, item, group_size: int, train: bool, agent=None) -> list[dict]:
     # Each episode under its deadline: one that runs past it is cancelled and fails the group.
     return list(await asyncio.gather(*[with_deadline(arun_episode(proxy, cfg, item, train, agent), cfg.episode_timeout_s,
                                                      item) for _ in range(group_size)]))
 
 
-async def rollout_groups(proxy, cfg, items, group_size: int, train: bool, agent=run_agent):
+async def rollout_groups(proxy, cfg, items, group_size: int, train: bool, agent=None):
     """(groups, number of failed groups): every group at once; a group with a failed episode (an
     exception in run_agent, a server error, past episode_timeout_s) is dropped, its traceback
     printed, and counted."""
@@ -297,7 +301,7 @@ def build_batch(episodes: list[dict], group_size: int, scale_by_std: bool = True
 
 
 # --- evaluation ---
-async def evaluate(proxy, cfg, items, agent=run_agent) -> dict:
+async def evaluate(proxy, cfg, items, agent=None) -> dict:
     """One episode per item in sessions that are not trained on, at cfg.eval_temperature."""
     groups, failed = await rollout_groups(proxy, cfg, items, 1, train=False, agent=agent)
     episodes = [g[0] for g in groups]
@@ -356,7 +360,7 @@ class Run:
     bg: BackgroundLoop = None  # the event loop of every client call and episode
     client: InferenceClient = None
     proxy: OpenAIProxy = None  # the agent's OpenAI-compatible server
-    agent: object = run_agent  # what runs an episode: run_agent, or AgentWorkers.run (cfg.agent_workers)
+    agent: object = None  # what runs an episode: None = run_agent, or AgentWorkers.run (cfg.agent_workers)
     agent_workers: AgentWorkers = None
     actor: Actor = None
     weight_sync: ServerWeightSync = None
@@ -376,6 +380,17 @@ def check_config(cfg: Config):
         raise ValueError("server 'external' needs server_addrs: --server_addrs '[\"http://host:port\"]'")
     if cfg.weight_sync not in ("disk", "nccl"):
         raise ValueError(f"weight_sync must be 'disk' or 'nccl', got {cfg.weight_sync!r}")
+    if cfg.agent_workers < -1:
+        raise ValueError(f"agent_workers must be -1 (auto), 0 (the trainer's event loop) or a number of processes, "
+                         f"got {cfg.agent_workers}")
+
+
+def num_agent_workers(cfg: Config) -> int:
+    """cfg.agent_workers, with -1 resolved: none beside the CPU server, else half the cores up to 8
+    (8 was the fastest of 4, 8 and 14 on a 16-core GPU box: docs/benchmarks.md)."""
+    if cfg.agent_workers >= 0:
+        return cfg.agent_workers
+    return 0 if cfg.server == "cpu" else min(8, max(1, (os.cpu_count() or 2) // 2))
 
 
 def setup(cfg: Config) -> Run:
@@ -441,8 +456,8 @@ def _setup(run: Run):
                             train_sampling={"temperature": cfg.temperature})
     run.bg.run(run.proxy.start())
     start_agent(cfg)
-    if cfg.agent_workers:  # run_agent in processes of its own, each with its own event loop
-        run.agent_workers = AgentWorkers(run_agent, cfg.agent_workers, init=start_agent, init_args=(cfg,),
+    if num_agent_workers(cfg):  # run_agent in processes of its own, each with its own event loop
+        run.agent_workers = AgentWorkers(run_agent, num_agent_workers(cfg), init=start_agent, init_args=(cfg,),
                                          close=close_agent)
         run.agent = run.agent_workers.run
     run.actor = Actor(model_path, lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.max_steps,

@@ -1,8 +1,10 @@
 #!/bin/bash
 # The OpenAI-proxy path vs the token path with real SGLang on one GPU (bench/bench_proxy.py), on the
-# embedded reflect warm start (built here on the GPU, cast to bf16 for SGLang).
+# embedded reflect warm start (built here on the GPU, cast to bf16 for SGLang), then at Qwen2.5-1.5B
+# shapes (random weights). Paths: the token loop, the openai-SDK agent on the trainer's event loop,
+# and the same agent in AGENT_WORKERS worker processes (train_agent.py --agent_workers).
 #
-#   OUT=/tmp/out SDK_WHEELS=<dir> bash bench/gpu_proxy.sh
+#   OUT=/tmp/out SDK_WHEELS=<dir> [AGENT_WORKERS=8] bash bench/gpu_proxy.sh
 #
 # Needs SGLang 0.5.15 from the offline kit in .kit (docs/gpu.md); wheels the machine lacks (openai,
 # fire, ...) may come in $WHEELS.
@@ -38,6 +40,12 @@ AutoTokenizer.from_pretrained(path).save_pretrained(f"/tmp/m{direct}")
 PY
   ts "bench (direct $direct)"
   timeout 280 python3 bench/bench_proxy.py --model-path /tmp/m$direct --server sglang --rounds 7 \
-    --warm-start-direct-steps $direct > $OUT/bench_direct$direct.txt 2>&1
-  ts "rc=$?"; tail -6 $OUT/bench_direct$direct.txt
+    --warm-start-direct-steps $direct --agent-workers ${AGENT_WORKERS:-8} > $OUT/bench_direct$direct.txt 2>&1
+  ts "rc=$?"; tail -7 $OUT/bench_direct$direct.txt
 done
+ts "random Qwen2.5-1.5B"
+python3 bench/make_random_model.py --arch qwen2.5-1.5b --out /tmp/q15 > $OUT/make_q15.log 2>&1
+ts "bench (1.5B shapes)"
+timeout 300 python3 bench/bench_proxy.py --model-path /tmp/q15 --server sglang --rounds 5 \
+  --agent-workers ${AGENT_WORKERS:-8} > $OUT/bench_q15.txt 2>&1
+ts "rc=$?"; tail -7 $OUT/bench_q15.txt

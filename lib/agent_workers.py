@@ -185,8 +185,10 @@ class AgentWorkers:
             worker.process.join(5.0)
             started = worker.ready.done()
             what = "died" if started else "failed to start"
-            self._forget(worker, AgentFailed(f"an agent worker (pid {worker.process.pid}) {what}, exit code "
-                                             f"{worker.process.exitcode}; its output above says why"))
+            self._forget(worker, AgentFailed(
+                f"an agent worker (pid {worker.process.pid}) {what}, exit code {worker.process.exitcode}; its output "
+                "above says why" + ("" if started else " (the agent, init and close must be importable by name in a "
+                                    "new process: module-level functions of a script or a module)")))
             if started and not self._closed:
                 self._start_worker()  # its replacement, for the episodes to come
             return

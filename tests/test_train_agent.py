@@ -243,6 +243,22 @@ def with_agent_workers(agent, num_workers, fn):
     return go
 
 
+@pytest.mark.parametrize("server,workers,cores,expected", [
+    ("cpu", -1, 16, 0),  # the CPU server's cores are its own
+    ("sglang", -1, 16, 8), ("sglang", -1, 64, 8), ("sglang", -1, 2, 1), ("external", -1, 6, 3),
+    ("sglang", 0, 16, 0), ("cpu", 3, 2, 3),  # as set
+])
+def test_agent_workers_default_to_half_the_cores_up_to_8_except_beside_the_cpu_server(monkeypatch, server, workers,
+                                                                                      cores, expected):
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    assert ta.num_agent_workers(ta.Config(server=server, agent_workers=workers)) == expected
+
+
+def test_agent_workers_below_minus_one_are_refused():
+    with pytest.raises(ValueError, match="agent_workers must be -1"):
+        ta.check_config(ta.Config(agent_workers=-2))
+
+
 def test_an_episode_run_in_a_worker_process_records_every_token_the_server_sampled(tokenizer):
     script = [Reply("#### 8", eos=True), Reply("3 + 4 = 7.\n#### 7", eos=True)]
     episode, server = with_proxy(tokenizer, script, with_agent_workers(ta.run_agent, 1, lambda proxy, workers: (
