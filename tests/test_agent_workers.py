@@ -160,3 +160,39 @@ def test_workers_whose_agent_cannot_be_imported_fail_every_episode_with_the_caus
 def test_num_workers_must_be_positive():
     with pytest.raises(ValueError, match="at least 1"):
         AgentWorkers(echo_agent, 0)
+
+
+def test_workers_exit_when_the_trainer_is_killed(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    trainer = subprocess.Popen([sys.executable, "-c", """
+import asyncio, sys, time
+from lib.agent_workers import AgentWorkers
+from tests.test_agent_workers import echo_agent
+async def main():
+    workers = AgentWorkers(echo_agent, 2)
+    results = await asyncio.gather(*[workers.run("u", "k", {"n": n, "sleep_s": 0.2}, 1.0) for n in range(4)])
+    print(*sorted({r["pid"] for r in results}), flush=True)
+    time.sleep(600)
+asyncio.run(main())
+"""], stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        pids = [int(p) for p in trainer.stdout.readline().split()]
+        assert len(pids) == 2 and all(os.path.exists(f"/proc/{p}") for p in pids)
+    finally:
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait()
+    deadline = time.monotonic() + 20
+    while any(_running_process(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_running_process(p) for p in pids)
+
+
+def _running_process(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"  # a zombie has exited; only its parent's wait is missing
+    except FileNotFoundError:
+        return False
