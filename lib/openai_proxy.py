@@ -1165,8 +1165,8 @@ class _CompletionChunks:
 
 class _ResponseEvents:
     """A Responses API answer, whole (`finished`) or as the events the SDKs parse: created, then
-    each output item (a reasoning item, whole once its thinking is closed; the message, its text
-    delta by delta; function calls), then completed."""
+    each output item (a reasoning item, its text delta by delta; the message, its text delta by
+    delta; function calls), then completed."""
     done = False
 
     def __init__(self, model: str, body: dict, params: dict):
@@ -1175,6 +1175,7 @@ class _ResponseEvents:
         self.item_ids = {"reasoning": "rs_" + uuid.uuid4().hex, "message": "msg_" + uuid.uuid4().hex}
         self.sequence, self.index = 0, 0  # events sent; output items opened
         self.reasoning, self.message = "", None  # thinking so far; the message's output index once opened
+        self.thinking, self.thought = None, False  # the reasoning item's output index once opened; closed yet
         self.logprobs = []
 
     def finished(self, plan: dict, turns: list[dict]) -> dict:
@@ -1223,11 +1224,29 @@ class _ResponseEvents:
         return [self.event("response.output_item.added", output_index=self.index - 1, item=item),
                 self.event("response.output_item.done", output_index=self.index - 1, item=item)]
 
+    def open_reasoning(self) -> list[dict]:
+        self.thinking, self.index = self.index, self.index + 1
+        item = {"type": "reasoning", "id": self.item_ids["reasoning"], "status": "in_progress", "summary": [],
+                "content": []}
+        return [self.event("response.output_item.added", output_index=self.thinking, item=item),
+                self.event("response.content_part.added", item_id=item["id"], output_index=self.thinking,
+                           content_index=0, part={"type": "reasoning_text", "text": ""})]
+
+    def close_reasoning(self) -> list[dict]:
+        """The reasoning item's done events, once: its thinking is over (the message begins, or the reply ends)."""
+        if self.thinking is None or self.thought:
+            return []
+        self.thought = True
+        part = {"type": "reasoning_text", "text": self.reasoning}
+        ids = {"item_id": self.item_ids["reasoning"], "output_index": self.thinking, "content_index": 0}
+        item = {"type": "reasoning", "id": self.item_ids["reasoning"], "status": "completed", "summary": [],
+                "content": [part]}
+        return [self.event("response.reasoning_text.done", **ids, text=self.reasoning),
+                self.event("response.content_part.done", **ids, part=part),
+                self.event("response.output_item.done", output_index=self.thinking, item=item)]
+
     def open_message(self) -> list[dict]:
-        events = []
-        if self.reasoning:
-            events += self.item({"type": "reasoning", "id": self.item_ids["reasoning"], "status": "completed",
-                                 "summary": [], "content": [{"type": "reasoning_text", "text": self.reasoning}]})
+        events = self.close_reasoning()
         self.message, self.index = self.index, self.index + 1
         item = {"type": "message", "id": self.item_ids["message"], "role": "assistant", "status": "in_progress",
                 "content": []}
@@ -1237,9 +1256,13 @@ class _ResponseEvents:
                                     content_index=0, part=part)]
 
     def delta(self, i: int, kind: str, text: str, logprobs: list) -> list[dict]:
-        if kind == "reasoning":  # sent as a whole item, when the message begins (or at the end)
+        if kind == "reasoning":
+            if self.thought or not text:
+                return []  # no thinking after the message began (ReplyText sends it all before)
+            events = self.open_reasoning() if self.thinking is None else []
             self.reasoning += text
-            return []
+            return events + [self.event("response.reasoning_text.delta", item_id=self.item_ids["reasoning"],
+                                        output_index=self.thinking, content_index=0, delta=text)]
         events = self.open_message() if self.message is None else []
         return events + [self.event("response.output_text.delta", item_id=self.item_ids["message"],
                                     output_index=self.message, content_index=0, delta=text, logprobs=logprobs)]
@@ -1252,12 +1275,13 @@ class _ResponseEvents:
         response = self.finished(plan, turns)
         events, logprobs = [], self.logprobs
         for item in response["output"]:
-            if item["type"] == "reasoning" and self.message is None:
-                self.reasoning = ""  # the finished reply's own, below
-                events += self.item(item)
+            if item["type"] == "reasoning":
+                if self.thinking is None:  # none of it was streamed: the whole item
+                    events += self.item(item)
+                    self.thinking, self.thought = self.index - 1, True
+                events += self.close_reasoning()
             elif item["type"] == "message":
                 if self.message is None:
-                    self.reasoning = ""
                     events += self.open_message()
                 part, ids = item["content"][0], {"item_id": item["id"], "output_index": self.message, "content_index": 0}
                 if logprobs:  # tokens whose text sent nothing new (an end of turn): their log-probs still go out

@@ -430,7 +430,8 @@ def test_an_openai_agents_sdk_agent_with_a_function_tool_runs_through_the_proxy(
         return run.final_output, proxy.end_session(key)
 
     call = '<tool_call>{"name": "search", "arguments": {"query": "Ostrel Guild"}}</tool_call>'
-    (answer, episode), server = scripted(tokenizer, [Reply(call, eos=True), Reply("Pem Varo.", eos=True)], agent)
+    final = "<think>The result names him.</think>Pem Varo."  # reasoning too, streamed as its own item
+    (answer, episode), server = scripted(tokenizer, [Reply(call, eos=True), Reply(final, eos=True)], agent)
     assert answer == "Pem Varo." and looked_up == ["Ostrel Guild"]
     [segment] = episode["segments"]  # the second call continued the first: one conversation, trained once
     ids, _ = trained(episode)

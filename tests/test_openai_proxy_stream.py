@@ -109,8 +109,10 @@ def test_the_openai_sdks_stream_helpers_assemble_the_streamed_reply(tokenizer):
                 response = await stream.get_final_response()
         return kinds, final, deltas, response, proxy.end_session(key)
 
-    script = [Reply("Let me look.\n" + CALL, eos=True), Reply("Pem Varo founded it.", eos=True)]
+    script = [Reply("Let me look.\n" + CALL, eos=True), Reply("<think>Recall it.</think>Pem Varo founded it.", eos=True)]
     (kinds, final, deltas, response, episode), _ = run(tokenizer, script, agent)
+    assert [o.type for o in response.output] == ["reasoning", "message"]
+    assert response.output[0].content[0].text == "Recall it."
     message = final.choices[0].message
     assert message.content == "Let me look." and message.tool_calls[0].function.name == "search"
     assert "content.delta" in kinds and "tool_calls.function.arguments.done" in kinds
@@ -140,18 +142,25 @@ def test_a_streamed_completion_and_response_join_into_the_plain_ones(tokenizer, 
             final = events[-1].response
             text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
             added = [e.item.type for e in events if e.type == "response.output_item.added"]
-            return ([(o.type, getattr(o, "name", None)) for o in whole.output], whole.output_text), (
-                [(o.type, getattr(o, "name", None)) for o in final.output], text, added)
+            thinking = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+            kinds = [e.type for e in events]
+            return ([(o.type, getattr(o, "name", None)) for o in whole.output], whole.output_text,
+                    whole.output[0].content[0].text), (
+                [(o.type, getattr(o, "name", None)) for o in final.output], text, added, thinking,
+                kinds.index("response.reasoning_text.delta") < kinds.index("response.reasoning_text.done")
+                < kinds.index("response.output_text.delta"), final.output[0].content[0].text)
 
     text = "<think>Look it up.</think>Founded by Pem Varo.\n" + CALL if api == "responses" else "<answer> x </answer> y"
     (whole, streamed), _ = run(tokenizer, [Reply(text, eos=True)] * 2, agent)
     if api == "completions":
         assert streamed == whole and whole[0] == "<answer> x "
     else:
-        items, output_text = whole
+        items, output_text, reasoning = whole
         assert items == streamed[0] == [("reasoning", None), ("message", None), ("function_call", "search")]
         assert streamed[1] == output_text == "Founded by Pem Varo." and streamed[2] == ["reasoning", "message",
                                                                                       "function_call"]
+        # the reasoning streams as deltas too, and is done before the message's text begins
+        assert streamed[3] == streamed[5] == reasoning == "Look it up." and streamed[4]
 
 
 @pytest.mark.parametrize("incremental", [False, True])
