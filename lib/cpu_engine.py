@@ -196,6 +196,7 @@ class Request:
     generator: torch.Generator | None = None
     top_logprobs_num: int = 0  # also the most likely tokens of each step (SGLang's top_logprobs_num)
     output_top_logprobs: list = dataclasses.field(default_factory=list)  # per token: [(logprob, id), ...]
+    input_top_logprobs: list = dataclasses.field(default_factory=list)  # per prompt token from logprob_start_len; None first
     # Streamed requests (stream: true): set by the scheduler after each step that may have added tokens,
     # with `visible` the number of output tokens complete at that moment (read on the event loop).
     progress: asyncio.Event | None = None
@@ -309,6 +310,7 @@ class Runner:
             if len(reqs) > 1:  # one of them may be the cause: each alone, so only that one fails
                 for r in reqs:
                     r.output_ids, r.output_logprobs, r.input_logprobs, r.finish_reason = [], [], [], None
+                    r.input_top_logprobs = []
                 return [done for r in reqs for done in self._prefill_apart_on_failure([r])]
             logger.exception("prefill of request %s failed", reqs[0].rid)
             reqs[0].finish_reason = _abort_reason(f"model step failed: {e!r}")
@@ -376,6 +378,11 @@ class Runner:
         ids = req.input_ids
         rows = [[None, ids[0], None]] + [[logprobs[t - 1, ids[t]].item(), ids[t], None] for t in range(1, len(ids))]
         req.input_logprobs = rows[req.logprob_start_len:]
+        if req.top_logprobs_num:  # the most likely tokens at each prompt position, by the same log-probs
+            start = max(req.logprob_start_len, 1)
+            values, top_ids = logprobs[start - 1:len(ids) - 1].topk(min(req.top_logprobs_num, logprobs.shape[1]), dim=-1)
+            req.input_top_logprobs = [None] * (start - req.logprob_start_len) + [
+                list(zip(v, i)) for v, i in zip(values.tolist(), top_ids.tolist())]
 
     def _decode(self) -> list[Request]:
         self.stats["num_decode_batches"] += 1
@@ -850,6 +857,8 @@ class Server:
             if r.top_logprobs_num:
                 meta["output_top_logprobs"] = [[[lp, t, token_text(t)] for lp, t in best]
                                                for best in r.output_top_logprobs[start:upto]]
+                meta["input_top_logprobs"] = [None if best is None else [[lp, t, token_text(t)] for lp, t in best]
+                                              for best in r.input_top_logprobs] if start == 0 else []
         return {"text": self.runner.output_text(r) if text is None else text, "output_ids": r.output_ids[start:upto],
                 "meta_info": meta}
 

@@ -23,8 +23,9 @@ Where it differs from SGLang (docs/sglang_contract.md has SGLang's side):
 - Not supported, refused with a 400 rather than ignored: penalties, grammars, `logit_bias`;
   `stream` with a batch or n > 1. A streamed request's events carry the output so far (SGLang's
   default) or only what is new (`--incremental-streaming-output`), text included.
-- `top_logprobs_num` gives `output_top_logprobs` (from the same log-probs as the sampled token's),
-  not `input_top_logprobs`.
+- `top_logprobs_num` gives `output_top_logprobs` (from the same log-probs as the sampled token's)
+  and, with `logprob_start_len >= 0`, `input_top_logprobs` (the untempered prompt log-probs; None at
+  the first prompt token, which has none).
 - `--random-seed` defaults to 0 (SGLang: random); `--dtype auto` is float32 on CPU.
 - `/update_weights_from_tensor` takes only lib.tensor_ipc's payload (handles of shared tensors;
   any other pickle content is a 400) and no `load_format`.

@@ -158,6 +158,28 @@ def test_greedy_picks_argmax_and_reports_untempered_logprobs(server, tokenizer, 
     assert max(abs(a - b) for a, b in zip(served, ref)) < 1e-4
 
 
+def test_prompt_logprobs_and_their_top_tokens_equal_a_fresh_fp32_forward(server, tokenizer, reference_model):
+    ids = prompt(tokenizer)
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}, "return_logprob": True,
+            "logprob_start_len": 0, "top_logprobs_num": 3}
+    meta = requests.post(server + "/generate", json=body, timeout=TIMEOUT_S).json()["meta_info"]
+    with torch.no_grad():
+        logprobs = torch.log_softmax(reference_model(torch.tensor([ids])).logits.float()[0], dim=-1)
+    assert [row[1] for row in meta["input_token_logprobs"]] == ids and meta["input_token_logprobs"][0][0] is None
+    tops = meta["input_top_logprobs"]
+    assert len(tops) == len(ids) and tops[0] is None  # the first prompt token has no log-prob
+    for t in range(1, len(ids)):
+        values, top_ids = logprobs[t - 1].topk(3)
+        assert [row[1] for row in tops[t]] == top_ids.tolist()
+        assert [row[0] for row in tops[t]] == pytest.approx(values.tolist(), abs=1e-4)
+        assert meta["input_token_logprobs"][t][0] == pytest.approx(logprobs[t - 1, ids[t]].item(), abs=1e-4)
+    # from a later start: only the positions from there
+    body["logprob_start_len"] = 2
+    meta = requests.post(server + "/generate", json=body, timeout=TIMEOUT_S).json()["meta_info"]
+    assert len(meta["input_top_logprobs"]) == len(ids) - 2 and [r[1] for r in meta["input_top_logprobs"][0]] == \
+        logprobs[1].topk(3).indices.tolist()
+
+
 def test_temperature_scales_the_reported_logprob(server, tokenizer, reference_model):
     ids = prompt(tokenizer)
     out = generate(server, ids, max_new_tokens=6, temperature=0.5, top_k=5, ignore_eos=True)
