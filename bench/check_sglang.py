@@ -260,6 +260,29 @@ class Checks:
         return (f"{k} per token, decreasing; sampled (T=1) token among them at {hits}/{len(gen.output_ids)} steps; "
                 f"greedy: always the first")
 
+    async def prompt_top_logprobs(self):
+        # /generate with logprob_start_len 0 and top_logprobs_num: the prompt's log-probs and, per
+        # prompt position, its most likely tokens (lib/cpu_server.py answers the same shape).
+        k, prompt = 3, self.prompts[2]
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+                "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": k}
+        meta = (await self.client._request("POST", self.client.addresses[0], "/generate", body))["meta_info"]
+        rows, tops = meta["input_token_logprobs"], meta.get("input_top_logprobs")
+        assert [r[1] for r in rows] == prompt and rows[0][0] is None, f"input_token_logprobs {str(rows)[:200]}"
+        assert tops is not None and len(tops) == len(prompt), f"input_top_logprobs {str(tops)[:200]}"
+        assert not tops[0], f"first prompt token's top log-probs should be empty, got {tops[0]}"
+        with torch.no_grad():
+            ref = torch.log_softmax(self.reference()(torch.tensor([prompt], device=self.device)).logits.float()[0], -1)
+        agree = 0
+        for t in range(1, len(prompt)):
+            values = [v for v, _, _ in tops[t]]
+            assert len(tops[t]) == k and values == sorted(values, reverse=True), tops[t]
+            assert rows[t][0] <= values[0] + 1e-3, f"prompt token's log-prob {rows[t][0]} above the top one {values[0]}"
+            agree += tops[t][0][1] == int(ref[t - 1].argmax())
+        assert agree >= 0.8 * (len(prompt) - 1), f"top token agrees with fp32 transformers at {agree}/{len(prompt) - 1}"
+        return (f"{len(prompt)} prompt positions, first {tops[0]!r}, {k} per position, decreasing; top token = fp32 "
+                f"transformers' at {agree}/{len(prompt) - 1}")
+
     async def cancelled_generate_aborts_its_request(self):
         # A caller that gives up (the proxy's client disconnected, an episode's deadline) cancels the
         # generate: the client posts /abort_request with that request's rid, and the server stops it.
@@ -380,7 +403,7 @@ async def run_checks(address: str, model_path: str, out_dir: str, dtype: str, co
     results = []
     for name in ["generate_single", "generate_16_concurrent", "stop_strings", "stop_token_ids",
                  "logprobs_vs_transformers", "streamed_equals_plain", "streamed_through_a_pause", "top_logprobs",
-                 "cancelled_generate_aborts_its_request", "error_400", "pause_continue_inflight", "abort_request",
+                 "prompt_top_logprobs", "cancelled_generate_aborts_its_request", "error_400", "pause_continue_inflight", "abort_request",
                  "flush_cache", "update_weights_from_disk", "info"]:
         client.exchanges = []
         t0 = time.monotonic()
