@@ -10,7 +10,9 @@ from typing import Callable
 
 
 def cache_root() -> str:
-    return os.environ.get("AGENTRL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "agentrl"))
+    """$AGENTRL_CACHE, or ~/.cache/agentrl when it is unset or empty (an empty one would mean the
+    current directory: the builds would land in whatever folder the script runs from)."""
+    return os.environ.get("AGENTRL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "agentrl")
 
 
 @contextmanager

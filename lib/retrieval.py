@@ -29,6 +29,7 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 
+from lib.cache import cache_root
 from lib.http_body import BadRequest, errors_as_json, read_json_body
 
 # bm25s imports jax when it is installed, and jax on a GPU machine takes 75% of every GPU's memory at
@@ -162,8 +163,7 @@ def default_index_dir(corpus_path: str) -> str:
     import hashlib
 
     digest = hashlib.sha1(os.path.abspath(corpus_path).encode()).hexdigest()[:12]
-    root = os.environ.get("AGENTRL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "agentrl"))
-    return os.path.join(root, "bm25s", f"{os.path.basename(corpus_path)}-{digest}")
+    return os.path.join(cache_root(), "bm25s", f"{os.path.basename(corpus_path)}-{digest}")
 
 
 def load_bm25(corpus_path: str, index_dir: str | None = None) -> Bm25Index:

@@ -2,6 +2,8 @@ import multiprocessing
 import os
 import time
 
+import pytest
+
 from lib.cache import build_once
 
 
@@ -29,3 +31,17 @@ def test_processes_asking_for_the_same_directory_at_once_build_it_once(tmp_path)
     assert open(log).read() == "built\n"
     assert open(os.path.join(out_dir, "data.txt")).read() == "ok"
     assert os.listdir(tmp_path / "cache") == ["thing"]  # no half-built copy or lock left
+
+
+@pytest.mark.parametrize("value", [None, ""])
+def test_an_unset_or_empty_agentrl_cache_means_the_home_cache_never_the_current_directory(monkeypatch, tmp_path, value):
+    from lib.cache import cache_root
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    if value is None:
+        monkeypatch.delenv("AGENTRL_CACHE", raising=False)
+    else:
+        monkeypatch.setenv("AGENTRL_CACHE", value)
+    assert cache_root() == str(tmp_path / ".cache" / "agentrl")
+    monkeypatch.setenv("AGENTRL_CACHE", str(tmp_path / "mine"))
+    assert cache_root() == str(tmp_path / "mine")
