@@ -48,7 +48,7 @@ from langgraph.prebuilt import ToolNode, tools_condition
 from tqdm import tqdm
 
 from lib.actor import Actor
-from lib.agent_workers import AgentWorkers
+from lib.agent_workers import AgentWorkers, num_workers
 from lib.async_rollout import BackgroundLoop, gather_groups, rollout_deadline_s, with_deadline
 from lib.checkpoint import read_checkpoint_extra
 from lib.client import InferenceClient, model_eos_ids
@@ -505,17 +505,7 @@ def check_config(cfg: Config):
         raise ValueError("server 'external' needs server_addrs: --server_addrs '[\"http://host:port\"]'")
     if cfg.weight_sync not in ("disk", "nccl"):
         raise ValueError(f"weight_sync must be 'disk' or 'nccl', got {cfg.weight_sync!r}")
-    if cfg.agent_workers < -1:
-        raise ValueError(f"agent_workers must be -1 (auto), 0 (the trainer's event loop) or a number of processes, "
-                         f"got {cfg.agent_workers}")
-
-
-def num_agent_workers(cfg: Config) -> int:
-    """cfg.agent_workers, with -1 resolved: none beside the CPU server, else half the cores up to 8
-    (8 was the fastest of 4, 8 and 14 on a 16-core GPU box: docs/benchmarks.md)."""
-    if cfg.agent_workers >= 0:
-        return cfg.agent_workers
-    return 0 if cfg.server == "cpu" else min(8, max(1, (os.cpu_count() or 2) // 2))
+    num_workers(cfg.agent_workers, beside_cpu_server=cfg.server == "cpu")  # refuses a bad value before anything starts
 
 
 def setup(cfg: Config) -> Run:
@@ -593,8 +583,9 @@ def _setup(run: Run):
                             max_context_tokens=cfg.max_tokens, default_max_tokens=cfg.max_new_tokens_per_turn,
                             train_sampling={"temperature": cfg.temperature})
     run.bg.run(run.proxy.start())
-    if num_agent_workers(cfg):  # run_agent in processes of its own, each with its own event loop
-        run.agent_workers = AgentWorkers(run_agent, num_agent_workers(cfg), init=start_agent,
+    workers = num_workers(cfg.agent_workers, beside_cpu_server=cfg.server == "cpu")
+    if workers:  # run_agent in processes of its own, each with its own event loop
+        run.agent_workers = AgentWorkers(run_agent, workers, init=start_agent,
                                          init_args=(cfg, retrieval_addr), close=close_agent)
         run.agent = run.agent_workers.run
     run.actor = Actor(model_path, lr=cfg.lr, grad_clip=cfg.grad_clip, temperature=cfg.temperature,

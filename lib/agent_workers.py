@@ -21,8 +21,21 @@ import asyncio
 import itertools
 import multiprocessing
 import multiprocessing.util
+import os
 import signal
 import traceback
+
+
+def num_workers(requested: int, beside_cpu_server: bool) -> int:
+    """A script's `agent_workers` setting with -1 (auto) resolved: none beside lib's CPU server
+    (on a small CPU machine the cores are the server's), else half the cores, at most 8 (8 was the
+    fastest of 4, 8 and 14 on a 16-core GPU box: docs/benchmarks.md)."""
+    if requested < -1:
+        raise ValueError(f"agent_workers must be -1 (auto), 0 (the trainer's event loop) or a number of processes, "
+                         f"got {requested}")
+    if requested >= 0:
+        return requested
+    return 0 if beside_cpu_server else min(8, max(1, (os.cpu_count() or 2) // 2))
 
 
 class AgentFailed(RuntimeError):

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from lib.agent_workers import AgentFailed, AgentWorkers
+from lib.agent_workers import AgentFailed, AgentWorkers, num_workers
 
 # --- agents, importable by name in the workers ---
 _running = 0  # episodes running in this worker now
@@ -196,3 +196,19 @@ def _running_process(pid: int) -> bool:
             return f.read().split(") ")[1][0] != "Z"  # a zombie has exited; only its parent's wait is missing
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.parametrize("requested,beside_cpu_server,cores,expected", [
+    (-1, True, 16, 0),  # the CPU server's cores are its own
+    (-1, False, 16, 8), (-1, False, 64, 8), (-1, False, 2, 1), (-1, False, 6, 3),
+    (0, False, 16, 0), (3, True, 2, 3),  # as asked
+])
+def test_auto_is_half_the_cores_up_to_8_and_none_beside_the_cpu_server(monkeypatch, requested, beside_cpu_server,
+                                                                         cores, expected):
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    assert num_workers(requested, beside_cpu_server) == expected
+
+
+def test_a_setting_below_minus_one_is_refused():
+    with pytest.raises(ValueError, match="agent_workers must be -1"):
+        num_workers(-2, False)

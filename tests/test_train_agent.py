@@ -243,17 +243,6 @@ def with_agent_workers(agent, num_workers, fn):
     return go
 
 
-@pytest.mark.parametrize("server,workers,cores,expected", [
-    ("cpu", -1, 16, 0),  # the CPU server's cores are its own
-    ("sglang", -1, 16, 8), ("sglang", -1, 64, 8), ("sglang", -1, 2, 1), ("external", -1, 6, 3),
-    ("sglang", 0, 16, 0), ("cpu", 3, 2, 3),  # as set
-])
-def test_agent_workers_default_to_half_the_cores_up_to_8_except_beside_the_cpu_server(monkeypatch, server, workers,
-                                                                                      cores, expected):
-    monkeypatch.setattr(os, "cpu_count", lambda: cores)
-    assert ta.num_agent_workers(ta.Config(server=server, agent_workers=workers)) == expected
-
-
 def test_agent_workers_below_minus_one_are_refused():
     with pytest.raises(ValueError, match="agent_workers must be -1"):
         ta.check_config(ta.Config(agent_workers=-2))
