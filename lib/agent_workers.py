@@ -22,7 +22,10 @@ import itertools
 import multiprocessing
 import multiprocessing.util
 import os
+import pickle
+import queue
 import signal
+import threading
 import traceback
 
 
@@ -42,6 +45,35 @@ class AgentFailed(RuntimeError):
     """The agent raised in its worker process (the message holds the worker's traceback), or the worker died."""
 
 
+# --- the pipe: both sides read on their event loop and send from a thread of their own ---
+# A blocking send on an event loop could wait for the other side, which may itself be blocked
+# sending (two large messages at once): neither would read again. Each message is
+# (kind, job, payload), the payload pickled apart, so one that cannot be read fails its own job.
+class _Sender:
+    def __init__(self, conn):
+        self.conn, self.queue = conn, queue.SimpleQueue()
+        threading.Thread(target=self._run, daemon=True, name="agent-workers-send").start()
+
+    def send(self, kind: str, job=None, payload=None):
+        """Pickles here (a payload that cannot be pickled raises in the caller); sends in the thread."""
+        self.queue.put(pickle.dumps((kind, job, pickle.dumps(payload))))
+
+    def close(self):
+        self.queue.put(None)
+
+    def _run(self):
+        while (data := self.queue.get()) is not None:
+            try:
+                self.conn.send_bytes(data)
+            except (OSError, ValueError):
+                return  # the other side is gone; its end of the pipe tells the reader
+
+
+def _receive(conn) -> tuple:
+    """(kind, job, payload bytes) of the next message; EOFError/OSError once the other side is gone."""
+    return pickle.loads(conn.recv_bytes())
+
+
 # --- the worker process ---
 def _serve(conn, agent, init, init_args: tuple, close):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle: it closes the workers
@@ -54,46 +86,46 @@ async def _serve_episodes(conn, agent, close):
     """Run every episode the trainer sends as a task of this loop, and send back its result, until
     the trainer says stop or goes away (its end of the pipe closes, also when it is killed)."""
     loop = asyncio.get_running_loop()
+    sender = _Sender(conn)
     tasks: dict[int, asyncio.Task] = {}
     stop = loop.create_future()
 
-    async def episode(job: int, args: tuple):
+    async def episode(job: int, payload: bytes):
         try:
-            reply = ("done", job, await agent(*args))
+            reply = ("done", await agent(*pickle.loads(payload)))
         except asyncio.CancelledError:
             return  # the trainer cancelled it and expects nothing
         except BaseException as e:  # noqa: BLE001 - every failure of the agent goes back to its episode
-            reply = ("error", job, _describe(e))
+            reply = ("error", _describe(e))
         finally:
             tasks.pop(job, None)
         try:
-            conn.send(reply)
-        except OSError:
-            pass  # the trainer is gone
+            sender.send(reply[0], job, reply[1])
         except Exception as e:  # noqa: BLE001 - a result pickle cannot take
-            _send(conn, ("error", job, f"the agent's result cannot be sent to the trainer: {_describe(e)}"))
+            sender.send("error", job, f"the agent's result cannot be sent to the trainer: {_describe(e)}")
 
     def on_message():
         try:
-            message = conn.recv()
+            kind, job, payload = _receive(conn)
         except (EOFError, OSError):
-            message = ("stop",)
-        if message[0] == "run":
-            tasks[message[1]] = loop.create_task(episode(message[1], message[2]))
-        elif message[0] == "cancel" and message[1] in tasks:
-            tasks[message[1]].cancel()
-        elif message[0] == "stop" and not stop.done():
+            kind, job, payload = "stop", None, None
+        if kind == "run":
+            tasks[job] = loop.create_task(episode(job, payload))
+        elif kind == "cancel" and job in tasks:
+            tasks[job].cancel()
+        elif kind == "stop" and not stop.done():
             loop.remove_reader(conn.fileno())
             stop.set_result(None)
 
     loop.add_reader(conn.fileno(), on_message)
-    conn.send(("ready",))
+    sender.send("ready")
     await stop
     for task in list(tasks.values()):
         task.cancel()
     await asyncio.gather(*tasks.values(), return_exceptions=True)
     if close is not None:
         await close()
+    sender.close()
 
 
 def _describe(e: BaseException) -> str:
@@ -104,9 +136,10 @@ def _describe(e: BaseException) -> str:
 class _Worker:
     def __init__(self, process, conn, ready):
         self.process, self.conn, self.ready = process, conn, ready
+        self.sender = _Sender(conn)
         self.jobs: dict[int, asyncio.Future] = {}  # episodes sent and not answered
+        self.exit_fd = None  # readable once the process has exited
         self.alive = True
-        self.failure = ""  # why it ended, once it has
 
 
 class AgentWorkers:
@@ -118,12 +151,17 @@ class AgentWorkers:
         event loop; the workers start at the first `run`."""
         if num_workers < 1:
             raise ValueError(f"num_workers must be at least 1, got {num_workers}")
+        try:  # what each worker is started with: refused here rather than at the first episode
+            pickle.dumps((agent, init, tuple(init_args), close))
+        except Exception as e:
+            raise ValueError(f"the agent, init, init_args and close must pickle (module-level functions): {e}") from e
         self.agent, self.init, self.init_args, self.close_fn = agent, init, tuple(init_args), close
         self.num_workers, self.startup_timeout_s = num_workers, startup_timeout_s
         self._context = multiprocessing.get_context("spawn")
         self._job_ids = itertools.count()
         self._loop = None
-        self._workers: list[_Worker] = []
+        self._workers: list[_Worker] = []  # the live ones
+        self._failure = ""  # why the last worker that failed to start did
         self._closed = False
         # At interpreter exit without close(), before multiprocessing joins its children (which would
         # wait for ever on workers that wait for the trainer), stop them.
@@ -134,10 +172,9 @@ class AgentWorkers:
         if self._closed:
             raise RuntimeError("AgentWorkers is closed")
         self._bind_loop()
-        alive = [w for w in self._workers if w.alive]
-        if not alive:  # workers that fail to start are not replaced: each would fail the same way
-            raise AgentFailed(self._workers[-1].failure)
-        worker = min(alive, key=lambda w: len(w.jobs))
+        if not self._workers:  # workers that fail to start are not replaced: each would fail the same way
+            raise AgentFailed(self._failure)
+        worker = min(self._workers, key=lambda w: len(w.jobs))
         job = next(self._job_ids)
         future = self._loop.create_future()
         worker.jobs[job] = future  # counted now, so the episodes started while workers start spread over them
@@ -147,11 +184,11 @@ class AgentWorkers:
             except asyncio.TimeoutError:
                 raise AgentFailed(f"an agent worker did not start within {self.startup_timeout_s:.0f} s: see how "
                                   f"long `python -c 'import {self.agent.__module__}'` takes") from None
-            worker.conn.send(("run", job, args))
+            worker.sender.send("run", job, args)
             return await future
         except asyncio.CancelledError:
             if worker.jobs.pop(job, None) is not None and worker.alive and worker.ready.done():
-                _send(worker.conn, ("cancel", job))
+                worker.sender.send("cancel", job)
             raise
         finally:
             worker.jobs.pop(job, None)
@@ -161,12 +198,12 @@ class AgentWorkers:
         if self._closed:
             return
         self._closed = True
-        for worker in self._workers:
-            if worker.alive:
-                _send(worker.conn, ("stop",))
+        workers = list(self._workers)
+        for worker in workers:
+            worker.sender.send("stop")
         deadline = self._loop.time() + 30.0 if self._loop is not None else None
-        for worker in self._workers:
-            while worker.process.is_alive() and deadline is not None and self._loop.time() < deadline:
+        for worker in workers:
+            while worker.alive and worker.process.is_alive() and deadline is not None and self._loop.time() < deadline:
                 await asyncio.sleep(0.05)
             self._forget(worker, AgentFailed("AgentWorkers closed"))
         self._finalizer()
@@ -183,46 +220,73 @@ class AgentWorkers:
 
     def _start_worker(self):
         conn, child_conn = self._context.Pipe()
-        process = self._context.Process(target=_serve, args=(child_conn, self.agent, self.init, self.init_args, self.close_fn),
+        process = self._context.Process(target=_serve, args=(child_conn, self.agent, self.init, self.init_args,
+                                                             self.close_fn),
                                         name="agent-worker", daemon=False)  # not daemonic: an agent may start processes
-        process.start()
-        child_conn.close()
+        try:
+            process.start()
+        finally:
+            child_conn.close()
         worker = _Worker(process, conn, self._loop.create_future())
         self._workers.append(worker)
         self._loop.add_reader(conn.fileno(), self._on_message, worker)
+        # Its exit, seen also when a process it forked keeps the pipe open (no end-of-pipe then): a pidfd
+        # (Linux) is readable once the worker itself exits; the sentinel, a pipe too, elsewhere.
+        worker.exit_fd = os.pidfd_open(process.pid) if hasattr(os, "pidfd_open") else None
+        self._loop.add_reader(worker.exit_fd if worker.exit_fd is not None else process.sentinel, self._on_exit, worker)
 
     def _on_message(self, worker: _Worker):
         try:
-            message = worker.conn.recv()
+            kind, job, payload = _receive(worker.conn)
         except (EOFError, OSError):  # the worker died (or failed to start)
-            worker.process.join(5.0)
-            started = worker.ready.done()
-            what = "died" if started else "failed to start"
-            self._forget(worker, AgentFailed(
-                f"an agent worker (pid {worker.process.pid}) {what}, exit code {worker.process.exitcode}; its output "
-                "above says why" + ("" if started else " (the agent, init and close must be importable by name in a "
-                                    "new process: module-level functions of a script or a module)")))
-            if started and not self._closed:
-                self._start_worker()  # its replacement, for the episodes to come
+            self._on_exit(worker)
             return
-        if message[0] == "ready":
+        if kind == "ready":
             if not worker.ready.done():
                 worker.ready.set_result(None)
             return
-        future = worker.jobs.pop(message[1], None)
+        future = worker.jobs.pop(job, None)
         if future is None or future.done():
             return  # cancelled here meanwhile
-        if message[0] == "done":
-            future.set_result(message[2])
+        try:
+            result = pickle.loads(payload)
+        except Exception as e:  # noqa: BLE001 - pickled there, unreadable here
+            future.set_exception(AgentFailed(f"the agent's result cannot be read here: {_describe(e)}"))
+            return
+        if kind == "done":
+            future.set_result(result)
         else:
-            future.set_exception(AgentFailed(f"run_agent raised in its worker process:\n{message[2]}"))
+            future.set_exception(AgentFailed(f"run_agent raised in its worker process:\n{result}"))
+
+    def _on_exit(self, worker: _Worker):
+        if not worker.alive:
+            return
+        worker.process.join(1.0)
+        if self._closed:
+            self._forget(worker, AgentFailed("AgentWorkers closed"))
+            return
+        started = worker.ready.done()
+        what = "died" if started else "failed to start"
+        self._forget(worker, AgentFailed(
+            f"an agent worker (pid {worker.process.pid}) {what}, exit code {worker.process.exitcode}; its output "
+            "above says why" + ("" if started else " (the agent, init and close must be importable by name in a "
+                                "new process: module-level functions of a script or a module)")))
+        if started:
+            self._start_worker()  # its replacement, for the episodes to come
 
     def _forget(self, worker: _Worker, error: Exception):
         if not worker.alive:
             return
-        worker.alive, worker.failure = False, str(error)
+        worker.alive = False
+        if worker in self._workers:
+            self._workers.remove(worker)
+        if not worker.ready.done():
+            self._failure = str(error)
         self._loop.remove_reader(worker.conn.fileno())
-        worker.conn.close()
+        self._loop.remove_reader(worker.exit_fd if worker.exit_fd is not None else worker.process.sentinel)
+        if worker.exit_fd is not None:
+            os.close(worker.exit_fd)
+        worker.sender.close()
         for future in [*worker.jobs.values(), worker.ready]:
             if not future.done():
                 future.set_exception(error)
@@ -231,17 +295,15 @@ class AgentWorkers:
         if worker.process.is_alive():
             worker.process.kill()
         worker.process.join(5.0)
-
-
-def _send(conn, message):
-    try:
-        conn.send(message)
-    except (OSError, ValueError):
-        pass  # the worker is gone; its end-of-pipe tells the loop
+        worker.conn.close()
+        worker.process.close()  # its start-up pipes go with it
 
 
 def _stop_processes(workers: list):
     for worker in workers:
-        if worker.process.is_alive():
-            worker.process.kill()
-            worker.process.join(5.0)
+        try:
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join(5.0)
+        except ValueError:
+            pass  # closed already

@@ -55,6 +55,35 @@ async def unpicklable_agent(base_url, api_key, item, temperature):
     return lambda: None
 
 
+async def big_agent(base_url, api_key, item, temperature):
+    return {"transcript": "r" * (1 << 20), "got": len(item["history"])}
+
+
+class NeedsTwoArguments(Exception):
+    def __init__(self, a, b):  # pickles, but unpickling calls NeedsTwoArguments(a): a TypeError
+        super().__init__(a)
+
+
+async def unreadable_result_agent(base_url, api_key, item, temperature):
+    return NeedsTwoArguments("a", "b")
+
+
+def _linger():
+    time.sleep(30)
+
+
+async def forks_then_dies_agent(base_url, api_key, item, temperature):
+    if item.get("die"):
+        import multiprocessing
+
+        child = multiprocessing.get_context("fork").Process(target=_linger)  # inherits the worker's pipe
+        child.start()
+        with open(item["child_pid_file"], "w") as f:
+            f.write(str(child.pid))
+        os._exit(3)
+    return os.getpid()
+
+
 async def write_pid_on_close():
     with open(os.path.join(os.environ["AGENT_WORKERS_CLOSE_DIR"], str(os.getpid())), "w") as f:
         f.write("closed")
@@ -212,3 +241,36 @@ def test_auto_is_half_the_cores_up_to_8_and_none_beside_the_cpu_server(monkeypat
 def test_a_setting_below_minus_one_is_refused():
     with pytest.raises(ValueError, match="agent_workers must be -1"):
         num_workers(-2, False)
+
+
+def test_megabytes_each_way_for_many_episodes_at_once_never_block_either_side():
+    # both sides send from a thread: a large send waiting on the other side never stops a loop from reading
+    workers = AgentWorkers(big_agent, 1)
+    results = run_with(workers, lambda: asyncio.wait_for(asyncio.gather(*[
+        workers.run("u", "k", {"history": "h" * (1 << 20)}, 1.0) for _ in range(12)]), 120))
+    assert [r["got"] for r in results] == [1 << 20] * 12 and all(len(r["transcript"]) == 1 << 20 for r in results)
+
+
+def test_a_result_that_cannot_be_read_here_fails_its_episode_and_not_the_others():
+    workers = AgentWorkers(unreadable_result_agent, 1)
+
+    async def go():
+        with pytest.raises(AgentFailed, match="cannot be read here"):
+            await asyncio.wait_for(workers.run("u", "k", {}, 1.0), 60)
+    run_with(workers, go)
+
+
+def test_a_worker_that_dies_leaving_a_forked_child_holding_its_pipe_is_still_seen_dead(tmp_path):
+    workers = AgentWorkers(forks_then_dies_agent, 1)
+    pid_file = tmp_path / "child"
+
+    async def go():
+        first = await workers.run("u", "k", {}, 1.0)
+        try:
+            with pytest.raises(AgentFailed, match="died, exit code 3"):
+                await asyncio.wait_for(workers.run("u", "k", {"die": True, "child_pid_file": str(pid_file)}, 1.0), 30)
+            assert await asyncio.wait_for(workers.run("u", "k", {}, 1.0), 60) != first  # its replacement serves
+        finally:
+            if pid_file.exists():
+                os.kill(int(pid_file.read_text()), 9)
+    run_with(workers, go)
