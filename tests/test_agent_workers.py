@@ -149,11 +149,15 @@ def test_a_worker_that_dies_fails_its_episodes_and_is_replaced():
     run_with(workers, go)
 
 
-def test_a_result_pickle_cannot_take_fails_its_episode_with_a_clear_error():
-    workers = AgentWorkers(unpicklable_agent, 1)
+@pytest.mark.parametrize("agent,error", [
+    (unpicklable_agent, "cannot be sent to the trainer"),  # pickle refuses it in the worker
+    (unreadable_result_agent, "cannot be read here"),  # pickled in the worker, unpickling fails here
+])
+def test_a_result_that_cannot_cross_the_pipe_fails_its_episode_with_a_clear_error(agent, error):
+    workers = AgentWorkers(agent, 1)
 
     async def go():
-        with pytest.raises(AgentFailed, match="cannot be sent to the trainer"):
+        with pytest.raises(AgentFailed, match=error):
             await asyncio.wait_for(workers.run("u", "k", {}, 1.0), 60)
     run_with(workers, go)
 
@@ -249,15 +253,6 @@ def test_megabytes_each_way_for_many_episodes_at_once_never_block_either_side():
     results = run_with(workers, lambda: asyncio.wait_for(asyncio.gather(*[
         workers.run("u", "k", {"history": "h" * (1 << 20)}, 1.0) for _ in range(12)]), 120))
     assert [r["got"] for r in results] == [1 << 20] * 12 and all(len(r["transcript"]) == 1 << 20 for r in results)
-
-
-def test_a_result_that_cannot_be_read_here_fails_its_episode_and_not_the_others():
-    workers = AgentWorkers(unreadable_result_agent, 1)
-
-    async def go():
-        with pytest.raises(AgentFailed, match="cannot be read here"):
-            await asyncio.wait_for(workers.run("u", "k", {}, 1.0), 60)
-    run_with(workers, go)
 
 
 def test_a_worker_that_dies_leaving_a_forked_child_holding_its_pipe_is_still_seen_dead(tmp_path):
