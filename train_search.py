@@ -8,7 +8,7 @@ Reward: F1 of the answer against the gold answers.
     python train_search.py --config configs/search_qwen2.5_3b.yaml   # Qwen2.5 + SGLang on GPUs
 
 Reads top to bottom: config, prompt, parsers, tools, reward, one episode, group rollout,
-evaluation, data, warm start (embedded default only), the run (set-up and tear-down), one GRPO step
+evaluation, data, warm start, the run (set-up and tear-down), one GRPO step
 phase by phase, main() with the GRPO loop.
 """
 import asyncio
@@ -45,6 +45,7 @@ from lib.model_names import resolve_model_path
 from lib.padding import concat_padded_tensors
 from lib.ranks import broadcast_from_rank0, init_trainer_ranks, server_seed
 from lib.supervise import Supervisor
+from lib.tiny_model import default_tiny_model_dir
 from lib.traces import trace_records, trainer_logprobs_by_episode, write_traces
 from lib.weight_sync import ServerWeightSync
 
@@ -61,7 +62,7 @@ class Config:
     resume: bool = False  # continue from the latest checkpoint in run_dir
     checkpoint_every: int = 10  # steps; 0 = never
     # --- model and inference server ---
-    model_path: str = ""  # HF dir or hub id; "" = the embedded tiny model, SFT warm-started
+    model_path: str = ""  # a known name (smollm2-135m-instruct), HF dir or hub id; "" = the embedded tiny model
     server: str = "cpu"  # "cpu" (lib/cpu_server), "sglang", or "external" (server_addrs)
     server_addrs: list = field(default_factory=list)  # external servers, ["http://host:port", ...]
     server_device: str = "cpu"  # device of the CPU-capable server ("cuda" works too)
@@ -93,6 +94,7 @@ class Config:
     temperature: float = 1.0
     prompt: str = "full"  # "full" (ASearcher-style instructions) or "short" (the question only)
     apply_chat_template: bool = True  # wrap the prompt in the tokenizer's chat template
+    use_tool: bool = True  # False: the no-tool baseline (answer from memory: no search in the prompt, the demonstrations or the episode)
     # One episode's deadline, from its start (which includes waiting for the server behind every other
     # episode started with it): past it the episode is cancelled and its group fails, counted in
     # rollout/failed_groups, instead of hanging the run; 0 = none. Up to 32 turns, each a re-sent context
@@ -145,9 +147,9 @@ class Config:
     # each request names its policy version as SGLang's prefix-cache namespace (`extra_key`), so no
     # prefix cached under other weights is reused; False: old prefixes are reused (servers without extra_key)
     prefix_cache_per_version: bool = True
-    # --- warm start (embedded default only) ---
-    warm_start_steps: int = 300
-    warm_start_lr: float = 2e-3
+    # --- warm start (SFT on demonstrations that search and answer, before GRPO; any model) ---
+    warm_start_steps: int | None = None  # 0 = no warm start; None = 300 for the embedded tiny model, 0 for a pretrained one
+    warm_start_lr: float | None = None  # None = 2e-3 for the embedded tiny model, 5e-5 for a pretrained one
     warm_start_batch_size: int = 16
     warm_start_worlds: int = 1  # counterfactual worlds (the training world's names, other facts) for demonstrations
     warm_start_corpus_lm: bool = False  # also train on the corpus as plain text ("pretraining")
@@ -178,6 +180,15 @@ PROMPT_TEMPLATE = (
 # prompt halves the tokens of a CPU training step.
 SHORT_PROMPT_TEMPLATE = "Question: {question}\n"
 PROMPTS = {"full": PROMPT_TEMPLATE, "short": SHORT_PROMPT_TEMPLATE}
+# --use_tool False: the no-tool baseline answers from memory
+NO_TOOL_PROMPT_TEMPLATE = (
+    "Answer the question. Reason inside <think> and </think>. Give the answer inside <answer> and </answer> in a "
+    "few words, for example <answer> Beijing </answer>.\nQuestion: {question}\n"
+)
+
+
+def prompt_template(cfg) -> str:
+    return PROMPTS[cfg.prompt] if cfg.use_tool or cfg.prompt == "short" else NO_TOOL_PROMPT_TEMPLATE
 STOP_STRINGS = ["</search>", "</access>", "</answer>"]
 
 
@@ -334,10 +345,11 @@ async def arun_episode(client: InferenceClient, session, tokenizer, cfg: Config,
     tokenized on its own and masked out of the loss. A turn is one `client.generate` call: its
     pieces (`max_new_tokens_per_turn` each) are joined by the client and end at the first stop
     string or EOS across all of them."""
-    prompt_ids = build_prompt_ids(tokenizer, item["question"], cfg.apply_chat_template, PROMPTS[cfg.prompt])
+    prompt_ids = build_prompt_ids(tokenizer, item["question"], cfg.apply_chat_template, prompt_template(cfg))
     input_ids, loss_mask, logprobs, versions = list(prompt_ids), [0] * len(prompt_ids), [0.0] * len(prompt_ids), [-1] * len(prompt_ids)
     trajectory_id = trajectory_id or uuid.uuid4().hex  # a training item's: "<item index>/<sample>"
     answer, finish, turns, tool_calls, tool_failures, texts = None, "max_turns", 0, 0, 0, []
+    retrieved = []  # the text of every result the agent read
     try:
         for _ in range(cfg.max_turns):
             budget = cfg.max_tokens - len(input_ids)
@@ -346,7 +358,7 @@ async def arun_episode(client: InferenceClient, session, tokenizer, cfg: Config,
                 break
             gen = await client.generate(
                 input_ids, max_new_tokens=budget, piece_tokens=cfg.max_new_tokens_per_turn, temperature=temperature,
-                stop=STOP_STRINGS, stop_token_ids=cfg.stop_token_ids or [tokenizer.eos_token_id],
+                stop=STOP_STRINGS if cfg.use_tool else ["</answer>"], stop_token_ids=cfg.stop_token_ids or [tokenizer.eos_token_id],
                 trajectory_id=trajectory_id)
             turns += 1
             input_ids += gen.output_ids
@@ -359,7 +371,7 @@ async def arun_episode(client: InferenceClient, session, tokenizer, cfg: Config,
             if answer is not None:
                 finish = "answer"
                 break
-            query, page = parse_search_query(text), parse_access(text)
+            query, page = (parse_search_query(text), parse_access(text)) if cfg.use_tool else (None, None)
             if query is None and page is None:
                 # The turn ended without a tool call: at EOS (or an empty tag), or at the context budget.
                 finish = "max_tokens" if gen.finish_reason == "length" else "no_action"
@@ -368,6 +380,7 @@ async def arun_episode(client: InferenceClient, session, tokenizer, cfg: Config,
             info, ok = await run_tool(session, retrieval_addr, "search" if query is not None else "access",
                                       query if query is not None else page, cfg)
             tool_failures += not ok
+            retrieved += [info] if ok else []
             info_ids = tokenizer(f"\n\n<information>{info}</information>\n\n", add_special_tokens=False)["input_ids"]
             texts.append(("tool", info))
             if len(input_ids) + len(info_ids) >= cfg.max_tokens:
@@ -394,6 +407,9 @@ async def arun_episode(client: InferenceClient, session, tokenizer, cfg: Config,
         "finish_reason": finish,
         "exact_match": exact_match(answer, item["answer"]) if answer is not None else 0.0,
         "answer": answer,
+        # the answer's words appear in a result the agent read: an answer with evidence, not a guess
+        "answer_in_evidence": answer is not None and normalize_answer(answer) != ""
+                              and f" {normalize_answer(answer)} " in f" {normalize_answer(' '.join(retrieved))} ",
         "question": item["question"],
         "gold": item["answer"],
         "turn_texts": texts,
@@ -433,6 +449,7 @@ async def evaluate(client, session, tokenizer, cfg, items, retrieval_addr) -> di
         "turns": float(np.mean([e["num_turns"] for e in episodes])),
         "searches": float(np.mean([e["num_tool_calls"] for e in episodes])),
         "answered": float(np.mean([e["finish_reason"] == "answer" for e in episodes])),
+        "answer_in_evidence": float(np.mean([e["answer_in_evidence"] for e in episodes])),
     }
 
 
@@ -446,7 +463,7 @@ def read_jsonl(path: str) -> list[dict]:
     return rows
 
 
-# --- warm start (embedded default only) ---
+# --- warm start ---
 def build_demonstrations(tokenizer, cfg: Config, items: list[dict], corpus_path: str,
                          loss_on_tool_tokens: bool = True, direct_frac: float = 0.0, seed: int = 0) -> list[dict]:
     """Successful trajectories for SFT: per hop, search the hop's query and read the real BM25
@@ -459,15 +476,18 @@ def build_demonstrations(tokenizer, cfg: Config, items: list[dict], corpus_path:
 
     By default the loss covers every token, tool output included: a model trained from scratch
     learns to copy names (question -> query, information -> answer) sooner from the many
-    repetitions in the passages than from its own turns alone."""
+    repetitions in the passages than from its own turns alone. A pretrained model is trained on
+    its own turns only (`loss_on_tool_tokens` False). Every turn of the model ends as its chat
+    template ends one; the episode's stop strings end the others."""
     from lib.retrieval import bm25_search, load_bm25
+    from lib.warm_start import end_of_turn_ids
 
     index = load_bm25(corpus_path)
     tool_mask = 1 if loss_on_tool_tokens else 0
     rng = random.Random(seed)
     examples = []
     for item in items:
-        ids = build_prompt_ids(tokenizer, item["question"], cfg.apply_chat_template, PROMPTS[cfg.prompt])
+        ids = build_prompt_ids(tokenizer, item["question"], cfg.apply_chat_template, prompt_template(cfg))
         mask = [tool_mask] * len(ids)
         direct = rng.random() < direct_frac
         for query in ([] if direct else item["hop_queries"]):
@@ -481,7 +501,7 @@ def build_demonstrations(tokenizer, cfg: Config, items: list[dict], corpus_path:
         # a direct answer has its own words: the answer after "The answer is" is copied from results
         lead = "From memory:" if direct else "The answer is"
         final = f"<think> {lead} {item['answer'][0]}. </think>\n<answer> {item['answer'][0]} </answer>"
-        final_ids = tokenizer(final, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        final_ids = tokenizer(final, add_special_tokens=False)["input_ids"] + end_of_turn_ids(tokenizer)
         ids += final_ids
         mask += [1] * len(final_ids)
         if len(ids) <= cfg.max_tokens:
@@ -507,7 +527,8 @@ def corpus_lm_examples(tokenizer, corpus_path: str, chunk_tokens: int = 256) -> 
     return examples
 
 
-def warm_start_examples(tokenizer, cfg: Config, data_dir: str, direct_frac: float = 0.0) -> list[dict]:
+def warm_start_examples(tokenizer, cfg: Config, data_dir: str, direct_frac: float = 0.0,
+                        loss_on_tool_tokens: bool = True) -> list[dict]:
     """SFT data of the embedded default: demonstrations on the warm-start split (questions about a
     part of the world that train/dev/test never ask about) and on `warm_start_worlds`
     counterfactual worlds (lib/wiki_data: the same names, other facts: the model learns to read
@@ -516,54 +537,43 @@ def warm_start_examples(tokenizer, cfg: Config, data_dir: str, direct_frac: floa
     from lib.wiki_data import SPLITS, default_wiki_dir
 
     examples = build_demonstrations(tokenizer, cfg, read_jsonl(os.path.join(data_dir, "warmstart.jsonl")),
-                                    os.path.join(data_dir, "corpus.jsonl"), direct_frac=direct_frac, seed=cfg.seed)
+                                    os.path.join(data_dir, "corpus.jsonl"), loss_on_tool_tokens, direct_frac, cfg.seed)
     for seed in range(1, cfg.warm_start_worlds + 1):
         world = default_wiki_dir(seed=seed, names_seed=0)
         items = [q for split in SPLITS for q in read_jsonl(os.path.join(world, f"{split}.jsonl"))]
         examples += build_demonstrations(tokenizer, cfg, items, os.path.join(world, "corpus.jsonl"),
-                                         direct_frac=direct_frac, seed=cfg.seed + seed)
+                                         loss_on_tool_tokens, direct_frac, cfg.seed + seed)
     if cfg.warm_start_corpus_lm:
         examples += corpus_lm_examples(tokenizer, os.path.join(data_dir, "corpus.jsonl"))
     return examples
 
 
-def embedded_model_and_data(cfg: Config) -> tuple[str, str]:
-    """Build (once, cached) the tiny model, the synthetic encyclopedia and the SFT warm start."""
-    from transformers import AutoTokenizer
-
-    from lib.tiny_model import default_tiny_model_dir
-    from lib.warm_start import code_fingerprint, sft_warm_start, warm_start_dir
+def warm_started_model(cfg: Config, base: str, data_dir: str, embedded: bool) -> str:
+    """`base` after the SFT warm start (built once, cached under what it trains on), or `base` itself
+    with warm_start_steps 0. The demonstrations come from `data_dir`'s warm-start split, else the
+    bundled encyclopedia's. The no-tool baseline's demonstrations all answer from memory."""
+    from lib.warm_start import warm_start
     from lib.wiki_data import default_wiki_dir
 
-    data_dir = cfg.data_dir or default_wiki_dir(seed=0)
-    code = code_fingerprint(build_demonstrations, warm_start_examples, corpus_lm_examples, build_prompt_ids, format_docs)
-    base = default_tiny_model_dir()
-    settings = {"base": base, "steps": cfg.warm_start_steps, "lr": cfg.warm_start_lr,
-                "batch": cfg.warm_start_batch_size, "worlds": cfg.warm_start_worlds,
-                "corpus_lm": cfg.warm_start_corpus_lm, "data": data_dir, "prompt": PROMPTS[cfg.prompt],
-                "topk": cfg.topk, "chat": cfg.apply_chat_template, "max_tokens": cfg.max_tokens, "code": code}
-    out = warm_start_dir("search-warm-start", settings)
-    if not os.path.exists(os.path.join(out, "model.safetensors")):
-        demos = warm_start_examples(AutoTokenizer.from_pretrained(base), cfg, data_dir)
-        print(f"warm start: {len(demos)} examples, {cfg.warm_start_steps} SFT steps")
-        sft_warm_start(base, demos, out, steps=cfg.warm_start_steps, lr=cfg.warm_start_lr,
-                       batch_size=cfg.warm_start_batch_size, seed=cfg.seed)
-    if cfg.warm_start_direct_steps <= 0:
-        return out, data_dir
+    if not os.path.exists(os.path.join(data_dir, "warmstart.jsonl")):
+        data_dir = default_wiki_dir(seed=0)
+    steps = cfg.warm_start_steps if cfg.warm_start_steps is not None else (300 if embedded else 0)
+    lr = cfg.warm_start_lr if cfg.warm_start_lr is not None else (2e-3 if embedded else 5e-5)
+
+    def examples(tokenizer, direct_frac=0.0):
+        return warm_start_examples(tokenizer, cfg, data_dir, direct_frac if cfg.use_tool else 1.0,
+                                   loss_on_tool_tokens=embedded)
+    out = warm_start("search-warm-start", base, examples, steps=steps, lr=lr, batch_size=cfg.warm_start_batch_size,
+                     seed=cfg.seed, settings={"topk": cfg.topk, "max_info_chars": cfg.max_info_chars})
+    if steps <= 0 or cfg.warm_start_direct_steps <= 0:
+        return out
     # Second stage: the searcher learns to answer most questions from memory (its demonstrations'
     # worlds), as a chat model does. Copying is learned first and kept: mixing the direct answers
     # in from the start stopped it from forming (docs/benchmarks.md).
-    stage2 = {"stage1": out, "steps": cfg.warm_start_direct_steps, "lr": cfg.warm_start_direct_lr,
-              "frac": cfg.warm_start_direct_frac, "batch": cfg.warm_start_batch_size, "code": code}
-    out2 = warm_start_dir("search-warm-start-direct", stage2)
-    if not os.path.exists(os.path.join(out2, "model.safetensors")):
-        demos = warm_start_examples(AutoTokenizer.from_pretrained(base), cfg, data_dir, cfg.warm_start_direct_frac)
-        print(f"warm start, stage 2: {cfg.warm_start_direct_steps} SFT steps, "
-              f"{cfg.warm_start_direct_frac:.0%} of the demonstrations answer without searching")
-        sft_warm_start(out, demos, out2, steps=cfg.warm_start_direct_steps, lr=cfg.warm_start_direct_lr,
-                       batch_size=cfg.warm_start_batch_size, warmup_steps=min(20, cfg.warm_start_direct_steps // 10),
-                       seed=cfg.seed + 1)
-    return out2, data_dir
+    return warm_start("search-warm-start-direct", out, lambda tokenizer: examples(tokenizer, cfg.warm_start_direct_frac),
+                      steps=cfg.warm_start_direct_steps, lr=cfg.warm_start_direct_lr,
+                      batch_size=cfg.warm_start_batch_size, warmup_steps=min(20, cfg.warm_start_direct_steps // 10),
+                      seed=cfg.seed + 1, what="warm start, stage 2 (some answers without searching)")
 
 
 # --- the run: set-up and tear-down ---
@@ -651,10 +661,10 @@ def _setup(run: Run):
 
     if not is_main:
         dist.barrier()  # rank 0 builds the cache first; the others then find it there
-    if cfg.model_path:  # a known name (smollm2-135m-instruct) is built once and cached; the bundled data by default
-        model_path, data_dir = resolve_model_path(cfg.model_path), cfg.data_dir or default_wiki_dir(seed=0)
-    else:
-        model_path, data_dir = embedded_model_and_data(cfg)
+    data_dir = cfg.data_dir or default_wiki_dir(seed=0)  # the bundled encyclopedia by default
+    # a known name is built once and cached; then the warm start (cached too), if the run has one
+    model_path = warm_started_model(cfg, resolve_model_path(cfg.model_path) or default_tiny_model_dir(), data_dir,
+                                    embedded=not cfg.model_path)
     if is_main and run.world_size > 1:
         dist.barrier()
     if not data_dir:
@@ -898,6 +908,7 @@ def rollout_step(run: Run) -> tuple[dict, list[dict], dict]:
             "rollout/tool_calls": float(np.mean([e["num_tool_calls"] for e in episodes])),
             "rollout/tool_failures": sum(e["num_tool_failures"] for e in episodes),
             "rollout/answered": float(np.mean([e["finish_reason"] == "answer" for e in episodes])),
+            "rollout/answer_in_evidence": float(np.mean([e["answer_in_evidence"] for e in episodes])),
             "rollout/max_tokens_hit": float(np.mean([e["finish_reason"] == "max_tokens" for e in episodes])),
             "rollout/seq_len": full["attention_mask"].sum(1).float().mean().item(),
             "rollout/gen_tokens": int(full["loss_mask"].sum()),

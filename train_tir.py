@@ -14,7 +14,7 @@ parsers, the tool (a program run in the sandbox, awaited, so the event loop neve
 demonstrations, and SimpleTIR's void-turn filter (`--filter_void_turns`: an episode with a turn that
 has neither code nor an answer is left out of the loss, counted). Sync or async GRPO (`--mode
 async`); under torchrun the trainer is sharded (FSDP2). Reads top to bottom: config, prompt, parsers, tool, reward, one
-episode, group rollout, evaluation, data, warm start (embedded default only), the run (set-up and
+episode, group rollout, evaluation, data, warm start, the run (set-up and
 tear-down), one GRPO step phase by phase, main() with the GRPO loop.
 """
 import asyncio
@@ -51,6 +51,7 @@ from lib.ranks import broadcast_from_rank0, init_trainer_ranks, server_seed
 from lib.reward_pool import RewardPool
 from lib.sandbox import arun_python
 from lib.supervise import Supervisor
+from lib.tiny_model import default_tiny_model_dir
 from lib.traces import trace_records, trainer_logprobs_by_episode, write_traces
 from lib.weight_sync import ServerWeightSync
 
@@ -66,7 +67,7 @@ class Config:
     resume: bool = False  # continue from the latest checkpoint in run_dir
     checkpoint_every: int = 10  # steps; 0 = never
     # --- model and inference server ---
-    model_path: str = ""  # HF dir or hub id; "" = the embedded tiny model, SFT warm-started
+    model_path: str = ""  # a known name (smollm2-135m-instruct), HF dir or hub id; "" = the embedded tiny model
     server: str = "cpu"  # "cpu" (lib/cpu_server), "sglang", or "external" (server_addrs)
     server_addrs: list = field(default_factory=list)  # external servers, ["http://host:port", ...]
     server_device: str = "cpu"  # device of the CPU-capable server ("cuda" works too)
@@ -86,6 +87,7 @@ class Config:
     stop_token_ids: list = field(default_factory=list)  # ids that end a turn; [] = the model's EOS set (tokenizer + generation_config)
     temperature: float = 1.0
     apply_chat_template: bool = True  # wrap the prompt in the tokenizer's chat template
+    use_tool: bool = True  # False: the no-tool baseline (no code in the prompt or the demonstrations; no program runs)
     # One episode's deadline, from its start (which includes waiting for the server behind every other
     # episode started with it): past it the episode is cancelled and its group fails, counted in
     # rollout/failed_groups, instead of hanging the run; 0 = none. The longest wait of the embedded default
@@ -138,9 +140,9 @@ class Config:
     # each request names its policy version as SGLang's prefix-cache namespace (`extra_key`), so no
     # prefix cached under other weights is reused; False: old prefixes are reused (servers without extra_key)
     prefix_cache_per_version: bool = True
-    # --- warm start (embedded default only) ---
-    warm_start_steps: int = 300  # SFT steps on demonstrations built from the gold solutions
-    warm_start_lr: float = 2e-3
+    # --- warm start (SFT on demonstrations from gold solutions, before GRPO; any model) ---
+    warm_start_steps: int | None = None  # 0 = no warm start; None = 300 for the embedded tiny model, 0 for a pretrained one
+    warm_start_lr: float | None = None  # None = 2e-3 for the embedded tiny model, 5e-5 for a pretrained one
     warm_start_batch_size: int = 16
     # --- evaluation and logging ---
     eval_every: int = 10  # steps; 0 = only at the end
@@ -159,11 +161,12 @@ PROMPT_TEMPLATE = ("{question}\nTo calculate, write a Python program in <code> <
                    "<output> </output>. Put the final answer after ####.")
 STOP_STRINGS = ["</code>"]  # a turn that ends here is a program to run
 OUTPUT_TEMPLATE = "<output> {} </output>"  # what the program printed (or its error), appended after the block
+NO_TOOL_PROMPT_TEMPLATE = "{question}\nPut the final answer after ####."  # --use_tool False: the baseline
 
 
-def build_prompt_ids(tokenizer, question: str, apply_chat_template: bool) -> list[int]:
-    text = PROMPT_TEMPLATE.format(question=question)
-    if apply_chat_template and tokenizer.chat_template:
+def build_prompt_ids(tokenizer, question: str, cfg: Config) -> list[int]:
+    text = (PROMPT_TEMPLATE if cfg.use_tool else NO_TOOL_PROMPT_TEMPLATE).format(question=question)
+    if cfg.apply_chat_template and tokenizer.chat_template:
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                              add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -273,7 +276,7 @@ async def arun_episode(client: InferenceClient, tokenizer, reward_pool: RewardPo
     (`max_new_tokens_per_turn` each) are joined by the client and end at the first `</code>` or EOS
     id across all of them. A turn that ends at EOS with neither a code block nor a final answer is a
     void turn (SimpleTIR), recorded in `void_turn` for `--filter_void_turns`."""
-    prompt_ids = build_prompt_ids(tokenizer, item["question"], cfg.apply_chat_template)
+    prompt_ids = build_prompt_ids(tokenizer, item["question"], cfg)
     input_ids, loss_mask, logprobs, versions = list(prompt_ids), [0] * len(prompt_ids), [0.0] * len(prompt_ids), [-1] * len(prompt_ids)
 
     def append(ids, lps=None, vers=None):
@@ -292,13 +295,13 @@ async def arun_episode(client: InferenceClient, tokenizer, reward_pool: RewardPo
                 break
             gen = await client.generate(
                 input_ids, max_new_tokens=budget, piece_tokens=cfg.max_new_tokens_per_turn, temperature=temperature,
-                stop=STOP_STRINGS, stop_token_ids=cfg.stop_token_ids or [tokenizer.eos_token_id],
+                stop=STOP_STRINGS if cfg.use_tool else [], stop_token_ids=cfg.stop_token_ids or [tokenizer.eos_token_id],
                 trajectory_id=trajectory_id)
             turns += 1
             append(gen.output_ids, gen.logprobs, gen.versions)
             text = tokenizer.decode(gen.output_ids, skip_special_tokens=True)
             texts.append(("model", text))
-            code = parse_code(text)
+            code = parse_code(text) if cfg.use_tool else None
             if code is None:  # the turn ended at EOS (the answer) or at the context budget
                 finish = "max_tokens" if gen.finish_reason == "length" else "answer"
                 void_turn = finish == "answer" and parse_answer(text) is None
@@ -331,6 +334,7 @@ async def arun_episode(client: InferenceClient, tokenizer, reward_pool: RewardPo
         "num_tool_failures": tool_failures,  # programs that failed, ran out of time or were not run
         "void_turn": void_turn,  # the last turn ended at EOS with neither code nor an answer
         "finish_reason": finish,
+        "answer": str(answer) if (answer := parse_answer(completion)) is not None else None,
         "question": item["question"],
         "gold": item["answer"],
         "turn_texts": texts,
@@ -390,7 +394,7 @@ def load_splits(cfg: Config) -> dict[str, list[dict]]:
     return {split: read_split(data_dir, split) for split in ("train", "dev", "test")}
 
 
-# --- warm start (embedded default only) ---
+# --- warm start ---
 _WORKED_STEP = re.compile(r"(\d+(?: [-+*/] \d+)+) = (-?\d+)")  # "3 + 4 = 7" in the bundled gold solutions
 
 
@@ -405,55 +409,40 @@ def build_demonstrations(tokenizer, cfg: Config, items: list[dict]) -> list[dict
     """Successful trajectories for SFT, tokenized piece by piece as arun_episode builds them: each
     worked step `3 + 4 = 7` of a gold solution becomes a model piece ending in
     `<code> print(3 + 4) </code>` (loss_mask 1) and the tool piece `<output> 7 </output>` (0); the
-    final `#### N` and EOS close it. The prompt is not trained on (as in train_calc.py, where copying
-    the question's numbers formed sooner without it)."""
+    final `#### N` and the chat template's end-of-turn close it. Without the tool (`use_tool` False)
+    the gold solution is the model's one piece. The prompt is not trained on (as in train_calc.py,
+    where copying the question's numbers formed sooner without it)."""
+    from lib.warm_start import end_of_turn_ids
+
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    end_of_turn = end_of_turn_ids(tokenizer)
     examples = []
     for item in items:
-        ids = build_prompt_ids(tokenizer, item["question"], cfg.apply_chat_template)
+        ids = build_prompt_ids(tokenizer, item["question"], cfg)
         mask = [0] * len(ids)
-        pieces = _WORKED_STEP.split(item["answer"])  # text, expression, value, text, expression, value, ..., text
+        pieces = _WORKED_STEP.split(item["answer"]) if cfg.use_tool else [item["answer"]]  # text, expression, value, text, expression, value, ..., text
         for text, expression, value in zip(pieces[0:-1:3], pieces[1::3], pieces[2::3]):
             model_ids = encode(f"{text}<code> print({expression}) </code>")
             tool_ids = encode(OUTPUT_TEMPLATE.format(printed(expression, value)))
             ids, mask = ids + model_ids + tool_ids, mask + [1] * len(model_ids) + [0] * len(tool_ids)
-        final = encode(pieces[-1]) + [tokenizer.eos_token_id]
+        final = encode(pieces[-1]) + end_of_turn
         ids, mask = ids + final, mask + [1] * len(final)
         if len(ids) <= cfg.max_tokens:
             examples.append({"input_ids": ids, "loss_mask": mask})
     return examples
 
 
-def warm_start_settings(cfg: Config, base: str, data_dir: str) -> dict:
-    """The warm start's cache key: everything that shapes the demonstrations and the SFT, with the
-    fingerprint of the code that builds the demonstrations (the tool's answers included). A fork that edits any of it gets a new warm start, not the old one from the cache."""
-    from lib.warm_start import code_fingerprint
-
-    code = code_fingerprint(build_demonstrations, build_prompt_ids, printed)
-    return {"base": base, "data": data_dir, "steps": cfg.warm_start_steps, "lr": cfg.warm_start_lr,
-            "batch": cfg.warm_start_batch_size, "prompt": PROMPT_TEMPLATE, "result": OUTPUT_TEMPLATE,
-            "worked_step": _WORKED_STEP.pattern, "chat": cfg.apply_chat_template, "max_tokens": cfg.max_tokens,
-            "seed": cfg.seed, "code": code}
-
-
-def embedded_model(cfg: Config) -> str:
-    """Build (once, cached) the tiny model, the bundled problems and the SFT warm start."""
-    from transformers import AutoTokenizer
-
+def warm_started_model(cfg: Config, base: str, embedded: bool) -> str:
+    """`base` after an SFT warm start on demonstrations of the bundled warm-start problems (built once,
+    cached under what it trains on), or `base` itself with warm_start_steps 0."""
     from lib.math_data import default_math_dir, read_split
-    from lib.tiny_model import default_tiny_model_dir
-    from lib.warm_start import sft_warm_start, warm_start_dir
+    from lib.warm_start import warm_start
 
-    data_dir, base = default_math_dir(seed=0), default_tiny_model_dir()
-    out = warm_start_dir("tir-warm-start", warm_start_settings(cfg, base, data_dir))
-    if not os.path.exists(os.path.join(out, "model.safetensors")):
-        demos = build_demonstrations(AutoTokenizer.from_pretrained(base), cfg, read_split(data_dir, "warmstart"))
-        print(f"warm start: {len(demos)} demonstrations, {cfg.warm_start_steps} SFT steps")
-        t0 = time.time()
-        sft_warm_start(base, demos, out, steps=cfg.warm_start_steps, lr=cfg.warm_start_lr,
-                       batch_size=cfg.warm_start_batch_size, seed=cfg.seed)
-        print(f"warm start built in {time.time() - t0:.0f} s: {out}")
-    return out
+    items = read_split(default_math_dir(seed=0), "warmstart")
+    steps = cfg.warm_start_steps if cfg.warm_start_steps is not None else (300 if embedded else 0)
+    lr = cfg.warm_start_lr if cfg.warm_start_lr is not None else (2e-3 if embedded else 5e-5)
+    return warm_start("tir-warm-start", base, lambda tokenizer: build_demonstrations(tokenizer, cfg, items),
+                      steps=steps, lr=lr, batch_size=cfg.warm_start_batch_size, seed=cfg.seed)
 
 
 # --- the run: set-up and tear-down ---
@@ -534,7 +523,9 @@ def _setup(run: Run):
 
     if not is_main:
         dist.barrier()  # rank 0 builds the cache first; the others then find it there
-    model_path = resolve_model_path(cfg.model_path) or embedded_model(cfg)  # a known name: built once, cached
+    # a known name is built once and cached; then the warm start (cached too), if the run has one
+    model_path = warm_started_model(cfg, resolve_model_path(cfg.model_path) or default_tiny_model_dir(),
+                                    embedded=not cfg.model_path)
     if is_main and run.world_size > 1:
         dist.barrier()
     run.tokenizer = AutoTokenizer.from_pretrained(model_path)

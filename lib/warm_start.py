@@ -1,15 +1,19 @@
-"""SFT warm start of the embedded tiny model on synthetic successful trajectories.
+"""SFT warm start on successful trajectories, for the embedded tiny model and for any model by name
+or folder.
 
-A randomly initialised model never produces a well-formed answer, so GRPO would see all-zero
-rewards. Each training script builds demonstrations for its own task (token ids + a loss mask that
-is 1 on the tokens the model should produce) and calls `sft_warm_start`; the result is cached under
-a key of everything that shaped it.
+A model that never writes the task's tool call or answer format gives GRPO all-equal rewards: the
+embedded tiny model (random weights) never does, and a small pretrained model such as
+SmolLM2-135M-Instruct never calls its tool. Each training script builds demonstrations for its own
+task (token ids + a loss mask that is 1 on the tokens the model should produce), rendered with the
+model's own chat template, and calls `warm_start`; the result is cached under a key of what it
+trains on (a hash of the demonstrations themselves), the base model and the SFT settings.
 """
 import hashlib
 import json
 import math
 import os
 import random
+import time
 
 import torch
 from tqdm import tqdm
@@ -24,6 +28,70 @@ def code_fingerprint(*functions) -> str:
     import inspect
 
     return hashlib.sha1("".join(inspect.getsource(f) for f in functions).encode()).hexdigest()[:10]
+
+
+def examples_digest(examples: list[dict]) -> str:
+    """A hash of what an SFT trains on: every example's token ids and loss mask, in order. Anything that
+    changes the demonstrations (a prompt, a tool's answer, a helper or constant a fork edits)
+    changes it; a comment or docstring edit does not."""
+    h = hashlib.sha1()
+    for ex in examples:
+        h.update(json.dumps([ex["input_ids"], ex["loss_mask"]], separators=(",", ":")).encode())
+        h.update(b"\n")
+    return h.hexdigest()[:16]
+
+
+def end_of_turn_ids(tokenizer) -> list[int]:
+    """The token(s) that the model's chat template closes an assistant message with (ChatML's
+    `<|im_end|>`, Llama 3's `<|eot_id|>`, Gemma's `<end_of_turn>`): what a demonstration's turn must
+    end with so that the model learns to stop where the server's stop ids stop it. Found by templating
+    one assistant message and reading the first special token after its text; without a chat
+    template (or none after the text), the tokenizer's EOS."""
+    fallback = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    if not getattr(tokenizer, "chat_template", None):
+        return fallback
+    marker = "MARKER_4b1d"
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}],
+                                             tokenize=False)
+    except Exception:  # a template that needs other roles or fields: the EOS is the safe answer
+        return fallback
+    after = text[text.rfind(marker) + len(marker):]
+    special = set(tokenizer.all_special_ids) | {i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special}
+    for token_id in tokenizer(after, add_special_tokens=False)["input_ids"]:
+        if token_id in special:
+            return [token_id]
+    return fallback
+
+
+def warm_start(name: str, base_model_dir: str, build_examples, *, steps: int, lr: float, batch_size: int,
+               seed: int = 0, warmup_steps: int = 20, settings: dict | None = None, what: str = "warm start") -> str:
+    """`base_model_dir` after `steps` SFT steps on `build_examples(tokenizer)` (built with the base
+    model's own tokenizer and chat template), or `base_model_dir` itself when `steps` is 0. Cached under
+    `name`, keyed on the base, the SFT settings, `settings` (anything else that shapes the result) and a
+    hash of the examples: a fork that edits its demonstrations gets a new warm start, never the old
+    one. Built atomically, under a lock: a run killed mid-build leaves nothing that a later run loads,
+    and the next run builds it again."""
+    from transformers import AutoTokenizer
+
+    if steps <= 0:
+        return base_model_dir
+    t0 = time.time()
+    print(f"{what}: building the demonstrations with {base_model_dir}'s tokenizer", flush=True)
+    examples = build_examples(AutoTokenizer.from_pretrained(base_model_dir))
+    key = {**(settings or {}), "base": base_model_dir, "steps": steps, "lr": lr, "batch": batch_size, "seed": seed,
+           "warmup": warmup_steps, "examples": examples_digest(examples)}
+    out = warm_start_dir(name, key)
+    if os.path.isdir(out):
+        print(f"{what}: {out} (cached)", flush=True)
+        return out
+    tokens = sum(sum(ex["loss_mask"]) for ex in examples)
+    print(f"{what}: {len(examples)} demonstrations ({tokens} trained tokens), {steps} SFT steps, lr {lr:g}, "
+          f"batch {batch_size}", flush=True)
+    sft_warm_start(base_model_dir, examples, out, steps=steps, lr=lr, batch_size=batch_size,
+                   warmup_steps=warmup_steps, seed=seed)
+    print(f"{what} built in {time.time() - t0:.0f} s: {out}", flush=True)
+    return out
 
 
 def warm_start_dir(name: str, settings: dict) -> str:
@@ -65,7 +133,7 @@ def sft_warm_start(
 def _train(base_model_dir, examples, out_dir, *, steps, lr, batch_size, warmup_steps, seed, num_threads, device,
            callback, callback_every):
     """The SFT itself; the model, tokenizer and warm_start.json are written into `out_dir`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if not examples:
         raise ValueError("sft_warm_start got no examples; build demonstrations from the warm-start split first")
@@ -75,6 +143,11 @@ def _train(base_model_dir, examples, out_dir, *, steps, lr, batch_size, warmup_s
         torch.set_num_threads(num_threads)
     torch.manual_seed(seed)
     rng = random.Random(seed)
+    # trained in fp32, saved in the base's own dtype (a bf16 release stays bf16 for the server and trainer)
+    config = AutoConfig.from_pretrained(base_model_dir)
+    base_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    save_dtype = base_dtype if base_dtype in (torch.bfloat16, torch.float16, "bfloat16", "float16") else torch.float32
+    save_dtype = getattr(torch, save_dtype) if isinstance(save_dtype, str) else save_dtype
     model = AutoModelForCausalLM.from_pretrained(base_model_dir, dtype=torch.float32).to(device)
     tokenizer = AutoTokenizer.from_pretrained(base_model_dir)
     model.train()
@@ -118,7 +191,7 @@ def _train(base_model_dir, examples, out_dir, *, steps, lr, batch_size, warmup_s
             callback(step + 1, model, tokenizer)
             model.train()
 
-    model.to("cpu").save_pretrained(out_dir, safe_serialization=True)
+    model.to("cpu", dtype=save_dtype).save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     with open(os.path.join(out_dir, "warm_start.json"), "w") as f:
         json.dump({"steps": steps, "lr": lr, "batch_size": batch_size, "final_loss": loss.item(),

@@ -2,6 +2,7 @@
 against lib.scripted_server (SGLang's answer shapes, hostile ones included), the warm-start
 demonstrations, and the whole script (2 steps, then a resume) end to end."""
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -178,7 +179,7 @@ def run_episode(tokenizer, script, **cfg_overrides):
 
 
 def prompt_len(tokenizer) -> int:
-    return len(tc.build_prompt_ids(tokenizer, ITEM["question"], True))
+    return len(tc.build_prompt_ids(tokenizer, ITEM["question"], tc.Config()))
 
 
 def episode_texts(tokenizer, episode) -> tuple[str, str]:
@@ -191,7 +192,7 @@ def test_a_calculator_turn_then_the_answer_with_the_result_masked(tokenizer):
     script = [Reply("<calc> 3 * 4 + 5 </calc> and more"), Reply(".\n#### 17", eos=True)]  # " and more": past the stop
     ep, server = run_episode(tokenizer, script)
     ids = ep["input_ids"][0].tolist()
-    prompt_text = tokenizer.decode(tc.build_prompt_ids(tokenizer, ITEM["question"], True))
+    prompt_text = tokenizer.decode(tc.build_prompt_ids(tokenizer, ITEM["question"], tc.Config()))
     assert tokenizer.decode(ids) == prompt_text + "<calc> 3 * 4 + 5 </calc><result> 17 </result>.\n#### 17<|im_end|>"
     sampled, added = episode_texts(tokenizer, ep)
     assert sampled == "<calc> 3 * 4 + 5 </calc>.\n#### 17<|im_end|>" and added == "<result> 17 </result>"
@@ -289,7 +290,7 @@ def test_an_abort_raises_and_drops_its_group_which_is_counted(tokenizer):
 def test_demonstrations_call_the_calculator_for_each_worked_step(tokenizer):
     [demo] = tc.build_demonstrations(tokenizer, tc.Config(), [ITEM])
     n = prompt_len(tokenizer)
-    assert demo["input_ids"][:n] == tc.build_prompt_ids(tokenizer, ITEM["question"], True)
+    assert demo["input_ids"][:n] == tc.build_prompt_ids(tokenizer, ITEM["question"], tc.Config())
     assert not any(demo["loss_mask"][:n])  # the prompt is not trained on
     assert tokenizer.decode(demo["input_ids"][n:]) == (
         "Tom has <calc> 3 * 4 </calc><result> 12 </result> apples.\n<calc> 12 + 5 </calc><result> 17 </result>.\n"
@@ -316,29 +317,41 @@ def test_a_demonstration_is_the_trajectory_the_episode_builds_for_the_same_model
     assert ep["rewards"].item() == 1.0 and ep["num_tool_calls"] == 2
 
 
-def test_the_warm_start_key_changes_when_the_demonstration_code_changes(monkeypatch):
-    """The key holds the fingerprint of the code that builds the demonstrations: a fork that edits it
-    gets a new warm start instead of the cached one."""
-    from lib.warm_start import warm_start_dir
+def test_the_warm_start_is_keyed_on_what_it_trains_on(monkeypatch, tmp_path):
+    """The cache key holds a hash of the built demonstrations: a fork's edit that changes them (the
+    tool's answers, a template, the no-tool baseline) gets a new warm start, never the cached one."""
+    import lib.warm_start as ws
 
-    def key():
-        return warm_start_dir("calc-warm-start", tc.warm_start_settings(tc.Config(), "base", "data"))
-    original = key()
-    assert key() == original  # deterministic
+    monkeypatch.setenv("AGENTRL_CACHE", str(tmp_path))
+    monkeypatch.setattr(ws, "sft_warm_start", lambda base, examples, out, **kw: out)  # the key, not the SFT
+    base, cfg = default_tiny_model_dir(), tc.Config(warm_start_steps=2)
+    first = tc.warm_started_model(cfg, base, embedded=True)
+    assert first != base and tc.warm_started_model(cfg, base, embedded=True) == first  # deterministic
+    with monkeypatch.context() as m:
+        m.setattr(tc, "calculate", lambda expression: "42")  # the tool's answers are in the demonstrations
+        assert tc.warm_started_model(cfg, base, embedded=True) != first
+    with monkeypatch.context() as m:
+        m.setattr(tc, "RESULT_TEMPLATE", "<output> {} </output>")
+        assert tc.warm_started_model(cfg, base, embedded=True) != first
+    assert tc.warm_started_model(dataclasses.replace(cfg, use_tool=False), base, embedded=True) != first
+    assert tc.warm_started_model(dataclasses.replace(cfg, warm_start_lr=1e-3), base, embedded=True) != first
+    assert tc.warm_started_model(dataclasses.replace(cfg, warm_start_steps=0), base, embedded=True) == base
+    # a pretrained model warm-starts only when asked to
+    assert tc.warm_started_model(tc.Config(), base, embedded=False) == base
 
-    def build_demonstrations(tokenizer, cfg, items):  # a fork's edit: no calculator calls
-        return [{"input_ids": tokenizer(item["answer"])["input_ids"], "loss_mask": [1]} for item in items]
-    monkeypatch.setattr(tc, "build_demonstrations", build_demonstrations)
-    assert key() != original
-    monkeypatch.undo()
 
-    def calculate(expression):  # the tool's answers are in the demonstrations too
-        return "42"
-    monkeypatch.setattr(tc, "calculate", calculate)
-    assert key() != original
-    monkeypatch.undo()
-    monkeypatch.setattr(tc, "RESULT_TEMPLATE", "<output> {} </output>")
-    assert key() != original
+def test_no_tool_baseline_neither_offers_nor_runs_the_calculator(tokenizer):
+    cfg = tc.Config(use_tool=False)
+    prompt = tokenizer.decode(tc.build_prompt_ids(tokenizer, ITEM["question"], cfg))
+    assert "<calc>" not in prompt and "####" in prompt
+    [demo] = tc.build_demonstrations(tokenizer, cfg, [ITEM])
+    n = len(tc.build_prompt_ids(tokenizer, ITEM["question"], cfg))
+    assert tokenizer.decode(demo["input_ids"][n:]) == ITEM["answer"] + "<|im_end|>" and all(demo["loss_mask"][n:])
+    # a calculator call the model writes anyway is text: no stop string ends the turn there, nothing runs
+    ep, server = run_episode(tokenizer, [Reply("<calc> 3 * 4 + 5 </calc> so\n#### 17", eos=True)], use_tool=False)
+    assert server.requests[0]["sampling_params"].get("stop") in (None, [])
+    assert ep["num_tool_calls"] == 0 and ep["num_turns"] == 1 and ep["rewards"].item() == 1.0
+    assert ep["answer"] == "17"
 
 
 # --- end to end ---

@@ -2,6 +2,7 @@
 (hostile programs included), the episode against lib.scripted_server (program output masked, every
 sampled token once with its server log-prob), SimpleTIR's void-turn filter, the warm-start
 demonstrations, and two GRPO steps end to end."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -139,7 +140,7 @@ def run_episode(tokenizer, script, **cfg_overrides):
 
 
 def prompt_len(tokenizer) -> int:
-    return len(tt.build_prompt_ids(tokenizer, ITEM["question"], True))
+    return len(tt.build_prompt_ids(tokenizer, ITEM["question"], tt.Config()))
 
 
 def episode_texts(tokenizer, episode) -> tuple[str, str]:
@@ -152,7 +153,7 @@ def test_a_program_turn_then_the_answer_with_the_output_masked(tokenizer):
     script = [Reply("<code> print(3 * 4 + 5) </code> and more"), Reply(".\n#### 17", eos=True)]  # " and more": past the stop
     ep, server = run_episode(tokenizer, script)
     ids = ep["input_ids"][0].tolist()
-    prompt_text = tokenizer.decode(tt.build_prompt_ids(tokenizer, ITEM["question"], True))
+    prompt_text = tokenizer.decode(tt.build_prompt_ids(tokenizer, ITEM["question"], tt.Config()))
     assert tokenizer.decode(ids) == prompt_text + "<code> print(3 * 4 + 5) </code><output> 17 </output>.\n#### 17<|im_end|>"
     sampled, added = episode_texts(tokenizer, ep)
     assert sampled == "<code> print(3 * 4 + 5) </code>.\n#### 17<|im_end|>" and added == "<output> 17 </output>"
@@ -279,17 +280,26 @@ def test_a_demonstration_is_the_trajectory_the_episode_builds_for_the_same_model
     assert ep["rewards"].item() == 1.0 and ep["num_tool_calls"] == 2 and ep["num_tool_failures"] == 0
 
 
-def test_the_warm_start_key_changes_when_the_demonstration_code_changes(monkeypatch):
-    from lib.warm_start import warm_start_dir
+def test_the_warm_start_is_keyed_on_what_it_trains_on(monkeypatch, tmp_path):
+    import lib.warm_start as ws
 
-    def key():
-        return warm_start_dir("tir-warm-start", tt.warm_start_settings(tt.Config(), "base", "data"))
-    original = key()
+    monkeypatch.setenv("AGENTRL_CACHE", str(tmp_path))
+    monkeypatch.setattr(ws, "sft_warm_start", lambda base, examples, out, **kw: out)  # the key, not the SFT
+    base, cfg = default_tiny_model_dir(), tt.Config(warm_start_steps=2)
+    first = tt.warm_started_model(cfg, base, embedded=True)
+    assert tt.warm_started_model(cfg, base, embedded=True) == first
+    with monkeypatch.context() as m:
+        m.setattr(tt, "printed", lambda expression, value: f"{float(value)}")  # a fork's edit: the outputs as floats
+        assert tt.warm_started_model(cfg, base, embedded=True) != first
+    assert tt.warm_started_model(dataclasses.replace(cfg, use_tool=False), base, embedded=True) != first
 
-    def printed(expression, value):  # a fork's edit
-        return value
-    monkeypatch.setattr(tt, "printed", printed)
-    assert key() != original
+
+def test_no_tool_baseline_runs_no_program(tokenizer):
+    cfg = tt.Config(use_tool=False)
+    assert "<code>" not in tokenizer.decode(tt.build_prompt_ids(tokenizer, ITEM["question"], cfg))
+    ep, server = run_episode(tokenizer, [Reply("<code> print(3 * 4 + 5) </code> so\n#### 17", eos=True)], use_tool=False)
+    assert server.requests[0]["sampling_params"].get("stop") in (None, [])
+    assert ep["num_tool_calls"] == 0 and ep["num_turns"] == 1 and ep["rewards"].item() == 1.0 and ep["answer"] == "17"
 
 
 # --- end to end ---

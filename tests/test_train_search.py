@@ -2,6 +2,7 @@
 shapes, hostile ones included, for scripted model output), the tool paths, and the whole script
 (2 steps, then a resume; async; torchrun) end to end on the embedded default."""
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -121,6 +122,45 @@ def test_tool_output_is_masked_and_decoding_reproduces_the_conversation(tokenize
     assert tokenizer.decode(ids) == expected
     assert model_text(tokenizer, ep) == turns[0] + turns[1]
     assert ep["rewards"].item() == 1.0 and ep["finish_reason"] == "answer" and ep["num_turns"] == 2
+
+
+def test_an_answer_read_from_a_result_has_evidence_and_a_guess_has_none(tokenizer, retrieval):
+    cfg = ts.Config(max_turns=4, tool_retries=1, tool_timeout_s=5)
+    turns = ["<search> Ostrel Guild </search>", "<answer> Pem Varo </answer>"]
+    ep, _ = scripted_episode(tokenizer, [Reply(turns[0]), Reply(turns[1])], cfg, retrieval)
+    assert ep["answer_in_evidence"] and ep["rewards"].item() == 1.0
+    ep, _ = scripted_episode(tokenizer, [Reply("<answer> Pem Varo </answer>")], cfg, retrieval)
+    assert not ep["answer_in_evidence"] and ep["rewards"].item() == 1.0  # right, but not read anywhere
+    ep, _ = scripted_episode(tokenizer, [Reply(turns[0]), Reply("<answer> Pem </answer>")], cfg, retrieval)
+    assert ep["answer_in_evidence"]  # whole words of a result
+    ep, _ = scripted_episode(tokenizer, [Reply(turns[0]), Reply("<answer> Pe </answer>")], cfg, retrieval)
+    assert not ep["answer_in_evidence"]  # part of a word is not evidence
+
+
+def test_no_tool_baseline_answers_from_memory_and_never_searches(tokenizer, retrieval):
+    cfg = ts.Config(max_turns=4, use_tool=False)
+    prompt = tokenizer.decode(ts.build_prompt_ids(tokenizer, ITEM["question"], True, ts.prompt_template(cfg)))
+    assert "<search>" not in prompt and "<answer>" in prompt
+    script = [Reply("<think> x </think><search> Ostrel Guild </search> then <answer> Pem Varo </answer>")]
+    ep, server = scripted_episode(tokenizer, script, cfg, retrieval)
+    assert server.requests[0]["sampling_params"]["stop"] == ["</answer>"]
+    assert ep["num_tool_calls"] == 0 and ep["num_turns"] == 1 and ep["answer"] == "Pem Varo"
+
+
+def test_a_pretrained_model_is_warm_started_on_its_own_turns_only(tokenizer):
+    from lib.wiki_data import default_wiki_dir
+
+    data_dir = default_wiki_dir(seed=0)
+    cfg = ts.Config(warm_start_worlds=0)
+    [demo] = ts.build_demonstrations(tokenizer, cfg, ts.read_jsonl(os.path.join(data_dir, "warmstart.jsonl"))[:1],
+                                     os.path.join(data_dir, "corpus.jsonl"), loss_on_tool_tokens=False)
+    trained = tokenizer.decode([t for t, m in zip(demo["input_ids"], demo["loss_mask"]) if m])
+    assert "<information>" not in trained and "Question:" not in trained and "<search>" in trained
+    assert trained.endswith("</answer><|im_end|>")
+    [demo] = ts.build_demonstrations(tokenizer, dataclasses.replace(cfg, use_tool=False),
+                                     ts.read_jsonl(os.path.join(data_dir, "warmstart.jsonl"))[:1],
+                                     os.path.join(data_dir, "corpus.jsonl"), direct_frac=1.0)
+    assert "<search>" not in tokenizer.decode(demo["input_ids"])
 
 
 def test_every_sampled_token_of_a_turn_cut_into_pieces_is_in_the_trajectory_once_with_its_logprob(tokenizer):
