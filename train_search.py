@@ -37,6 +37,7 @@ from lib.async_rollout import BackgroundLoop, RolloutProducer, gather_groups, ro
 from lib.checkpoint import read_checkpoint_extra
 from lib.client import InferenceClient, model_eos_ids
 from lib.config import load_config, to_dict
+from lib.eval_records import record_evaluation
 from lib.grpo import (equal_reward_groups, grpo_advantages, logprob_mismatch, merge_stats, minibatch_rows,
                       mismatch_warning)
 from lib.launch import launch_cpu_server, launch_sglang
@@ -439,10 +440,11 @@ async def rollout_groups(client, session, tokenizer, cfg, items, retrieval_addr,
 
 
 # --- evaluation ---
-async def evaluate(client, session, tokenizer, cfg, items, retrieval_addr) -> dict:
+async def evaluate(client, session, tokenizer, cfg, items, retrieval_addr) -> tuple[list[dict], dict]:
+    """Greedy, one episode per question: (the episodes, their metrics)."""
     groups, failed = await rollout_groups(client, session, tokenizer, cfg, items, retrieval_addr, 0.0, 1)
     episodes = [g[0] for g in groups]
-    return {
+    return episodes, {
         "failed": failed,
         "exact_match": float(np.mean([e["exact_match"] for e in episodes])),
         "f1": float(np.mean([compute_reward(e["answer"], e["gold"], "f1") for e in episodes])),
@@ -1029,8 +1031,10 @@ def run_evaluation(run: Run, split: str, items: list[dict], log: bool = True) ->
     """Greedy episodes on `items` (rank 0): their metrics, also logged under `{split}/...` at this
     step unless `log` is False (log_step adds the dev evaluation to the step's row)."""
     what = "the test evaluation" if split == "test" else f"step {run.step}'s evaluation"
-    metrics = run_rollout(run, evaluate(run.client, run.session, run.tokenizer, run.cfg, items, run.retrieval_addr),
-                          what)
+    rollout = evaluate(run.client, run.session, run.tokenizer, run.cfg, items, run.retrieval_addr)
+    episodes, metrics = run_rollout(run, rollout, what)
+    # one record per question (evals/), and the final test paired with the test before training
+    metrics.update(record_evaluation(run.cfg.run_dir, split, run.step, episodes))
     if log:
         run.logger.log(run.step, {f"{split}/{k}": v for k, v in metrics.items()})
     return metrics

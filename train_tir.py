@@ -41,6 +41,7 @@ from lib.async_rollout import BackgroundLoop, RolloutProducer, gather_groups, ro
 from lib.checkpoint import read_checkpoint_extra
 from lib.client import InferenceClient, model_eos_ids
 from lib.config import load_config, to_dict
+from lib.eval_records import record_evaluation
 from lib.grpo import (equal_reward_groups, grpo_advantages, logprob_mismatch, merge_stats, minibatch_rows,
                       mismatch_warning)
 from lib.launch import launch_cpu_server, launch_sglang
@@ -370,11 +371,11 @@ async def rollout_groups(client, tokenizer, reward_pool, cfg, items, temperature
 
 
 # --- evaluation ---
-async def evaluate(client, tokenizer, reward_pool, cfg, items) -> dict:
-    """Greedy, one episode per question."""
+async def evaluate(client, tokenizer, reward_pool, cfg, items) -> tuple[list[dict], dict]:
+    """Greedy, one episode per question: (the episodes, their metrics)."""
     groups, failed = await rollout_groups(client, tokenizer, reward_pool, cfg, items, 0.0, 1)
     episodes = [g[0] for g in groups]
-    return {
+    return episodes, {
         "failed": failed,
         "accuracy": float(np.mean([e["rewards"].item() for e in episodes])),
         "tool_calls": float(np.mean([e["num_tool_calls"] for e in episodes])),
@@ -842,7 +843,9 @@ def run_evaluation(run: Run, split: str, items: list[dict], log: bool = True) ->
     """Greedy episodes on `items` (rank 0): their metrics, also logged under `{split}/...` at this
     step unless `log` is False (log_step adds the dev evaluation to the step's row)."""
     what = "the test evaluation" if split == "test" else f"step {run.step}'s evaluation"
-    metrics = run_rollout(run, evaluate(*episode_args(run), items), what)
+    episodes, metrics = run_rollout(run, evaluate(*episode_args(run), items), what)
+    # one record per question (evals/), and the final test paired with the test before training
+    metrics.update(record_evaluation(run.cfg.run_dir, split, run.step, episodes))
     if log:
         run.logger.log(run.step, {f"{split}/{k}": v for k, v in metrics.items()})
     return metrics

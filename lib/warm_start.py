@@ -192,7 +192,10 @@ def _train(base_model_dir, examples, out_dir, *, steps, lr, batch_size, warmup_s
             model.train()
 
     model.to("cpu", dtype=save_dtype).save_pretrained(out_dir, safe_serialization=True)
+    del optimizer
+    if device == "cuda" or str(device).startswith("cuda"):
+        torch.cuda.empty_cache()  # an inference server started next on this GPU finds the memory free
     tokenizer.save_pretrained(out_dir)
     with open(os.path.join(out_dir, "warm_start.json"), "w") as f:
-        json.dump({"steps": steps, "lr": lr, "batch_size": batch_size, "final_loss": loss.item(),
+        json.dump({"base": base_model_dir, "steps": steps, "lr": lr, "batch_size": batch_size, "final_loss": loss.item(),
                    "num_examples": len(examples)}, f)

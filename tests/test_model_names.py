@@ -90,22 +90,31 @@ def test_smollm2_builds_once_into_a_loadable_hf_dir_with_its_chat_template_and_e
 
 
 @pytest.mark.slow
-def test_two_grpo_steps_of_train_calc_on_smollm2_by_name(tmp_path):
-    """The real-model path on CPU, as CI runs it: the name resolves to the cached directory, prompts are
-    rendered in SmolLM2's own chat template, a turn ends on any of its EOS ids, and trainer and server
-    agree on every sampled token's log-prob."""
+def test_two_grpo_steps_of_train_calc_on_smollm2_by_name_after_a_warm_start_built_once(tmp_path):
+    """The real-model path on CPU, as CI runs it: the name resolves to the cached directory, the warm
+    start is built from that model (its chat template, its end-of-turn) and reused by the next run,
+    prompts are rendered in SmolLM2's own chat template, a turn ends on any of its EOS ids, and trainer
+    and server agree on every sampled token's log-prob."""
     import json
+    import re
     import subprocess
     import sys
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     run_dir = str(tmp_path / "run")
-    args = [sys.executable, "train_calc.py", "--model_path", NAME, "--run_dir", run_dir, "--max_steps", "2",
+
+    def args(run_dir, max_steps):
+        return [sys.executable, "train_calc.py", "--model_path", NAME, "--run_dir", run_dir, "--max_steps", str(max_steps),
             "--batch_size", "2", "--group_size", "2", "--max_turns", "2", "--max_new_tokens_per_turn", "24",
             "--max_tokens", "144", "--eval_every", "0", "--test_size", "2", "--checkpoint_every", "0",
-            "--lr", "1e-5", "--tensorboard", "False"]
-    done = subprocess.run(args, cwd=repo, capture_output=True, text=True, timeout=900)
+            "--lr", "1e-5", "--tensorboard", "False", "--warm_start_steps", "2", "--warm_start_batch_size", "2",
+            "--warm_start_lr", "1e-5"]
+    done = subprocess.run(args(run_dir, 2), cwd=repo, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
+    built = re.search(r"warm start built in \d+ s: (\S+)", done.stdout)
+    assert built, done.stdout[-2000:]
+    with open(os.path.join(built.group(1), "warm_start.json")) as f:
+        assert json.load(f)["base"] == model_names.model_cache_dir(NAME)
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     train_rows = [r for r in rows if "rollout/reward" in r]
     assert [r["step"] for r in train_rows] == [1, 2]
@@ -121,3 +130,7 @@ def test_two_grpo_steps_of_train_calc_on_smollm2_by_name(tmp_path):
             assert not {0, 2} & set(ids[:-1]), ids
     assert any("test/accuracy" in r for r in rows)
     assert os.path.isfile(os.path.join(run_dir, "final", "model.safetensors"))
+    # the next run with the same settings loads the cached warm start instead of training it again
+    again = subprocess.run(args(str(tmp_path / "again"), 0), cwd=repo, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"warm start: {built.group(1)} (cached)" in again.stdout and "warm start built" not in again.stdout
