@@ -9,9 +9,9 @@ Reward: 1 if N equals the gold answer (exact fractions), else 0.
 
 Sync or async GRPO (`--mode async`: rollouts keep running during the update); under torchrun the
 trainer is sharded (FSDP2). Reads top to bottom: config, prompt, parsers, tool, reward, one
-episode, group rollout, evaluation, data, warm start, the run (set-up and
-tear-down), one GRPO step phase by phase, main() with the GRPO loop. A fork for a new task edits the
-prompt, parsers, tool, reward and demonstrations; arun_episode's loop and the GRPO step stay as they are.
+episode, group rollout, evaluation, data, warm start, the run (set-up and tear-down), one GRPO step
+phase by phase, main() with the GRPO loop. A fork for a new task edits the prompt, parsers, tool,
+reward and demonstrations; arun_episode's loop and the GRPO step stay as they are.
 """
 import ast
 import asyncio

@@ -8,8 +8,8 @@ Reward: F1 of the answer against the gold answers.
     python train_search.py --config configs/search_qwen2.5_3b.yaml   # Qwen2.5 + SGLang on GPUs
 
 Reads top to bottom: config, prompt, parsers, tools, reward, one episode, group rollout,
-evaluation, data, warm start, the run (set-up and tear-down), one GRPO step
-phase by phase, main() with the GRPO loop.
+evaluation, data, warm start, the run (set-up and tear-down), one GRPO step phase by phase,
+main() with the GRPO loop.
 """
 import asyncio
 import collections

@@ -13,9 +13,9 @@ Forked from train_calc.py (`diff train_calc.py train_tir.py` is the task code): 
 parsers, the tool (a program run in the sandbox, awaited, so the event loop never waits on it), the
 demonstrations, and SimpleTIR's void-turn filter (`--filter_void_turns`: an episode with a turn that
 has neither code nor an answer is left out of the loss, counted). Sync or async GRPO (`--mode
-async`); under torchrun the trainer is sharded (FSDP2). Reads top to bottom: config, prompt, parsers, tool, reward, one
-episode, group rollout, evaluation, data, warm start, the run (set-up and
-tear-down), one GRPO step phase by phase, main() with the GRPO loop.
+async`); under torchrun the trainer is sharded (FSDP2). Reads top to bottom: config, prompt,
+parsers, tool, reward, one episode, group rollout, evaluation, data, warm start, the run (set-up
+and tear-down), one GRPO step phase by phase, main() with the GRPO loop.
 """
 import asyncio
 import dataclasses

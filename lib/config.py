@@ -5,13 +5,19 @@ applies `max_turns=32` (fire has already parsed the command line into Python val
 """
 import dataclasses
 import difflib
+import inspect
 import os
+import re
+import sys
 import typing
 
 import yaml
 
 
 def load_config(cls, config_path: str | None, overrides: dict):
+    if overrides.get("help") is True or overrides.get("h") is True:  # `--help` / `-h`, as fire passes them
+        print(config_help(cls))
+        sys.exit(0)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     values = {}
     if config_path:
@@ -59,6 +65,33 @@ def _coerce(name, value, hint):
     if str in allowed:
         return str(value)
     raise TypeError(f"config key {name!r} expects {hint}, got {value!r} ({type(value).__name__})")
+
+
+_FIELD = re.compile(r"^    (\w+): ([^=]+?)(?: = (.*?))?(?:  # (.*))?$")
+_SECTION = re.compile(r"^    # --- (.*?) ---")
+
+
+def config_help(cls) -> str:
+    """The script's usage (its module docstring), then every field of `cls` with its type, default and
+    the comment written beside it (and above it), grouped under the Config's own section markers."""
+    doc = (sys.modules[cls.__module__].__doc__ or "").strip()
+    out = [doc, "", "Options (--name value; --config FILE.yaml first, the command line over it):"] if doc else []
+    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else
+                (f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+                for f in dataclasses.fields(cls)}
+    notes = []
+    for line in inspect.getsource(cls).splitlines()[1:]:
+        if (section := _SECTION.match(line)):
+            out += ["", f"{section.group(1)}:"]
+            notes = []
+        elif line.strip().startswith("#"):
+            notes.append(line.strip().lstrip("#").strip())
+        elif (found := _FIELD.match(line)) and found.group(1) in defaults:
+            name, hint, _, comment = found.groups()
+            out.append(f"  --{name} {hint.strip()}  (default: {defaults[name]!r})")
+            out += [f"      {text}" for text in notes + ([comment] if comment else [])]
+            notes = []
+    return "\n".join(out)
 
 
 def to_dict(cfg) -> dict:

@@ -50,3 +50,30 @@ def test_wrong_type_is_rejected_with_the_field_name():
 
 def test_none_string_becomes_none_for_optional_fields():
     assert load_config(Cfg, None, {"wandb_project": "None"}).wandb_project is None
+
+
+@pytest.mark.parametrize("script", ["train_calc", "train_tir", "train_search", "train_reflect", "train_agent"])
+def test_help_lists_every_config_field_with_its_type_default_and_meaning(script):
+    import dataclasses
+    import importlib
+
+    from lib.config import config_help
+
+    cls = importlib.import_module(script).Config
+    text = config_help(cls)
+    for f in dataclasses.fields(cls):
+        assert f"  --{f.name} " in text, f.name
+    assert "  --lr float  (default: " in text and "\nrun:\n" in text  # grouped by the Config's sections
+    assert text.startswith(importlib.import_module(script).__doc__.strip()[:40])  # the script's usage first
+
+
+def test_help_on_the_command_line_prints_and_exits_0():
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "train_calc.py", "--help"], cwd=repo, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "--warm_start_steps int | None  (default: None)" in done.stdout and "Traceback" not in done.stderr
