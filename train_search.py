@@ -40,6 +40,7 @@ from lib.config import load_config, to_dict
 from lib.eval_records import record_evaluation
 from lib.grpo import (equal_reward_groups, grpo_advantages, logprob_mismatch, merge_stats, minibatch_rows,
                       mismatch_warning)
+from lib.learnability import learnability_report
 from lib.launch import launch_cpu_server, launch_sglang
 from lib.metrics import MetricsLogger, continue_jsonl
 from lib.model_names import resolve_model_path
@@ -162,6 +163,9 @@ class Config:
     eval_size: int = 200  # dev questions per evaluation
     test_size: int = 500  # test questions at the end
     test_at_start: bool = False  # also the test split before the first step (a learning curve's starting point)
+    # before the first step, group_size samples of each dev question at the training temperature: pass@k,
+    # the share of groups whose rewards differ (GRPO's signal) and a verdict (lib/learnability.py)
+    learnability_probe: bool = False
     trace_every: int = 1  # write trajectories (traces.jsonl, token by token) every N steps; 0 = never
     trace_groups: int = 1  # groups traced per traced step (group_size episodes each)
     trace_backend: str = "jsonl"  # "jsonl", or "mlflow": metrics and traces also go to MLflow (run_dir/mlflow.db)
@@ -1056,6 +1060,11 @@ def main(config: str | None = "configs/search_tiny.yaml", **overrides):
             print(f"step 0 dev: {run_evaluation(run, 'eval', run.dev_items)}")
         if run.is_main and run.step == 0 and cfg.test_at_start:
             print(f"test before training: {run_evaluation(run, 'test', run.test_items)}")
+        if run.is_main and run.step == 0 and cfg.learnability_probe:  # does the model leave GRPO anything to learn?
+            probe = rollout_groups(run.client, run.session, run.tokenizer, cfg, run.dev_items, run.retrieval_addr,
+                                   cfg.temperature, cfg.group_size)
+            groups, _ = run_rollout(run, probe, "the learnability probe")
+            run.logger.log(run.step, learnability_report(groups))
         if run.producer is not None:
             run.producer.start()
         progress = tqdm(total=cfg.max_steps, initial=run.step, desc=f"GRPO ({cfg.mode})", disable=not run.is_main)

@@ -364,9 +364,18 @@ SMALL = ["--batch_size", "2", "--group_size", "2", "--max_turns", "3", "--max_ne
 def test_two_grpo_steps_then_resume_from_the_checkpoint(tmp_path):
     run_dir = str(tmp_path / "run")
     args = [sys.executable, "train_calc.py", "--run_dir", run_dir, *SMALL, "--checkpoint_every", "1"]
-    first = subprocess.run(args + ["--max_steps", "2"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    first = subprocess.run(args + ["--max_steps", "2", "--test_at_start", "True", "--learnability_probe", "True",
+                                   "--eval_size", "2"],
+                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    # before the first step: the learnability probe; at the end the test, paired with the test before
+    assert [r["probe/questions"] for r in rows if "probe/questions" in r] == [2] and "learnability probe:" in first.stdout
+    assert "paired with the test before the first step" in first.stdout
+    assert "test/paired_diff" in [r for r in rows if "test/accuracy" in r][-1]
+    for step in (0, 2):  # one record per test question, before and after
+        with open(os.path.join(run_dir, "evals", f"test_step{step}.jsonl")) as f:
+            assert len(f.readlines()) == 2
     train_rows = [r for r in rows if "rollout/reward" in r]
     assert [r["step"] for r in train_rows] == [1, 2]
     for r in train_rows:  # trainer and server agree on the policy; nothing failed

@@ -29,7 +29,8 @@ def fake_episode(reward: float, version: int = 0, gen_tokens: int = 3) -> dict:
             "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
             "rewards": torch.tensor([reward], dtype=torch.float32),
             "num_turns": 1, "num_tool_calls": 1, "num_tool_failures": 0, "finish_reason": "answer",
-            "exact_match": reward, "void_turn": False, "correct_turn": int(reward), "shows_work": True}
+            "exact_match": reward, "void_turn": False, "correct_turn": int(reward), "shows_work": True,
+            "answer_in_evidence": bool(reward)}
 
 
 class CountingPool:  # the reward pool's counters, read by rollout_step

@@ -315,7 +315,7 @@ def test_two_grpo_steps_on_the_cpu_server(tmp_path, mode):
             "--test_size", "2", "--warm_start_steps", "2", "--warm_start_batch_size", "2", "--checkpoint_every", "0",
             "--lr", "1e-4", "--max_steps", "2", "--tensorboard", "False",
             # the filter may leave fewer rows than ranks (a step without an update): off under torchrun
-            "--filter_void_turns", str(mode != "torchrun")]
+            "--filter_void_turns", str(mode != "torchrun"), "--eval_size", "2", "--learnability_probe", str(mode == "sync")]
     out = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
@@ -331,4 +331,5 @@ def test_two_grpo_steps_on_the_cpu_server(tmp_path, mode):
             assert r["loss/num_tokens"] < r["rollout/gen_tokens"]
         assert {"rollout/tool_calls", "rollout/tool_failures", "rollout/void_turns", "rollout/void_filtered"} <= set(r)
     assert any("test/accuracy" in r for r in rows)
+    assert [r["probe/questions"] for r in rows if "probe/questions" in r] == ([2] if mode == "sync" else [])
     assert os.path.exists(os.path.join(run_dir, "final", "model.safetensors"))

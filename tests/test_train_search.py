@@ -317,9 +317,11 @@ def test_two_steps_then_resume_from_checkpoint(tmp_path):
             "--max_turns", "2", "--max_new_tokens_per_turn", "16", "--max_tokens", "384", "--eval_every", "0", "--test_size", "2",
             "--warm_start_steps", "2", "--warm_start_batch_size", "2", "--warm_start_direct_steps", "2",
             "--checkpoint_every", "1", "--lr", "1e-4"]
-    first = subprocess.run(args + ["--max_steps", "2"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    first = subprocess.run(args + ["--max_steps", "2", "--learnability_probe", "True", "--eval_size", "2"], cwd=REPO,
+                           capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    assert [r["probe/questions"] for r in rows if "probe/questions" in r] == [2]  # before the first step
     train_rows = [r for r in rows if "rollout/reward" in r]
     assert [r["step"] for r in train_rows] == [1, 2]
     assert all(r["logprob/server_trainer_abs_diff_max"] < 1e-3 for r in train_rows)
