@@ -58,6 +58,7 @@ from lib.openai_proxy import OpenAIProxy, sdk_aiohttp_client
 from lib.padding import concat_padded_tensors
 from lib.ranks import server_seed
 from lib.supervise import Supervisor
+from lib.tiny_model import default_tiny_model_dir
 from lib.traces import episode_record, write_traces
 from lib.weight_sync import ServerWeightSync
 
@@ -344,7 +345,7 @@ def embedded_model(cfg: Config) -> str:
         train_reflect.Config(), seed=cfg.seed, max_turns=MAX_TURNS, max_tokens=cfg.max_tokens, apply_chat_template=True,
         warm_start_steps=cfg.warm_start_steps, warm_start_direct_steps=cfg.warm_start_direct_steps,
         warm_start_batch_size=cfg.warm_start_batch_size, warm_start_problems=cfg.warm_start_problems)
-    return train_reflect.embedded_model(reflect_cfg)
+    return train_reflect.warm_started_model(reflect_cfg, default_tiny_model_dir(), embedded=True)
 
 
 # --- the run: set-up and tear-down ---

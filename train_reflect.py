@@ -11,7 +11,7 @@ to `max_turns`; the reward is 1 for a correct answer, times `turn_discount` per 
 
 Reads top to bottom: config, prompt, reward, one episode (as a token loop, and as an openai-SDK
 agent behind lib/openai_proxy.py, in train_agent.py's shape), group rollout, evaluation, data, warm
-start (embedded default only), the run's set-up and tear-down, one GRPO step phase by phase
+start, the run's set-up and tear-down, one GRPO step phase by phase
 (rollout_step, train_step, sync_weights, log_step, save_checkpoint), main() with the loop.
 """
 import asyncio
@@ -47,6 +47,7 @@ from lib.padding import concat_padded_tensors
 from lib.ranks import broadcast_from_rank0, init_trainer_ranks, server_seed
 from lib.reward_pool import RewardPool
 from lib.supervise import Supervisor
+from lib.tiny_model import default_tiny_model_dir
 from lib.traces import episode_record, trainer_logprobs_by_episode, write_traces
 from lib.weight_sync import ServerWeightSync
 
@@ -141,9 +142,9 @@ class Config:
     # each request names its policy version as SGLang's prefix-cache namespace (`extra_key`), so no
     # prefix cached under other weights is reused; False: old prefixes are reused (servers without extra_key)
     prefix_cache_per_version: bool = True
-    # --- warm start (embedded default only) ---
-    warm_start_steps: int = 1500
-    warm_start_lr: float = 2e-3
+    # --- warm start (SFT on worked solutions before GRPO; any model) ---
+    warm_start_steps: int | None = None  # 0 = no warm start; None = 1500 for the embedded tiny model, 0 for a pretrained one
+    warm_start_lr: float | None = None  # None = 2e-3 for the embedded tiny model, 5e-5 for a pretrained one
     warm_start_batch_size: int = 16
     warm_start_reflect_frac: float = 0.3  # demonstrations that recover from a wrong first answer
     warm_start_direct_steps: int = 0  # then SFT steps on demonstrations of which a fraction give the final line only
@@ -529,7 +530,7 @@ def load_splits(cfg: Config) -> dict[str, list[dict]]:
     return {"train": train, "dev": dev, "test": rows("test")}
 
 
-# --- warm start (embedded default only) ---
+# --- warm start ---
 def wrong_attempt(answer: str, rng: random.Random) -> str:
     """The worked solution with its final result changed: a plausible wrong first turn."""
     gold = answer.rsplit("####", 1)[-1].strip()
@@ -540,73 +541,61 @@ def wrong_attempt(answer: str, rng: random.Random) -> str:
 
 
 def build_demonstrations(tokenizer, cfg: Config, items: list[dict], reflection_ids: list[int],
-                         direct_frac: float = 0.0) -> list[dict]:
+                         direct_frac: float = 0.0, loss_on_prompt: bool = True) -> list[dict]:
     """Successful trajectories for SFT, tokenized exactly as arun_episode builds them. Some recover
     from a wrong first answer after the reflection turn; a fraction `direct_frac`
     give the final line (`#### N`) without worked steps, so RL has a behaviour to learn: working
     the steps out is right far more often.
 
-    The loss covers every token except the wrong answer: a model trained from scratch learns to
-    copy the question's numbers into its worked steps sooner when it also models the question (the
-    search task measured the same for copying from passages)."""
+    By default the loss covers every token except the wrong answer: a model trained from scratch
+    learns to copy the question's numbers into its worked steps sooner when it also models the
+    question (the search task measured the same for copying from passages). A pretrained model is
+    trained on its own answers only (`loss_on_prompt` False). Each answer ends as the model's chat
+    template ends a turn."""
+    from lib.warm_start import end_of_turn_ids
+
     rng = random.Random(cfg.seed)
-    eos = tokenizer.eos_token_id
+    end_of_turn, context = end_of_turn_ids(tokenizer), int(loss_on_prompt)
     examples = []
     for item in items:
         ids = build_prompt_ids(tokenizer, item["question"], cfg.apply_chat_template)
-        mask = [1] * len(ids)
+        mask = [context] * len(ids)
         if cfg.max_turns > 1 and rng.random() < cfg.warm_start_reflect_frac:
-            wrong = tokenizer(wrong_attempt(item["answer"], rng), add_special_tokens=False)["input_ids"] + [eos]
-            ids, mask = ids + wrong + reflection_ids, mask + [0] * len(wrong) + [1] * len(reflection_ids)
+            wrong = tokenizer(wrong_attempt(item["answer"], rng), add_special_tokens=False)["input_ids"] + end_of_turn
+            ids, mask = ids + wrong + reflection_ids, mask + [0] * len(wrong) + [context] * len(reflection_ids)
         direct = direct_frac > 0 and rng.random() < direct_frac
         final = "#### " + item["answer"].rsplit("####", 1)[-1].strip() if direct else item["answer"]
-        solution = tokenizer(final, add_special_tokens=False)["input_ids"] + [eos]
+        solution = tokenizer(final, add_special_tokens=False)["input_ids"] + end_of_turn
         ids, mask = ids + solution, mask + [1] * len(solution)
         if len(ids) <= cfg.max_tokens:
             examples.append({"input_ids": ids, "loss_mask": mask})
     return examples
 
 
-def embedded_model(cfg: Config) -> str:
-    """Build (once, cached) the tiny model, the synthetic problems and the SFT warm start."""
-    from transformers import AutoTokenizer
-
+def warm_started_model(cfg: Config, base: str, embedded: bool) -> str:
+    """`base` after the SFT warm start on the synthetic problems' worked solutions (built once, cached
+    under what it trains on), or `base` itself with warm_start_steps 0."""
     from lib.math_data import default_math_dir, read_split
-    from lib.tiny_model import default_tiny_model_dir
-    from lib.warm_start import code_fingerprint, sft_warm_start, warm_start_dir
+    from lib.warm_start import warm_start
 
-    data_dir = default_math_dir(seed=0, num_warmstart=cfg.warm_start_problems)
-    code = code_fingerprint(build_demonstrations, wrong_attempt, build_prompt_ids, build_reflection_ids)
-    base = default_tiny_model_dir()
-    settings = {"base": base, "data": data_dir, "steps": cfg.warm_start_steps, "lr": cfg.warm_start_lr,
-                "batch": cfg.warm_start_batch_size, "prompt": PROMPT_TEMPLATE, "reflection": REFLECTION,
-                "reflect_frac": cfg.warm_start_reflect_frac if cfg.max_turns > 1 else 0.0,
-                "chat": cfg.apply_chat_template, "seed": cfg.seed, "code": code}
-    tokenizer = AutoTokenizer.from_pretrained(base)
-    reflection_ids = build_reflection_ids(tokenizer, cfg.apply_chat_template)
-    out = warm_start_dir("reflect-warm-start", settings)
-    if not os.path.exists(os.path.join(out, "model.safetensors")):
-        demos = build_demonstrations(tokenizer, cfg, read_split(data_dir, "warmstart"), reflection_ids)
-        print(f"warm start: {len(demos)} demonstrations, {cfg.warm_start_steps} SFT steps")
-        sft_warm_start(base, demos, out, steps=cfg.warm_start_steps, lr=cfg.warm_start_lr,
-                       batch_size=cfg.warm_start_batch_size, seed=cfg.seed)
-    if cfg.warm_start_direct_steps <= 0:
+    items = read_split(default_math_dir(seed=0, num_warmstart=cfg.warm_start_problems), "warmstart")
+    steps = cfg.warm_start_steps if cfg.warm_start_steps is not None else (1500 if embedded else 0)
+    lr = cfg.warm_start_lr if cfg.warm_start_lr is not None else (2e-3 if embedded else 5e-5)
+
+    def examples(tokenizer, direct_frac=0.0):
+        reflection_ids = build_reflection_ids(tokenizer, cfg.apply_chat_template)
+        return build_demonstrations(tokenizer, cfg, items, reflection_ids, direct_frac, loss_on_prompt=embedded)
+    out = warm_start("reflect-warm-start", base, examples, steps=steps, lr=lr, batch_size=cfg.warm_start_batch_size,
+                     seed=cfg.seed)
+    if steps <= 0 or cfg.warm_start_direct_steps <= 0:
         return out
     # Second stage: the solver learns to write most answers without working them out. Worked steps
     # are learned first and kept: mixing answer-only demonstrations in from the start kept the
     # worked steps from being learned (docs/benchmarks.md).
-    stage2 = {"stage1": out, "steps": cfg.warm_start_direct_steps, "lr": cfg.warm_start_direct_lr,
-              "frac": cfg.warm_start_direct_frac, "batch": cfg.warm_start_batch_size, "code": code}
-    out2 = warm_start_dir("reflect-warm-start-direct", stage2)
-    if not os.path.exists(os.path.join(out2, "model.safetensors")):
-        demos = build_demonstrations(tokenizer, cfg, read_split(data_dir, "warmstart"), reflection_ids,
-                                     cfg.warm_start_direct_frac)
-        print(f"warm start, stage 2: {cfg.warm_start_direct_steps} SFT steps, "
-              f"{cfg.warm_start_direct_frac:.0%} of the demonstrations without worked steps")
-        sft_warm_start(out, demos, out2, steps=cfg.warm_start_direct_steps, lr=cfg.warm_start_direct_lr,
-                       batch_size=cfg.warm_start_batch_size, warmup_steps=min(20, cfg.warm_start_direct_steps // 10),
-                       seed=cfg.seed + 1)
-    return out2
+    return warm_start("reflect-warm-start-direct", out, lambda tokenizer: examples(tokenizer, cfg.warm_start_direct_frac),
+                      steps=cfg.warm_start_direct_steps, lr=cfg.warm_start_direct_lr,
+                      batch_size=cfg.warm_start_batch_size, warmup_steps=min(20, cfg.warm_start_direct_steps // 10),
+                      seed=cfg.seed + 1, what="warm start, stage 2 (some answers without worked steps)")
 
 
 # --- the run: set-up and tear-down ---
@@ -693,7 +682,9 @@ def _setup(run: Run):
 
     if not is_main:
         dist.barrier()  # rank 0 builds the cache first; the others then find it there
-    model_path = resolve_model_path(cfg.model_path) or embedded_model(cfg)  # a known name: built once, cached
+    # a known name is built once and cached; then the warm start (cached too), if the run has one
+    model_path = warm_started_model(cfg, resolve_model_path(cfg.model_path) or default_tiny_model_dir(),
+                                    embedded=not cfg.model_path)
     if is_main and run.world_size > 1:
         dist.barrier()
     run.tokenizer = AutoTokenizer.from_pretrained(model_path)

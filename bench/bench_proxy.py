@@ -35,6 +35,7 @@ from lib.client import InferenceClient, model_eos_ids  # noqa: E402
 from lib.launch import launch_cpu_server, launch_sglang  # noqa: E402
 from lib.openai_proxy import OpenAIProxy  # noqa: E402
 from lib.reward_pool import RewardPool  # noqa: E402
+from lib.tiny_model import default_tiny_model_dir  # noqa: E402
 
 
 def main():
@@ -71,7 +72,7 @@ def main():
                          {"max_turns": args.max_turns, "warm_start_steps": args.warm_start_steps,
                           **({} if args.warm_start_direct_steps is None
                              else {"warm_start_direct_steps": args.warm_start_direct_steps})})
-    model_path = args.model_path or tr.embedded_model(cfg)
+    model_path = args.model_path or tr.warm_started_model(cfg, default_tiny_model_dir(), embedded=True)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     cfg = tr.dataclasses.replace(cfg, stop_token_ids=model_eos_ids(model_path, tokenizer))
     reflection_ids = tr.build_reflection_ids(tokenizer, cfg.apply_chat_template)

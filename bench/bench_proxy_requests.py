@@ -94,12 +94,14 @@ def main():
     import aiohttp
     from transformers import AutoTokenizer
 
+    from lib.tiny_model import default_tiny_model_dir
+
     if args.model_path == "tiny":
-        from lib.tiny_model import default_tiny_model_dir
         model_path = default_tiny_model_dir()
     else:
-        model_path = args.model_path or tr.embedded_model(
-            tr.load_config(tr.Config, "configs/reflect_tiny.yaml", {"warm_start_steps": 300}))
+        model_path = args.model_path or tr.warm_started_model(
+            tr.load_config(tr.Config, "configs/reflect_tiny.yaml", {"warm_start_steps": 300}), default_tiny_model_dir(),
+            embedded=True)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     spawn = multiprocessing.get_context("spawn")
     address_queue = spawn.Queue()

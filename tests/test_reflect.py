@@ -384,6 +384,14 @@ def test_warm_start_demonstrations_never_train_on_the_wrong_first_answer(tokeniz
     assert demo["input_ids"][-len(solution):] == solution and all(demo["loss_mask"][-len(solution):])
 
 
+def test_a_pretrained_model_is_warm_started_on_its_own_answers_only(tokenizer):
+    cfg = tr.Config(max_turns=2, warm_start_reflect_frac=1.0)
+    reflection_ids = tr.build_reflection_ids(tokenizer, True)
+    [demo] = tr.build_demonstrations(tokenizer, cfg, [ITEM], reflection_ids, loss_on_prompt=False)
+    trained = tokenizer.decode([t for t, m in zip(demo["input_ids"], demo["loss_mask"]) if m])
+    assert trained == ITEM["answer"] + "<|im_end|>"  # not the question, the wrong answer or the reflection turn
+
+
 def test_direct_demonstrations_give_the_final_line_only(tokenizer):
     reflection_ids = tr.build_reflection_ids(tokenizer, True)
     items = [ITEM] * 40
