@@ -433,7 +433,7 @@ def embedded_model_and_data(cfg: Config) -> tuple[str, str]:
 
     from lib.cache import build_once
     from lib.tiny_model import TOOLS_CHAT_TEMPLATE, default_tiny_model_dir
-    from lib.warm_start import code_fingerprint, sft_warm_start, warm_start_dir
+    from lib.warm_start import warm_start, warm_start_dir
     from lib.wiki_data import default_wiki_dir
 
     data_dir = cfg.data_dir or default_wiki_dir(seed=0)
@@ -447,13 +447,8 @@ def embedded_model_and_data(cfg: Config) -> tuple[str, str]:
         tokenizer.save_pretrained(tmp)
     tools_base = build_once(warm_start_dir("tiny-tools", {"base": base, "template": TOOLS_CHAT_TEMPLATE}),
                             with_tools_template)
-    code = code_fingerprint(build_demonstrations, format_docs)
-    settings = {"base": tools_base, "steps": cfg.warm_start_steps, "lr": cfg.warm_start_lr,
-                "batch": cfg.warm_start_batch_size, "data": data_dir, "prompt": PROMPT, "topk": cfg.topk,
-                "tool": SEARCH_TOOL_SCHEMA, "max_tokens": cfg.max_tokens, "worlds": cfg.warm_start_worlds, "code": code}
-    out = warm_start_dir("langgraph-search-warm-start", settings)
-    if not os.path.exists(os.path.join(out, "model.safetensors")):
-        tokenizer = AutoTokenizer.from_pretrained(tools_base)
+
+    def examples(tokenizer):
         demos = build_demonstrations(tokenizer, cfg, read_jsonl(os.path.join(data_dir, "warmstart.jsonl")),
                                      os.path.join(data_dir, "corpus.jsonl"))
         # Worlds with the training world's names and other facts: the answer is only in the results,
@@ -464,11 +459,9 @@ def embedded_model_and_data(cfg: Config) -> tuple[str, str]:
             items = [q for split in ("warmstart", "train", "dev", "test")
                      for q in read_jsonl(os.path.join(world, f"{split}.jsonl"))]
             demos += build_demonstrations(tokenizer, cfg, items, os.path.join(world, "corpus.jsonl"))
-        print(f"warm start: {len(demos)} tool-calling demonstrations, {cfg.warm_start_steps} SFT steps")
-        t0 = time.time()
-        sft_warm_start(tools_base, demos, out, steps=cfg.warm_start_steps, lr=cfg.warm_start_lr,
-                       batch_size=cfg.warm_start_batch_size, seed=cfg.seed)
-        print(f"warm start built in {time.time() - t0:.0f} s: {out}")
+        return demos
+    out = warm_start("langgraph-search-warm-start", tools_base, examples, steps=cfg.warm_start_steps,
+                     lr=cfg.warm_start_lr, batch_size=cfg.warm_start_batch_size, seed=cfg.seed)
     return out, data_dir
 
 

@@ -21,15 +21,6 @@ from tqdm import tqdm
 from lib.cache import build_once, cache_root
 
 
-def code_fingerprint(*functions) -> str:
-    """A short hash of the source code of `functions`. Put it in a warm start's settings, so that
-    editing the code that builds its demonstrations (as a fork does) builds a new warm start
-    instead of silently loading the old one."""
-    import inspect
-
-    return hashlib.sha1("".join(inspect.getsource(f) for f in functions).encode()).hexdigest()[:10]
-
-
 def examples_digest(examples: list[dict]) -> str:
     """A hash of what an SFT trains on: every example's token ids and loss mask, in order. Anything that
     changes the demonstrations (a prompt, a tool's answer, a helper or constant a fork edits)

@@ -230,16 +230,3 @@ def test_a_killed_inference_server_stops_the_run_with_a_clear_error(tmp_path):
     assert "the inference server at http://127.0.0.1:" in stderr and "exited with code -9" in stderr
     steps = [r["step"] for r in _rows(run_dir) if "rollout/reward" in r]
     assert steps and max(steps) < 50
-
-
-def test_editing_the_demonstration_code_changes_the_warm_start_key():
-    from lib.warm_start import code_fingerprint
-
-    def build_a(items):
-        return [{"input_ids": i} for i in items]
-
-    def build_b(items):
-        return [{"input_ids": i, "extra": 1} for i in items]
-
-    assert code_fingerprint(build_a) == code_fingerprint(build_a)
-    assert code_fingerprint(build_a) != code_fingerprint(build_b)

@@ -1,0 +1,79 @@
+"""The warm start for any model: keyed on what it trains on, closed with the model's own end-of-turn,
+built atomically (a run killed mid-build leaves nothing that the next run loads)."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+from transformers import AutoTokenizer
+
+from lib.tiny_model import default_tiny_model_dir
+from lib.warm_start import end_of_turn_ids, examples_digest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_the_digest_changes_with_any_token_or_mask_and_only_with_them():
+    demos = [{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}, {"input_ids": [4, 5], "loss_mask": [0, 1]}]
+    assert examples_digest(demos) == examples_digest([dict(d) for d in demos])
+    assert examples_digest(demos) != examples_digest([demos[0], {"input_ids": [4, 6], "loss_mask": [0, 1]}])
+    assert examples_digest(demos) != examples_digest([demos[0], {"input_ids": [4, 5], "loss_mask": [1, 1]}])
+    assert examples_digest(demos) != examples_digest(demos[::-1])  # the order is what the SFT samples from
+    assert examples_digest(demos) != examples_digest([{"input_ids": [1, 2], "loss_mask": [0, 1]},
+                                                      {"input_ids": [3, 4, 5], "loss_mask": [1, 0, 1]}])
+
+
+def test_end_of_turn_is_what_the_chat_template_closes_an_assistant_message_with():
+    tokenizer = AutoTokenizer.from_pretrained(default_tiny_model_dir())
+    assert tokenizer.convert_ids_to_tokens(end_of_turn_ids(tokenizer)) == ["<|im_end|>"]
+    # a template that closes turns with another special token than the tokenizer's EOS
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<|endoftext|>\n{% endfor %}"
+                               "{% if add_generation_prompt %}assistant: {% endif %}")
+    assert tokenizer.convert_ids_to_tokens(end_of_turn_ids(tokenizer)) == ["<|endoftext|>"]
+    tokenizer.chat_template = None  # no template: the EOS
+    assert end_of_turn_ids(tokenizer) == [tokenizer.eos_token_id]
+
+
+BUILD = textwrap.dedent("""
+    import os, sys, time
+    import lib.warm_start as ws
+    from lib.tiny_model import default_tiny_model_dir
+
+    train = ws._train
+    def slow_train(base, examples, out_dir, **kw):
+        open(os.path.join(out_dir, "model.safetensors"), "w").write("half")  # a half-written model
+        print("TRAINING", flush=True)
+        if os.environ.get("SLOW"):
+            time.sleep(600)
+        return train(base, examples, out_dir, **kw)
+    ws._train = slow_train
+    ids = lambda tokenizer: tokenizer("3 + 4 = 7", add_special_tokens=False)["input_ids"] + [2]
+    demos = lambda tokenizer: [{"input_ids": ids(tokenizer), "loss_mask": [1] * len(ids(tokenizer))}] * 4
+    out = ws.warm_start("test-warm-start", default_tiny_model_dir(), demos, steps=2, lr=1e-3, batch_size=2,
+                        warmup_steps=1)
+    print("OUT", out, flush=True)
+""")
+
+
+def test_a_warm_start_killed_mid_build_is_rebuilt_by_the_next_run_never_loaded(tmp_path):
+    env = {**os.environ, "AGENTRL_CACHE": str(tmp_path), "SLOW": "1", "PYTHONPATH": REPO}
+    killed = subprocess.Popen([sys.executable, "-c", BUILD], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and "TRAINING" not in killed.stdout.readline():
+            pass
+    finally:
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(timeout=30)
+    assert not [d for d in os.listdir(tmp_path) if d.startswith("test-warm-start")]  # only a temporary sibling
+    env.pop("SLOW")
+    done = subprocess.run([sys.executable, "-c", BUILD], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "TRAINING" in done.stdout  # built again, not loaded
+    out = done.stdout.split("OUT ")[-1].strip()
+    assert os.path.getsize(os.path.join(out, "model.safetensors")) > 1000 and os.path.isfile(
+        os.path.join(out, "warm_start.json"))
+    again = subprocess.run([sys.executable, "-c", BUILD], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert "TRAINING" not in again.stdout and f"OUT {out}" in again.stdout  # then reused
