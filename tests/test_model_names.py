@@ -102,19 +102,24 @@ def test_two_grpo_steps_of_train_calc_on_smollm2_by_name_after_a_warm_start_buil
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     run_dir = str(tmp_path / "run")
+    # a cache of its own, so the warm start is built here, with the model itself linked in (built once)
+    cache = tmp_path / "cache"
+    os.makedirs(cache / "models")
+    os.symlink(resolve_model_path(NAME), cache / "models" / os.path.basename(model_names.model_cache_dir(NAME)))
+    env = {**os.environ, "AGENTRL_CACHE": str(cache)}
 
     def args(run_dir, max_steps):
-        return [sys.executable, "train_calc.py", "--model_path", NAME, "--run_dir", run_dir, "--max_steps", str(max_steps),
-            "--batch_size", "2", "--group_size", "2", "--max_turns", "2", "--max_new_tokens_per_turn", "24",
-            "--max_tokens", "144", "--eval_every", "0", "--test_size", "2", "--checkpoint_every", "0",
-            "--lr", "1e-5", "--tensorboard", "False", "--warm_start_steps", "2", "--warm_start_batch_size", "2",
-            "--warm_start_lr", "1e-5"]
-    done = subprocess.run(args(run_dir, 2), cwd=repo, capture_output=True, text=True, timeout=900)
+        return [sys.executable, "train_calc.py", "--model_path", NAME, "--run_dir", run_dir,
+                "--max_steps", str(max_steps), "--batch_size", "2", "--group_size", "2", "--max_turns", "2",
+                "--max_new_tokens_per_turn", "24", "--max_tokens", "144", "--eval_every", "0", "--test_size", "2",
+                "--checkpoint_every", "0", "--lr", "1e-5", "--tensorboard", "False", "--warm_start_steps", "2",
+                "--warm_start_batch_size", "2", "--warm_start_lr", "1e-5"]
+    done = subprocess.run(args(run_dir, 2), cwd=repo, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     built = re.search(r"warm start built in \d+ s: (\S+)", done.stdout)
     assert built, done.stdout[-2000:]
     with open(os.path.join(built.group(1), "warm_start.json")) as f:
-        assert json.load(f)["base"] == model_names.model_cache_dir(NAME)
+        assert json.load(f)["base"] == str(cache / "models" / os.path.basename(model_names.model_cache_dir(NAME)))
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     train_rows = [r for r in rows if "rollout/reward" in r]
     assert [r["step"] for r in train_rows] == [1, 2]
@@ -131,6 +136,7 @@ def test_two_grpo_steps_of_train_calc_on_smollm2_by_name_after_a_warm_start_buil
     assert any("test/accuracy" in r for r in rows)
     assert os.path.isfile(os.path.join(run_dir, "final", "model.safetensors"))
     # the next run with the same settings loads the cached warm start instead of training it again
-    again = subprocess.run(args(str(tmp_path / "again"), 0), cwd=repo, capture_output=True, text=True, timeout=900)
+    again = subprocess.run(args(str(tmp_path / "again"), 0), cwd=repo, env=env, capture_output=True, text=True,
+                           timeout=900)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"warm start: {built.group(1)} (cached)" in again.stdout and "warm start built" not in again.stdout
