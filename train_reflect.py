@@ -576,11 +576,10 @@ def warm_started_model(cfg: Config, base: str, embedded: bool) -> str:
     """`base` after the SFT warm start on the synthetic problems' worked solutions (built once, cached
     under what it trains on), or `base` itself with warm_start_steps 0."""
     from lib.math_data import default_math_dir, read_split
-    from lib.warm_start import warm_start
+    from lib.warm_start import steps_and_lr, warm_start
 
     items = read_split(default_math_dir(seed=0, num_warmstart=cfg.warm_start_problems), "warmstart")
-    steps = cfg.warm_start_steps if cfg.warm_start_steps is not None else (1500 if embedded else 0)
-    lr = cfg.warm_start_lr if cfg.warm_start_lr is not None else (2e-3 if embedded else 5e-5)
+    steps, lr = steps_and_lr(cfg.warm_start_steps, cfg.warm_start_lr, embedded, embedded_steps=1500)
 
     def examples(tokenizer, direct_frac=0.0):
         reflection_ids = build_reflection_ids(tokenizer, cfg.apply_chat_template)

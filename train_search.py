@@ -558,19 +558,18 @@ def warm_started_model(cfg: Config, base: str, data_dir: str, embedded: bool) ->
     """`base` after the SFT warm start (built once, cached under what it trains on), or `base` itself
     with warm_start_steps 0. The demonstrations come from `data_dir`'s warm-start split, else the
     bundled encyclopedia's. The no-tool baseline's demonstrations all answer from memory."""
-    from lib.warm_start import warm_start
+    from lib.warm_start import steps_and_lr, warm_start
     from lib.wiki_data import default_wiki_dir
 
     if not os.path.exists(os.path.join(data_dir, "warmstart.jsonl")):
         data_dir = default_wiki_dir(seed=0)
-    steps = cfg.warm_start_steps if cfg.warm_start_steps is not None else (300 if embedded else 0)
-    lr = cfg.warm_start_lr if cfg.warm_start_lr is not None else (2e-3 if embedded else 5e-5)
+    steps, lr = steps_and_lr(cfg.warm_start_steps, cfg.warm_start_lr, embedded, embedded_steps=300)
 
     def examples(tokenizer, direct_frac=0.0):
         return warm_start_examples(tokenizer, cfg, data_dir, direct_frac if cfg.use_tool else 1.0,
                                    loss_on_tool_tokens=embedded)
     out = warm_start("search-warm-start", base, examples, steps=steps, lr=lr, batch_size=cfg.warm_start_batch_size,
-                     seed=cfg.seed, settings={"topk": cfg.topk, "max_info_chars": cfg.max_info_chars})
+                     seed=cfg.seed)
     if steps <= 0 or cfg.warm_start_direct_steps <= 0:
         return out
     # Second stage: the searcher learns to answer most questions from memory (its demonstrations'

@@ -55,14 +55,21 @@ def end_of_turn_ids(tokenizer) -> list[int]:
     return fallback
 
 
+def steps_and_lr(steps: int | None, lr: float | None, embedded: bool, embedded_steps: int) -> tuple[int, float]:
+    """A script's warm-start settings with their defaults filled in: None steps means `embedded_steps`
+    for the embedded tiny model (random weights: it needs one) and none for a pretrained model (it
+    warm-starts only when asked); None lr means 2e-3 for the tiny model, 5e-5 for a pretrained one."""
+    return (steps if steps is not None else (embedded_steps if embedded else 0),
+            lr if lr is not None else (2e-3 if embedded else 5e-5))
+
+
 def warm_start(name: str, base_model_dir: str, build_examples, *, steps: int, lr: float, batch_size: int,
-               seed: int = 0, warmup_steps: int = 20, settings: dict | None = None, what: str = "warm start") -> str:
+               seed: int = 0, warmup_steps: int = 20, what: str = "warm start") -> str:
     """`base_model_dir` after `steps` SFT steps on `build_examples(tokenizer)` (built with the base
     model's own tokenizer and chat template), or `base_model_dir` itself when `steps` is 0. Cached under
-    `name`, keyed on the base, the SFT settings, `settings` (anything else that shapes the result) and a
-    hash of the examples: a fork that edits its demonstrations gets a new warm start, never the old
-    one. Built atomically, under a lock: a run killed mid-build leaves nothing that a later run loads,
-    and the next run builds it again."""
+    `name`, keyed on the base, the SFT settings and a hash of the examples: a fork that edits its
+    demonstrations gets a new warm start, never the old one. Built atomically, under a lock: a run
+    killed mid-build leaves nothing that a later run loads, and the next run builds it again."""
     from transformers import AutoTokenizer
 
     if steps <= 0:
@@ -70,7 +77,7 @@ def warm_start(name: str, base_model_dir: str, build_examples, *, steps: int, lr
     t0 = time.time()
     print(f"{what}: building the demonstrations with {base_model_dir}'s tokenizer", flush=True)
     examples = build_examples(AutoTokenizer.from_pretrained(base_model_dir))
-    key = {**(settings or {}), "base": base_model_dir, "steps": steps, "lr": lr, "batch": batch_size, "seed": seed,
+    key = {"base": base_model_dir, "steps": steps, "lr": lr, "batch": batch_size, "seed": seed,
            "warmup": warmup_steps, "examples": examples_digest(examples)}
     out = warm_start_dir(name, key)
     if os.path.isdir(out):
@@ -136,9 +143,8 @@ def _train(base_model_dir, examples, out_dir, *, steps, lr, batch_size, warmup_s
     rng = random.Random(seed)
     # trained in fp32, saved in the base's own dtype (a bf16 release stays bf16 for the server and trainer)
     config = AutoConfig.from_pretrained(base_model_dir)
-    base_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    save_dtype = base_dtype if base_dtype in (torch.bfloat16, torch.float16, "bfloat16", "float16") else torch.float32
-    save_dtype = getattr(torch, save_dtype) if isinstance(save_dtype, str) else save_dtype
+    base_dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)).replace("torch.", "")
+    save_dtype = getattr(torch, base_dtype) if base_dtype in ("bfloat16", "float16") else torch.float32
     model = AutoModelForCausalLM.from_pretrained(base_model_dir, dtype=torch.float32).to(device)
     tokenizer = AutoTokenizer.from_pretrained(base_model_dir)
     model.train()
@@ -184,7 +190,7 @@ def _train(base_model_dir, examples, out_dir, *, steps, lr, batch_size, warmup_s
 
     model.to("cpu", dtype=save_dtype).save_pretrained(out_dir, safe_serialization=True)
     del optimizer
-    if device == "cuda" or str(device).startswith("cuda"):
+    if str(device).startswith("cuda"):
         torch.cuda.empty_cache()  # an inference server started next on this GPU finds the memory free
     tokenizer.save_pretrained(out_dir)
     with open(os.path.join(out_dir, "warm_start.json"), "w") as f:
