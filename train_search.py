@@ -150,7 +150,7 @@ class Config:
     # prefix cached under other weights is reused; False: old prefixes are reused (servers without extra_key)
     prefix_cache_per_version: bool = True
     # --- warm start (SFT on demonstrations that search and answer, before GRPO; any model) ---
-    warm_start_steps: int | None = None  # 0 = no warm start; None = 300 for the embedded tiny model, 0 for a pretrained one
+    warm_start_steps: int | None = None  # 0 = no warm start; None = 1200 for the embedded tiny model, 0 for a pretrained one
     warm_start_lr: float | None = None  # None = 2e-3 for the embedded tiny model, 5e-5 for a pretrained one
     warm_start_batch_size: int = 16
     warm_start_worlds: int = 1  # counterfactual worlds (the training world's names, other facts) for demonstrations
@@ -563,7 +563,7 @@ def warm_started_model(cfg: Config, base: str, data_dir: str, embedded: bool) ->
 
     if not os.path.exists(os.path.join(data_dir, "warmstart.jsonl")):
         data_dir = default_wiki_dir(seed=0)
-    steps, lr = steps_and_lr(cfg.warm_start_steps, cfg.warm_start_lr, embedded, embedded_steps=300)
+    steps, lr = steps_and_lr(cfg.warm_start_steps, cfg.warm_start_lr, embedded, embedded_steps=1200)
 
     def examples(tokenizer, direct_frac=0.0):
         return warm_start_examples(tokenizer, cfg, data_dir, direct_frac if cfg.use_tool else 1.0,

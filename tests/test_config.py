@@ -77,3 +77,19 @@ def test_help_on_the_command_line_prints_and_exits_0():
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "--warm_start_steps int | None  (default: None)" in done.stdout and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("script, config", [("train_calc", "calc_tiny"), ("train_tir", "tir_tiny"),
+                                            ("train_search", "search_tiny"), ("train_reflect", "reflect_tiny")])
+def test_a_pretrained_model_given_with_a_tiny_config_gets_no_warm_start_unless_asked(script, config):
+    """The tiny configs' warm start is the embedded model's (lr 2e-3 would wreck a pretrained one):
+    `--model_path Qwen/...` with the default config trains the model as released."""
+    import importlib
+
+    from lib.warm_start import steps_and_lr
+
+    cfg = load_config(importlib.import_module(script).Config, f"configs/{config}.yaml", {"model_path": "Qwen/Qwen2.5-1.5B"})
+    assert steps_and_lr(cfg.warm_start_steps, cfg.warm_start_lr, False, 300)[0] == 0
+    assert steps_and_lr(cfg.warm_start_steps, cfg.warm_start_lr, True, 300) == (300, 2e-3)
+    asked = load_config(importlib.import_module(script).Config, f"configs/{config}.yaml", {"warm_start_steps": 50})
+    assert steps_and_lr(asked.warm_start_steps, asked.warm_start_lr, False, 300) == (50, 5e-5)

@@ -202,7 +202,8 @@ def test_gemma_builds_from_its_four_parts_and_one_grpo_step_of_search_runs_on_it
         [sys.executable, "train_search.py", "--model_path", "gemma-3-270m", "--run_dir", run_dir, "--max_steps", "1",
          "--batch_size", "1", "--group_size", "2", "--max_turns", "2", "--max_new_tokens_per_turn", "16",
          "--max_tokens", "700", "--eval_every", "0", "--test_size", "1", "--warm_start_steps", "2",
-         "--warm_start_batch_size", "2", "--warm_start_worlds", "0", "--checkpoint_every", "0", "--tensorboard", "False"],
+         "--warm_start_batch_size", "2", "--warm_start_worlds", "0", "--warm_start_direct_steps", "0",
+         "--prompt", "full", "--checkpoint_every", "0", "--tensorboard", "False"],
         cwd=repo, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
