@@ -128,8 +128,45 @@ def sft_warm_start(
         seed=seed, num_threads=num_threads, device=device, callback=callback, callback_every=callback_every))
 
 
+def _micro_batches(rows: list[dict], max_tokens: int) -> list[list[dict]]:
+    """Consecutive groups of rows whose padded size (rows x longest) stays within `max_tokens` (at least one row)."""
+    groups, current = [], []
+    for row in rows:
+        longest = max([len(r["input_ids"]) for r in current] + [len(row["input_ids"])])
+        if current and longest * (len(current) + 1) > max_tokens:
+            groups, current = groups + [current], []
+        current.append(row)
+    return groups + [current]
+
+
+def accumulate_gradients(model, batch: list[dict], pad_id: int, device, tokens_per_mb: int) -> float:
+    """Backward of the SFT loss of `batch` (mean NLL over its trained tokens), in micro-batches of at
+    most `tokens_per_mb` padded tokens whose gradients add up to the one-pass gradient. Returns the loss."""
+    num_targets = max(1, sum(sum(ex["loss_mask"][1:]) for ex in batch))
+    loss = 0.0
+    for rows in _micro_batches(batch, tokens_per_mb):
+        max_len = max(len(ex["input_ids"]) for ex in rows)
+        input_ids = torch.full((len(rows), max_len), pad_id, dtype=torch.long)
+        loss_mask = torch.zeros((len(rows), max_len), dtype=torch.float32)
+        attention_mask = torch.zeros((len(rows), max_len), dtype=torch.long)
+        for i, ex in enumerate(rows):
+            n = len(ex["input_ids"])
+            input_ids[i, :n] = torch.tensor(ex["input_ids"])
+            loss_mask[i, :n] = torch.tensor(ex["loss_mask"], dtype=torch.float32)
+            attention_mask[i, :n] = 1
+        input_ids, loss_mask, attention_mask = input_ids.to(device), loss_mask.to(device), attention_mask.to(device)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+        nll = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), input_ids[:, 1:].reshape(-1), reduction="none"
+        ).view(len(rows), max_len - 1)
+        part = (nll * loss_mask[:, 1:]).sum() / num_targets
+        part.backward()
+        loss += part.item()
+    return loss
+
+
 def _train(base_model_dir, examples, out_dir, *, steps, lr, batch_size, warmup_steps, seed, num_threads, device,
-           callback, callback_every):
+           callback, callback_every, max_tokens_per_mb=None):
     """The SFT itself; the model, tokenizer and warm_start.json are written into `out_dir`."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -157,32 +194,20 @@ def _train(base_model_dir, examples, out_dir, *, steps, lr, batch_size, warmup_s
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
-    pad_id = tokenizer.pad_token_id
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    # Rows go through the model in micro-batches of at most this many (padded) tokens, their gradients
+    # summed: the activations of 16 rows of 700 tokens of a 135M model take over 20 GB in fp32, more
+    # than a laptop has. The loss is normalised by the whole batch's trained tokens, as in one pass.
+    tokens_per_mb = max_tokens_per_mb or (16384 if str(device).startswith("cuda") else 2048)
     progress = tqdm(range(steps), desc="warm start (SFT)", mininterval=5)
     for step in progress:
         batch = [examples[rng.randrange(len(examples))] for _ in range(batch_size)]
-        max_len = max(len(ex["input_ids"]) for ex in batch)
-        input_ids = torch.full((batch_size, max_len), pad_id, dtype=torch.long)
-        loss_mask = torch.zeros((batch_size, max_len), dtype=torch.float32)
-        attention_mask = torch.zeros((batch_size, max_len), dtype=torch.long)
-        for i, ex in enumerate(batch):
-            n = len(ex["input_ids"])
-            input_ids[i, :n] = torch.tensor(ex["input_ids"])
-            loss_mask[i, :n] = torch.tensor(ex["loss_mask"], dtype=torch.float32)
-            attention_mask[i, :n] = 1
-        input_ids, loss_mask, attention_mask = input_ids.to(device), loss_mask.to(device), attention_mask.to(device)
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
-        nll = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.size(-1)), input_ids[:, 1:].reshape(-1), reduction="none"
-        ).view(batch_size, max_len - 1)
-        target_mask = loss_mask[:, 1:]
-        loss = (nll * target_mask).sum() / target_mask.sum().clamp(min=1)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = accumulate_gradients(model, batch, pad_id, device, tokens_per_mb)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
-        progress.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+        progress.set_postfix(loss=f"{loss:.3f}", refresh=False)
         if callback is not None and callback_every and (step + 1) % callback_every == 0:
             model.eval()
             callback(step + 1, model, tokenizer)
@@ -194,5 +219,5 @@ def _train(base_model_dir, examples, out_dir, *, steps, lr, batch_size, warmup_s
         torch.cuda.empty_cache()  # an inference server started next on this GPU finds the memory free
     tokenizer.save_pretrained(out_dir)
     with open(os.path.join(out_dir, "warm_start.json"), "w") as f:
-        json.dump({"base": base_model_dir, "steps": steps, "lr": lr, "batch_size": batch_size, "final_loss": loss.item(),
+        json.dump({"base": base_model_dir, "steps": steps, "lr": lr, "batch_size": batch_size, "final_loss": loss,
                    "num_examples": len(examples)}, f)

@@ -77,3 +77,27 @@ def test_a_warm_start_killed_mid_build_is_rebuilt_by_the_next_run_never_loaded(t
         os.path.join(out, "warm_start.json"))
     again = subprocess.run([sys.executable, "-c", BUILD], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert "TRAINING" not in again.stdout and f"OUT {out}" in again.stdout  # then reused
+
+
+def test_micro_batches_give_the_gradient_of_one_pass():
+    """Rows split across micro-batches (a laptop's memory) train as one pass would: the loss is
+    normalised by the whole batch's trained tokens, the gradients summed."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lib.warm_start import _micro_batches, accumulate_gradients
+
+    base = default_tiny_model_dir()
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    texts = ["3 + 4 = 7", "12 apples and 30 pears make 42 fruit", "#### 5", "a longer line of text " * 6]
+    batch = [{"input_ids": ids, "loss_mask": [0] * 2 + [1] * (len(ids) - 2)}
+             for ids in (tokenizer(t, add_special_tokens=False)["input_ids"] + [2] for t in texts)]
+    assert len(_micro_batches(batch, 40)) > 1  # the small budget does split them
+    grads, losses = [], []
+    for budget in (100_000, 40):
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        losses.append(accumulate_gradients(model, batch, tokenizer.pad_token_id, "cpu", budget))
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert abs(losses[0] - losses[1]) < 1e-5 and grads[0].keys() == grads[1].keys() and grads[0]
+    for name, grad in grads[0].items():
+        assert torch.allclose(grad, grads[1][name], rtol=1e-4, atol=1e-7), name
