@@ -185,6 +185,7 @@ PROMPT_TEMPLATE = (
 # prompt halves the tokens of a CPU training step.
 SHORT_PROMPT_TEMPLATE = "Question: {question}\n"
 PROMPTS = {"full": PROMPT_TEMPLATE, "short": SHORT_PROMPT_TEMPLATE}
+STOP_STRINGS = ["</search>", "</access>", "</answer>"]
 # --use_tool False: the no-tool baseline answers from memory
 NO_TOOL_PROMPT_TEMPLATE = (
     "Answer the question. Reason inside <think> and </think>. Give the answer inside <answer> and </answer> in a "
@@ -194,7 +195,6 @@ NO_TOOL_PROMPT_TEMPLATE = (
 
 def prompt_template(cfg) -> str:
     return PROMPTS[cfg.prompt] if cfg.use_tool or cfg.prompt == "short" else NO_TOOL_PROMPT_TEMPLATE
-STOP_STRINGS = ["</search>", "</access>", "</answer>"]
 
 
 def build_prompt_ids(tokenizer, question: str, apply_chat_template: bool, template: str = PROMPT_TEMPLATE) -> list[int]:
@@ -363,8 +363,8 @@ async def arun_episode(client: InferenceClient, session, tokenizer, cfg: Config,
                 break
             gen = await client.generate(
                 input_ids, max_new_tokens=budget, piece_tokens=cfg.max_new_tokens_per_turn, temperature=temperature,
-                stop=STOP_STRINGS if cfg.use_tool else ["</answer>"], stop_token_ids=cfg.stop_token_ids or [tokenizer.eos_token_id],
-                trajectory_id=trajectory_id)
+                stop=STOP_STRINGS if cfg.use_tool else ["</answer>"],
+                stop_token_ids=cfg.stop_token_ids or [tokenizer.eos_token_id], trajectory_id=trajectory_id)
             turns += 1
             input_ids += gen.output_ids
             loss_mask += [1] * len(gen.output_ids)
@@ -535,7 +535,7 @@ def corpus_lm_examples(tokenizer, corpus_path: str, chunk_tokens: int = 256) -> 
 
 def warm_start_examples(tokenizer, cfg: Config, data_dir: str, direct_frac: float = 0.0,
                         loss_on_tool_tokens: bool = True) -> list[dict]:
-    """SFT data of the embedded default: demonstrations on the warm-start split (questions about a
+    """SFT data of the warm start: demonstrations on the warm-start split (questions about a
     part of the world that train/dev/test never ask about) and on `warm_start_worlds`
     counterfactual worlds (lib/wiki_data: the same names, other facts: the model learns to read
     answers from search results on the very tokens it meets in training, and cannot memorise

@@ -300,8 +300,8 @@ async def arun_episode(client: InferenceClient, tokenizer, reward_pool: RewardPo
                 break
             gen = await client.generate(
                 input_ids, max_new_tokens=budget, piece_tokens=cfg.max_new_tokens_per_turn, temperature=temperature,
-                stop=STOP_STRINGS if cfg.use_tool else [], stop_token_ids=cfg.stop_token_ids or [tokenizer.eos_token_id],
-                trajectory_id=trajectory_id)
+                stop=STOP_STRINGS if cfg.use_tool else [],
+                stop_token_ids=cfg.stop_token_ids or [tokenizer.eos_token_id], trajectory_id=trajectory_id)
             turns += 1
             append(gen.output_ids, gen.logprobs, gen.versions)
             text = tokenizer.decode(gen.output_ids, skip_special_tokens=True)
