@@ -1,6 +1,8 @@
 """YAML config with command-line overrides."""
 from dataclasses import dataclass, field
 
+import os
+
 import pytest
 
 from lib.config import load_config
@@ -93,3 +95,30 @@ def test_a_pretrained_model_given_with_a_tiny_config_gets_no_warm_start_unless_a
     assert steps_and_lr(cfg.warm_start_steps, cfg.warm_start_lr, True, 300) == (300, 2e-3)
     asked = load_config(importlib.import_module(script).Config, f"configs/{config}.yaml", {"warm_start_steps": 50})
     assert steps_and_lr(asked.warm_start_steps, asked.warm_start_lr, False, 300) == (50, 5e-5)
+
+
+SCRIPT_OF_CONFIG = {"calc": "train_calc", "tir": "train_tir", "search": "train_search", "reflect": "train_reflect",
+                    "agent": "train_agent"}
+
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+@pytest.mark.parametrize("config", sorted(f for f in os.listdir(CONFIGS) if f.endswith(".yaml")
+                                          and f.split("_")[0] in SCRIPT_OF_CONFIG))
+def test_every_shipped_config_loads_into_its_scripts_config(config):
+    """A typo'd key or a wrong type in a shipped config fails here, not an hour into a GPU lease."""
+    import importlib
+
+    cls = importlib.import_module(SCRIPT_OF_CONFIG[config.split("_")[0]]).Config
+    cfg = load_config(cls, os.path.join(CONFIGS, config), {})
+    assert isinstance(cfg, cls)
+
+
+def test_the_smollm2_recipes_warm_start_then_test_before_and_after():
+    import importlib
+
+    for name in ("calc", "tir", "search"):
+        cfg = load_config(importlib.import_module(SCRIPT_OF_CONFIG[name]).Config,
+                          os.path.join(CONFIGS, f"{name}_smollm2.yaml"), {})
+        assert cfg.model_path == "smollm2-135m-instruct" and cfg.warm_start_steps > 0 and cfg.test_at_start
