@@ -317,6 +317,7 @@ async def arun_episode(client: InferenceClient, tokenizer, reward_pool: RewardPo
         "finish_reason": finish,
         "answer": str(answer) if (answer := parse_answer(completion)) is not None else None,
         "question": item["question"],
+        "category": item.get("category"),  # an optional field of the item: evaluations break down by it
         "gold": item["answer"],
         "turn_texts": texts,
     }

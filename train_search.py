@@ -416,6 +416,7 @@ async def arun_episode(client: InferenceClient, session, tokenizer, cfg: Config,
         "answer_in_evidence": answer is not None and normalize_answer(answer) != ""
                               and f" {normalize_answer(answer)} " in f" {normalize_answer(' '.join(retrieved))} ",
         "question": item["question"],
+        "category": item.get("category"),  # an optional field of the item: evaluations break down by it
         "gold": item["answer"],
         "turn_texts": texts,
     }

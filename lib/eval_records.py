@@ -5,7 +5,8 @@ error of the difference of two independent means is ~0.04 at 300 questions and a
 same questions before and after training are paired, and the paired difference is much tighter when
 most answers do not change. Each run writes `evals/{split}_step{N}.jsonl` (one row per question:
 question, gold, the parsed answer, reward, tool calls, turns, finish) and, after the final test,
-prints the paired difference against the test before the first step with a 95% interval.
+prints the paired difference against the test before the first step with a 95% interval, and the
+same within each category when the items carry a `category` field.
 """
 import json
 import math
@@ -21,7 +22,7 @@ def write_records(path: str, episodes: list[dict]) -> str:
                 "question": e.get("question"), "gold": e.get("gold"), "answer": e.get("answer"),
                 "reward": float(e["rewards"].item()), "tool_calls": e.get("num_tool_calls", 0),
                 "tool_failures": e.get("num_tool_failures", 0), "turns": e.get("num_turns", 0),
-                "finish_reason": e.get("finish_reason"),
+                "finish_reason": e.get("finish_reason"), "category": e.get("category"),
             }, default=str) + "\n")
     os.replace(tmp, path)
     return path
@@ -34,8 +35,13 @@ def record_evaluation(run_dir: str, split: str, step: int, episodes: list[dict])
     start = os.path.join(run_dir, "evals", f"{split}_step0.jsonl")
     if split != "test" or step == 0 or not os.path.exists(start):
         return {}
-    paired = paired_difference(read_records(start), read_records(path))
+    before, after = read_records(start), read_records(path)
+    paired = paired_difference(before, after)
     print(f"{split} after {step} steps, paired with the {split} before the first step: {describe(paired)}", flush=True)
+    categories = sorted({str(r["category"]) for r in after if r.get("category") is not None})
+    for category in categories:  # items that name a category: the same comparison within each
+        inside = lambda records: [r for r in records if str(r.get("category")) == category]  # noqa: E731
+        print(f"  {category}: {describe(paired_difference(inside(before), inside(after)))}", flush=True)
     return {f"paired_{k}": paired[k] for k in ("diff", "ci95_low", "ci95_high", "up", "down") if k in paired}
 
 

@@ -46,3 +46,15 @@ def test_a_wider_spread_of_changes_gives_a_wider_interval():
     narrow, wide = paired_difference(same, few), paired_difference(same, many)
     assert narrow["ci95_high"] - narrow["ci95_low"] < wide["ci95_high"] - wide["ci95_low"]
     assert json.dumps(wide)  # plain numbers: it goes into metrics.jsonl
+
+
+def test_items_with_a_category_are_also_compared_within_each(tmp_path, capsys):
+    def ep(question, reward, category):
+        return {**episode(question, reward), "category": category}
+    before = [ep("a", 0, "easy"), ep("b", 0, "easy"), ep("c", 1, "hard"), ep("d", 1, "hard")]
+    after = [ep("a", 1, "easy"), ep("b", 1, "easy"), ep("c", 0, "hard"), ep("d", 1, "hard")]
+    record_evaluation(str(tmp_path), "test", 0, before)
+    assert record_evaluation(str(tmp_path), "test", 5, after)["paired_diff"] == pytest.approx(0.25)
+    out = capsys.readouterr().out
+    assert "  easy: 0.000 -> 1.000 on the same 2 questions: +1.000" in out
+    assert "  hard: 1.000 -> 0.500 on the same 2 questions: -0.500" in out
