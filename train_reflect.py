@@ -576,7 +576,7 @@ def warm_started_model(cfg: Config, base: str, embedded: bool) -> str:
     """`base` after the SFT warm start on the synthetic problems' worked solutions (built once, cached
     under what it trains on), or `base` itself with warm_start_steps 0."""
     from lib.math_data import default_math_dir, read_split
-    from lib.warm_start import steps_and_lr, warm_start
+    from lib.warm_start import steps_and_lr, warm_start_stages
 
     items = read_split(default_math_dir(seed=0, num_warmstart=cfg.warm_start_problems), "warmstart")
     steps, lr = steps_and_lr(cfg.warm_start_steps, cfg.warm_start_lr, embedded, embedded_steps=1500)
@@ -584,17 +584,12 @@ def warm_started_model(cfg: Config, base: str, embedded: bool) -> str:
     def examples(tokenizer, direct_frac=0.0):
         reflection_ids = build_reflection_ids(tokenizer, cfg.apply_chat_template)
         return build_demonstrations(tokenizer, cfg, items, reflection_ids, direct_frac, loss_on_prompt=embedded)
-    out = warm_start("reflect-warm-start", base, examples, steps=steps, lr=lr, batch_size=cfg.warm_start_batch_size,
-                     seed=cfg.seed)
-    if steps <= 0 or cfg.warm_start_direct_steps <= 0:
-        return out
-    # Second stage: the solver learns to write most answers without working them out. Worked steps
-    # are learned first and kept: mixing answer-only demonstrations in from the start kept the
-    # worked steps from being learned (docs/benchmarks.md).
-    return warm_start("reflect-warm-start-direct", out, lambda tokenizer: examples(tokenizer, cfg.warm_start_direct_frac),
-                      steps=cfg.warm_start_direct_steps, lr=cfg.warm_start_direct_lr,
-                      batch_size=cfg.warm_start_batch_size, warmup_steps=min(20, cfg.warm_start_direct_steps // 10),
-                      seed=cfg.seed + 1, what="warm start, stage 2 (some answers without worked steps)")
+    # stage 2 (warm_start_direct_steps): a fraction of the demonstrations write most answers without working them out
+    return warm_start_stages("reflect-warm-start", base, examples, steps=steps, lr=lr,
+                             batch_size=cfg.warm_start_batch_size, seed=cfg.seed,
+                             direct_steps=cfg.warm_start_direct_steps, direct_lr=cfg.warm_start_direct_lr,
+                             direct_frac=cfg.warm_start_direct_frac,
+                             what_direct="warm start, stage 2 (some answers without worked steps)")
 
 
 # --- the run: set-up and tear-down ---

@@ -490,6 +490,7 @@ def build_demonstrations(tokenizer, cfg: Config, items: list[dict], corpus_path:
     from lib.warm_start import end_of_turn_ids
 
     index = load_bm25(corpus_path)
+    end_of_turn = end_of_turn_ids(tokenizer)
     tool_mask = 1 if loss_on_tool_tokens else 0
     rng = random.Random(seed)
     examples = []
@@ -508,7 +509,7 @@ def build_demonstrations(tokenizer, cfg: Config, items: list[dict], corpus_path:
         # a direct answer has its own words: the answer after "The answer is" is copied from results
         lead = "From memory:" if direct else "The answer is"
         final = f"<think> {lead} {item['answer'][0]}. </think>\n<answer> {item['answer'][0]} </answer>"
-        final_ids = tokenizer(final, add_special_tokens=False)["input_ids"] + end_of_turn_ids(tokenizer)
+        final_ids = tokenizer(final, add_special_tokens=False)["input_ids"] + end_of_turn
         ids += final_ids
         mask += [1] * len(final_ids)
         if len(ids) <= cfg.max_tokens:
@@ -559,7 +560,7 @@ def warm_started_model(cfg: Config, base: str, data_dir: str, embedded: bool) ->
     """`base` after the SFT warm start (built once, cached under what it trains on), or `base` itself
     with warm_start_steps 0. The demonstrations come from `data_dir`'s warm-start split, else the
     bundled encyclopedia's. The no-tool baseline's demonstrations all answer from memory."""
-    from lib.warm_start import steps_and_lr, warm_start
+    from lib.warm_start import steps_and_lr, warm_start_stages
     from lib.wiki_data import default_wiki_dir
 
     if not os.path.exists(os.path.join(data_dir, "warmstart.jsonl")):
@@ -569,17 +570,12 @@ def warm_started_model(cfg: Config, base: str, data_dir: str, embedded: bool) ->
     def examples(tokenizer, direct_frac=0.0):
         return warm_start_examples(tokenizer, cfg, data_dir, direct_frac if cfg.use_tool else 1.0,
                                    loss_on_tool_tokens=embedded)
-    out = warm_start("search-warm-start", base, examples, steps=steps, lr=lr, batch_size=cfg.warm_start_batch_size,
-                     seed=cfg.seed)
-    if steps <= 0 or cfg.warm_start_direct_steps <= 0:
-        return out
-    # Second stage: the searcher learns to answer most questions from memory (its demonstrations'
-    # worlds), as a chat model does. Copying is learned first and kept: mixing the direct answers
-    # in from the start stopped it from forming (docs/benchmarks.md).
-    return warm_start("search-warm-start-direct", out, lambda tokenizer: examples(tokenizer, cfg.warm_start_direct_frac),
-                      steps=cfg.warm_start_direct_steps, lr=cfg.warm_start_direct_lr,
-                      batch_size=cfg.warm_start_batch_size, warmup_steps=min(20, cfg.warm_start_direct_steps // 10),
-                      seed=cfg.seed + 1, what="warm start, stage 2 (some answers without searching)")
+    # stage 2 (warm_start_direct_steps): a fraction of the demonstrations answer from memory, as a chat model does
+    return warm_start_stages("search-warm-start", base, examples, steps=steps, lr=lr,
+                             batch_size=cfg.warm_start_batch_size, seed=cfg.seed,
+                             direct_steps=cfg.warm_start_direct_steps, direct_lr=cfg.warm_start_direct_lr,
+                             direct_frac=cfg.warm_start_direct_frac,
+                             what_direct="warm start, stage 2 (some answers without searching)")
 
 
 # --- the run: set-up and tear-down ---

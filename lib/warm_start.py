@@ -92,6 +92,21 @@ def warm_start(name: str, base_model_dir: str, build_examples, *, steps: int, lr
     return out
 
 
+def warm_start_stages(name: str, base_model_dir: str, build_examples, *, steps: int, lr: float, batch_size: int,
+                      seed: int, direct_steps: int, direct_lr: float, direct_frac: float, what_direct: str) -> str:
+    """A warm start in two stages: `steps` on `build_examples(tokenizer)`, then (when both step counts
+    are above 0) `direct_steps` from there on `build_examples(tokenizer, direct_frac)`, whose fraction
+    of demonstrations skip the work (answer from memory, no worked steps), cached as `{name}-direct`.
+    The first stage's behaviour is learned first and kept: mixed in from the start, the direct
+    demonstrations kept it from forming (docs/benchmarks.md)."""
+    out = warm_start(name, base_model_dir, build_examples, steps=steps, lr=lr, batch_size=batch_size, seed=seed)
+    if steps <= 0 or direct_steps <= 0:
+        return out
+    return warm_start(f"{name}-direct", out, lambda tokenizer: build_examples(tokenizer, direct_frac),
+                      steps=direct_steps, lr=direct_lr, batch_size=batch_size, warmup_steps=min(20, direct_steps // 10),
+                      seed=seed + 1, what=what_direct)
+
+
 def warm_start_dir(name: str, settings: dict) -> str:
     """The cache directory of a warm start shaped by `settings`. Paths inside the cache (the base
     model, the data, stage 1) enter the key relative to it: their names already say what they hold,
