@@ -82,6 +82,7 @@ class Config:
     trainer_threads: int = 0  # torch threads of the trainer; 0 = torch's default
     # --- data ---
     data_dir: str = ""  # dir of {train,dev,test}.jsonl rows {"question", "answer": "... #### N"}; "" = bundled problems
+    bundled_numbers: str = "small"  # bundled problems' numbers: "small" (1-2 digits) or "large" (3-4 digits, 2-4 steps: mental arithmetic fails)
     # --- episode ---
     max_turns: int = 6  # model turns per episode; every code block ends one
     max_tokens: int = 512  # context budget of one episode: prompt + all turns + program outputs
@@ -396,7 +397,7 @@ def load_splits(cfg: Config) -> dict[str, list[dict]]:
     or parquet files: copy load_splits from train_reflect.py."""
     from lib.math_data import default_math_dir, read_split
 
-    data_dir = cfg.data_dir or default_math_dir(seed=0)
+    data_dir = cfg.data_dir or default_math_dir(seed=0, numbers=cfg.bundled_numbers)
     return {split: read_split(data_dir, split) for split in ("train", "dev", "test")}
 
 
@@ -444,7 +445,7 @@ def warm_started_model(cfg: Config, base: str, embedded: bool) -> str:
     from lib.math_data import default_math_dir, read_split
     from lib.warm_start import steps_and_lr, warm_start
 
-    items = read_split(default_math_dir(seed=0), "warmstart")
+    items = read_split(default_math_dir(seed=0, numbers=cfg.bundled_numbers), "warmstart")
     steps, lr = steps_and_lr(cfg.warm_start_steps, cfg.warm_start_lr, embedded, embedded_steps=300)
     return warm_start("tir-warm-start", base, lambda tokenizer: build_demonstrations(tokenizer, cfg, items),
                       steps=steps, lr=lr, batch_size=cfg.warm_start_batch_size, seed=cfg.seed)

@@ -10,6 +10,9 @@
 #   tools    (after kit and part, instead of learn) join + build as learn does, then each tool task with a
 #            warm start of SmolLM2 (configs/{calc,tir,search}_smollm2.yaml), 2 seeds, and the no-tool
 #            baselines (--use_tool False; calc's serves TIR too: same prompt, demonstrations and episode)
+#   large    (after kit and part, instead of learn) join + build, then the tasks where the tool has headroom:
+#            calc/TIR on the large-number problems (--bundled_numbers large) from light warm starts, the
+#            no-tool baseline there, and search from a lighter warm start with groups of 16; 2 seeds each
 #   async    (after kit and part, instead of learn) join + build as learn does, then: agentrl vs TRL
 #            single turn ($STEPS), bench/check_prefix_cache.py, and train_reflect async vs sync on
 #            SmolLM2 ($ASTEPS steps each, stale drops and steps/s), each lane on its own GPU
@@ -65,14 +68,14 @@ kit)
 part)
   mkdir -p /tmp/parts && cp .gp1/part_* /tmp/parts/ && ls -la /tmp/parts && ts "part kept"
   ;;
-learn|async|tools)
+learn|async|tools|large)
   [ -f /tmp/parts/part_aa ] || { echo "no /tmp/parts/part_aa: the machine went back; carry .kit+.whl, then .gp1 again"; exit 1; }
   cp .gp2/part_* /tmp/parts/ && cat /tmp/parts/part_* > /tmp/model.gguf && ls -la /tmp/model.gguf
   env_kit
   ts "build the model by name from the carried GGUF"
   python3 -m lib.model_names $MODEL --from /tmp/model.gguf 2>&1 | grep -v "it/s\]" | tail -3
   ts "bundled data"
-  python3 -c "from lib.math_data import default_math_dir; from lib.wiki_data import default_wiki_dir; print(default_math_dir(seed=0), default_wiki_dir(seed=0))"
+  python3 -c "from lib.math_data import default_math_dir; from lib.wiki_data import default_wiki_dir; print(default_math_dir(seed=0), default_math_dir(seed=0, numbers='large'), default_wiki_dir(seed=0))"
   if [ "$1" = tools ]; then  # longest first on each GPU; with fewer GPUs than 4 a GPU's runs go one after another
     S="--config configs/search_smollm2.yaml"; C="--config configs/calc_smollm2.yaml"; T="--config configs/tir_smollm2.yaml"
     l0=("$(run search_s0 train_search.py $S --seed 0)" "$(run calc_notool_s0 train_calc.py $C --seed 0 --use_tool False)")
@@ -84,6 +87,22 @@ learn|async|tools)
     if [ "$(ngpu)" -ge 4 ]; then lane 0 "${l0[@]}"; lane 1 "${l1[@]}"; lane 2 "${l2[@]}"; lane 3 "${l3[@]}"
     elif [ "$(ngpu)" -ge 2 ]; then lane 0 "${l2[0]}" "${l0[@]}" "${l2[@]:1}"; lane 1 "${l3[0]}" "${l1[@]}" "${l3[@]:1}"
     else lane 0 "${l2[0]}" "${l0[0]}" "${l3[0]}" "${l1[0]}" "${l2[@]:1}" "${l0[@]:1}" "${l3[@]:1}" "${l1[@]:1}"; fi
+    exit 0
+  fi
+  if [ "$1" = large ]; then  # the tools where they have headroom: calc/TIR on large numbers, light warm starts,
+    # more GRPO steps; search from a lighter warm start with larger groups; each with 2 seeds
+    C="--config configs/calc_smollm2.yaml --bundled_numbers large --max_steps ${LSTEPS:-40} --learnability_probe True"
+    T="--config configs/tir_smollm2.yaml --bundled_numbers large --max_steps ${LSTEPS:-40} --learnability_probe True"
+    S="--config configs/search_smollm2.yaml --warm_start_steps 40 --group_size 16 --learnability_probe True"
+    l0=("$(run search_ws40_g16_s0 train_search.py $S --seed 0)" "$(run calcL_notool_s0 train_calc.py $C --seed 0 --use_tool False)")
+    l1=("$(run search_ws40_g16_s1 train_search.py $S --seed 1)" "$(run calcL_notool_s1 train_calc.py $C --seed 1 --use_tool False)")
+    l2=("$(run calcL_ws10_s0 train_calc.py $C --seed 0 --warm_start_steps 10)" "$(run calcL_ws20_s0 train_calc.py $C --seed 0 --warm_start_steps 20)"
+        "$(run tirL_ws20_s0 train_tir.py $T --seed 0 --warm_start_steps 20)")
+    l3=("$(run calcL_ws10_s1 train_calc.py $C --seed 1 --warm_start_steps 10)" "$(run calcL_ws20_s1 train_calc.py $C --seed 1 --warm_start_steps 20)"
+        "$(run tirL_ws20_s1 train_tir.py $T --seed 1 --warm_start_steps 20)")
+    if [ "$(ngpu)" -ge 4 ]; then lane 0 "${l0[@]}"; lane 1 "${l1[@]}"; lane 2 "${l2[@]}"; lane 3 "${l3[@]}"
+    elif [ "$(ngpu)" -ge 2 ]; then lane 0 "${l2[@]}" "${l0[@]}"; lane 1 "${l3[@]}" "${l1[@]}"
+    else lane 0 "${l2[@]}" "${l3[@]}" "${l0[@]}" "${l1[@]}"; fi
     exit 0
   fi
   if [ "$1" = async ]; then
@@ -141,5 +160,5 @@ collect)
   ls -la "$OUT"; cat $R/done.txt 2>/dev/null
   ;;
 *)
-  echo "usage: bash bench/gpu_smollm2.sh kit|part|learn|tools|async|compare|wait SECONDS|collect"; exit 2;;
+  echo "usage: bash bench/gpu_smollm2.sh kit|part|learn|tools|large|async|compare|wait SECONDS|collect"; exit 2;;
 esac

@@ -9,6 +9,10 @@ the rest gives RL something to improve.
 Splits: `warmstart` (worked solutions for the SFT warm start), `train` (RL prompts), `dev`
 (periodic evaluation), `test` (final evaluation). No question appears in two splits. The files are
 byte-identical for a given seed and sizes.
+
+`numbers="large"` draws the same kinds of problems over three- and four-digit numbers in two to four
+steps (`{name} has 12 boxes with 85 pens in each. She sells 347 pens. ...`): a language model's mental
+arithmetic fails on them where a calculator does not, so the tool has a worth to learn.
 """
 import json
 import os
@@ -20,6 +24,7 @@ from lib.cache import build_once, cache_root
 GENERATOR_VERSION = 2
 
 SPLITS = ("test", "dev", "warmstart", "train")
+NUMBER_SIZES = ("small", "large")
 
 NAMES = [("Tom", "He"), ("Anna", "She"), ("Ben", "He"), ("Mia", "She"), ("Sam", "He"), ("Lily", "She"),
          ("Max", "He"), ("Emma", "She"), ("Leo", "He"), ("Zoe", "She"), ("Jack", "He"), ("Ella", "She")]
@@ -63,20 +68,59 @@ def _step(rng: random.Random, pronoun: str, obj: str, count: int, friend: str):
     return text, f"{count} * {k} = {count * k}.", count * k
 
 
-def make_problem(rng: random.Random) -> dict:
-    """One word problem with 1-3 arithmetic steps and its worked solution."""
+def _start_large(rng: random.Random, name: str, obj: str):
+    """`_start` over larger numbers: 100-999 items, or 12-48 containers of 15-99."""
+    if rng.random() < 0.4:
+        groups, per_group = rng.randint(12, 48), rng.randint(15, 99)
+        container = rng.choice(CONTAINERS)
+        total = groups * per_group
+        text = f"{name} has {groups} {container} with {per_group} {obj} in each."
+        return text, f"{name} has {groups} * {per_group} = {total} {obj}.", total
+    count = rng.randint(100, 999)
+    return f"{name} has {count} {obj}.", None, count
+
+
+def _step_large(rng: random.Random, pronoun: str, obj: str, count: int, friend: str):
+    """`_step` over larger numbers: adds and removes 100-999, multiplies by 3-9 while below 2,000."""
+    ops = ["add", "sub"] + (["mul"] if count < 2000 else [])
+    op = rng.choice(ops)
+    if op == "sub" and count < 200:
+        op = "add"
+    if op == "add":
+        n = rng.randint(100, 999)
+        object_pronoun = "him" if pronoun == "He" else "her"
+        text = rng.choice([f"{pronoun} buys {n} more {obj}.", f"{pronoun} finds {n} more {obj}.",
+                           f"{friend} gives {object_pronoun} {n} {obj}."])
+        return text, f"{count} + {n} = {count + n}.", count + n
+    if op == "sub":
+        n = rng.randint(100, min(count - 1, 999))
+        text = rng.choice([f"{pronoun} gives {n} {obj} to {friend}.", f"{pronoun} loses {n} {obj}.",
+                           f"{pronoun} sells {n} {obj}."])
+        return text, f"{count} - {n} = {count - n}.", count - n
+    k = rng.randint(3, 9)
+    text = f"Then {pronoun.lower()} ends up with {k} times as many {obj}."
+    return text, f"{count} * {k} = {count * k}.", count * k
+
+
+def make_problem(rng: random.Random, numbers: str = "small") -> dict:
+    """One word problem with its worked solution: 1-3 arithmetic steps over small numbers, or 2-4
+    over large ones."""
     (name, pronoun), obj = rng.choice(NAMES), rng.choice(OBJECTS)
     friend = rng.choice([n for n, _ in NAMES if n != name])
+    start, step = (_start, _step) if numbers == "small" else (_start_large, _step_large)
     sentences, work = [], []
-    text, line, count = _start(rng, name, obj)
+    text, line, count = start(rng, name, obj)
     sentences.append(text)
     if line:
         work.append(line)
     # Mostly one or two steps: a model of a few million parameters learns those within minutes,
     # and the three-step problems leave headroom for RL.
-    num_steps = rng.choices([1, 2, 3], weights=[5, 3, 2])[0] - (1 if line else 0)
+    if numbers == "small":
+        num_steps = rng.choices([1, 2, 3], weights=[5, 3, 2])[0] - (1 if line else 0)
+    else:
+        num_steps = rng.choices([2, 3, 4], weights=[4, 4, 2])[0] - (1 if line else 0)
     for _ in range(num_steps):
-        text, line, count = _step(rng, pronoun, obj, count, friend)
+        text, line, count = step(rng, pronoun, obj, count, friend)
         sentences.append(text)
         work.append(line)
     question = " ".join(sentences) + f" How many {obj} does {name} have now?"
@@ -84,12 +128,14 @@ def make_problem(rng: random.Random) -> dict:
 
 
 def build_math_data(out_dir: str, seed: int = 0, num_train: int = 20000, num_dev: int = 300,
-                    num_test: int = 500, num_warmstart: int = 2000) -> dict[str, str]:
+                    num_test: int = 500, num_warmstart: int = 2000, numbers: str = "small") -> dict[str, str]:
     """Write `{split}.jsonl` for warmstart/train/dev/test into `out_dir`; returns split -> path.
 
     Splits are drawn in the order test, dev, warmstart, train from one random stream, skipping
     questions already drawn, so test and dev stay the same when only `num_train` changes.
     """
+    if numbers not in NUMBER_SIZES:
+        raise ValueError(f"numbers={numbers!r}: choose one of {NUMBER_SIZES}")
     sizes = {"test": num_test, "dev": num_dev, "warmstart": num_warmstart, "train": num_train}
     rng = random.Random(seed)
     seen: set[str] = set()
@@ -103,7 +149,7 @@ def build_math_data(out_dir: str, seed: int = 0, num_train: int = 20000, num_dev
             attempts += 1
             if attempts > 100 * sizes[split] + 1000:
                 raise ValueError(f"could not draw {sizes[split]} distinct {split} problems; lower the split sizes")
-            problem = make_problem(rng)
+            problem = make_problem(rng, numbers)
             if problem["question"] in seen:
                 continue
             seen.add(problem["question"])
@@ -115,12 +161,15 @@ def build_math_data(out_dir: str, seed: int = 0, num_train: int = 20000, num_dev
     return paths
 
 
-def default_math_dir(seed: int = 0, num_warmstart: int = 2000) -> str:
+def default_math_dir(seed: int = 0, num_warmstart: int = 2000, numbers: str = "small") -> str:
     """The default-sized data set under the cache, built on first use. A larger `num_warmstart` gives
     the SFT warm start more distinct problems; test and dev stay the same, train changes."""
-    suffix = "" if num_warmstart == 2000 else f"-w{num_warmstart}"
+    if numbers not in NUMBER_SIZES:
+        raise ValueError(f"numbers={numbers!r}: choose one of {NUMBER_SIZES}")
+    suffix = ("" if num_warmstart == 2000 else f"-w{num_warmstart}") + ("" if numbers == "small" else f"-{numbers}")
     out_dir = os.path.join(cache_root(), f"math-data-v{GENERATOR_VERSION}-seed{seed}{suffix}")
-    return build_once(out_dir, lambda tmp: build_math_data(tmp, seed=seed, num_warmstart=num_warmstart))
+    return build_once(out_dir, lambda tmp: build_math_data(tmp, seed=seed, num_warmstart=num_warmstart,
+                                                            numbers=numbers))
 
 
 def read_split(out_dir: str, split: str) -> list[dict]:

@@ -69,3 +69,34 @@ def test_texts_for_the_tokenizer_leave_out_held_out_splits(tmp_path):
     texts = set(math_data.iter_math_texts(str(tmp_path)))
     test_questions = {json.loads(line)["question"] for line in open(paths["test"])}
     assert len(texts) > 0 and not texts & test_questions
+
+
+def test_large_numbers_take_two_to_four_correct_steps_over_three_and_four_digit_numbers(tmp_path):
+    paths = math_data.build_math_data(str(tmp_path), seed=0, numbers="large", **SMALL)
+    operands = []
+    for line in open(paths["train"]):
+        *steps, final = json.loads(line)["answer"].split("\n")
+        assert 2 <= len(steps) <= 4
+        last = None
+        for step in steps:
+            a, op, b, result = re.search(r"(\d+) ([-+*]) (\d+) = (\d+)", step).groups()
+            assert {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op] == int(result)
+            operands += [int(a), int(b)]
+            last = int(result)
+        assert last == int(final[5:]) and last >= 0
+    # Mostly numbers a model cannot add or multiply in its head: three digits or more.
+    assert sum(x >= 100 for x in operands) / len(operands) > 0.6
+
+
+def test_large_numbers_are_cached_apart_from_the_small_ones(tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENTRL_CACHE", str(tmp_path))
+    small, large = math_data.default_math_dir(seed=5), math_data.default_math_dir(seed=5, numbers="large")
+    assert small != large
+    assert open(f"{small}/test.jsonl").read() != open(f"{large}/test.jsonl").read()
+
+
+def test_an_unknown_number_size_is_refused_with_the_choices(tmp_path):
+    import pytest
+
+    with pytest.raises(ValueError, match="small"):
+        math_data.build_math_data(str(tmp_path), numbers="huge", **SMALL)
