@@ -94,15 +94,15 @@ learn|async|tools|large)
     C="--config configs/calc_smollm2.yaml --bundled_numbers large --max_steps ${LSTEPS:-40} --learnability_probe True"
     T="--config configs/tir_smollm2.yaml --bundled_numbers large --max_steps ${LSTEPS:-40} --learnability_probe True"
     S="--config configs/search_smollm2.yaml --warm_start_steps 40 --group_size 16 --learnability_probe True"
-    l0=("$(run search_ws40_g16_s0 train_search.py $S --seed 0)" "$(run calcL_notool_s0 train_calc.py $C --seed 0 --use_tool False)")
-    l1=("$(run search_ws40_g16_s1 train_search.py $S --seed 1)" "$(run calcL_notool_s1 train_calc.py $C --seed 1 --use_tool False)")
-    l2=("$(run calcL_ws10_s0 train_calc.py $C --seed 0 --warm_start_steps 10)" "$(run calcL_ws20_s0 train_calc.py $C --seed 0 --warm_start_steps 20)"
-        "$(run tirL_ws20_s0 train_tir.py $T --seed 0 --warm_start_steps 20)")
-    l3=("$(run calcL_ws10_s1 train_calc.py $C --seed 1 --warm_start_steps 10)" "$(run calcL_ws20_s1 train_calc.py $C --seed 1 --warm_start_steps 20)"
-        "$(run tirL_ws20_s1 train_tir.py $T --seed 1 --warm_start_steps 20)")
-    if [ "$(ngpu)" -ge 4 ]; then lane 0 "${l0[@]}"; lane 1 "${l1[@]}"; lane 2 "${l2[@]}"; lane 3 "${l3[@]}"
-    elif [ "$(ngpu)" -ge 2 ]; then lane 0 "${l2[@]}" "${l0[@]}"; lane 1 "${l3[@]}" "${l1[@]}"
-    else lane 0 "${l2[@]}" "${l3[@]}" "${l0[@]}" "${l1[@]}"; fi
+    for seed in 0 1; do  # a lane per seed: the calculator, code, and the no-tool baseline
+      eval "seed$seed=(\"\$(run calcL_ws20_s$seed train_calc.py $C --seed $seed --warm_start_steps 20)\"
+        \"\$(run tirL_ws20_s$seed train_tir.py $T --seed $seed --warm_start_steps 20)\"
+        \"\$(run calcL_notool_s$seed train_calc.py $C --seed $seed --use_tool False)\")"
+    done
+    extra=("$(run search_ws40_g16_s0 train_search.py $S --seed 0)" "$(run search_ws40_g16_s1 train_search.py $S --seed 1)")
+    if [ "$(ngpu)" -ge 4 ]; then lane 0 "${seed0[@]}"; lane 1 "${seed1[@]}"; lane 2 "${extra[0]}"; lane 3 "${extra[1]}"
+    elif [ "$(ngpu)" -ge 2 ]; then lane 0 "${seed0[@]}"; lane 1 "${seed1[@]}"  # search: with 4 GPUs only
+    else lane 0 "${seed0[@]}" "${seed1[@]}"; fi
     exit 0
   fi
   if [ "$1" = async ]; then
