@@ -99,6 +99,7 @@ learn|async|tools|large)
         \"\$(run tirL_ws20_s$seed train_tir.py $T --seed $seed --warm_start_steps 20)\"
         \"\$(run calcL_notool_s$seed train_calc.py $C --seed $seed --use_tool False)\")"
     done
+    if [ "${NOTOOL_ONLY:-0}" = 1 ]; then seed0=("${seed0[2]}"); seed1=("${seed1[2]}"); fi  # the baseline alone
     extra=("$(run search_ws40_g16_s0 train_search.py $S --seed 0)" "$(run search_ws40_g16_s1 train_search.py $S --seed 1)")
     if [ "$(ngpu)" -ge 4 ]; then lane 0 "${seed0[@]}"; lane 1 "${seed1[@]}"; lane 2 "${extra[0]}"; lane 3 "${extra[1]}"
     elif [ "$(ngpu)" -ge 2 ]; then lane 0 "${seed0[@]}"; lane 1 "${seed1[@]}"  # search: with 4 GPUs only
