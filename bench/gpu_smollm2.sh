@@ -77,7 +77,7 @@ learn|async|tools|large)
   ts "bundled data"
   python3 -c "from lib.math_data import default_math_dir; from lib.wiki_data import default_wiki_dir; print(default_math_dir(seed=0), default_math_dir(seed=0, numbers='large'), default_wiki_dir(seed=0))"
   if [ "$1" = tools ]; then  # longest first on each GPU; with fewer GPUs than 4 a GPU's runs go one after another
-    S="--config configs/search_smollm2.yaml"; C="--config configs/calc_smollm2.yaml"; T="--config configs/tir_smollm2.yaml"
+    S="--config configs/search_smollm2.yaml"; C="--config configs/calc_smollm2.yaml --bundled_numbers small --warm_start_steps 100 --max_steps 30"; T="--config configs/tir_smollm2.yaml --bundled_numbers small --warm_start_steps 100 --max_steps 30"
     l0=("$(run search_s0 train_search.py $S --seed 0)" "$(run calc_notool_s0 train_calc.py $C --seed 0 --use_tool False)")
     l1=("$(run search_s1 train_search.py $S --seed 1)" "$(run calc_notool_s1 train_calc.py $C --seed 1 --use_tool False)")
     l2=("$(run calc_s0 train_calc.py $C --seed 0)" "$(run tir_s0 train_tir.py $T --seed 0)"
@@ -97,7 +97,7 @@ learn|async|tools|large)
     for seed in 0 1; do  # a lane per seed: the calculator, code, and the no-tool baseline
       eval "seed$seed=(\"\$(run calcL_ws20_s$seed train_calc.py $C --seed $seed --warm_start_steps 20)\"
         \"\$(run tirL_ws20_s$seed train_tir.py $T --seed $seed --warm_start_steps 20)\"
-        \"\$(run calcL_notool_s$seed train_calc.py $C --seed $seed --use_tool False)\")"
+        \"\$(run calcL_notool_s$seed train_calc.py $C --seed $seed --use_tool False --warm_start_steps 100)\")"
     done
     if [ "${NOTOOL_ONLY:-0}" = 1 ]; then seed0=("${seed0[2]}"); seed1=("${seed1[2]}"); fi  # the baseline alone
     extra=("$(run search_ws40_g16_s0 train_search.py $S --seed 0)" "$(run search_ws40_g16_s1 train_search.py $S --seed 1)")
@@ -121,8 +121,8 @@ learn|async|tools|large)
   fi
   ts "start runs"
   G=$(ngpu)
-  runs=("$(run calc_s0 train_calc.py --config configs/calc_smollm2.yaml --seed 0 --max_steps $STEPS)"
-        "$(run calc_s1 train_calc.py --config configs/calc_smollm2.yaml --seed 1 --max_steps $STEPS)"
+  runs=("$(run calc_s0 train_calc.py --config configs/calc_smollm2.yaml --bundled_numbers small --warm_start_steps 0 --seed 0 --max_steps $STEPS)"
+        "$(run calc_s1 train_calc.py --config configs/calc_smollm2.yaml --bundled_numbers small --warm_start_steps 0 --seed 1 --max_steps $STEPS)"
         "$(run reflect_s0 train_reflect.py --config configs/reflect_smollm2.yaml --seed 0 --max_steps $STEPS)"
         "$(run reflect_s1 train_reflect.py --config configs/reflect_smollm2.yaml --seed 1 --max_steps $STEPS)")
   for g in $(seq 0 $((G - 1))); do
