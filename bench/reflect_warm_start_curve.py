@@ -60,7 +60,7 @@ def main(steps: int = 2000, eval_every: int = 500, eval_size: int = 200, lr: flo
 
         async def go():
             args = (client, tokenizer, reflection_ids, reward_pool, cfg)
-            return await tr.evaluate(*args, dev), await tr.evaluate(*args, seen[:eval_size])
+            return (await tr.evaluate(*args, dev))[1], (await tr.evaluate(*args, seen[:eval_size]))[1]
 
         m_dev, m_seen = loop.run_until_complete(go())
         recorder.record({"name": name, "step": step, "lr": lr, "batch_size": batch_size, "problems": problems,

@@ -68,29 +68,35 @@ def _coerce(name, value, hint):
 
 
 _FIELD = re.compile(r"^    (\w+): ([^=]+?)(?: = (.*?))?(?:  # (.*))?$")
-_SECTION = re.compile(r"^    # --- (.*?) ---")
+_SECTION = re.compile(r"^    # (?:==|---) (.*?) (?:==|---)$")
 
 
 def config_help(cls) -> str:
     """The script's usage (its module docstring), then every field of `cls` with its type, default and
-    the comment written beside it (and above it), grouped under the Config's own section markers."""
+    the comment written beside it (and above it), grouped under the Config's section markers
+    (`# == name ==`): the script's own fields first, then those it shares from lib (its base class)."""
     doc = (sys.modules[cls.__module__].__doc__ or "").strip()
     out = [doc, "", "Options (--name value; --config FILE.yaml first, the command line over it):"] if doc else []
     defaults = {f.name: f.default if f.default is not dataclasses.MISSING else
                 (f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
                 for f in dataclasses.fields(cls)}
-    notes = []
-    for line in inspect.getsource(cls).splitlines()[1:]:
-        if (section := _SECTION.match(line)):
-            out += ["", f"{section.group(1)}:"]
-            notes = []
-        elif line.strip().startswith("#"):
-            notes.append(line.strip().lstrip("#").strip())
-        elif (found := _FIELD.match(line)) and found.group(1) in defaults:
-            name, hint, _, comment = found.groups()
-            out.append(f"  --{name} {hint.strip()}  (default: {defaults[name]!r})")
-            out += [f"      {text}" for text in notes + ([comment] if comment else [])]
-            notes = []
+    printed = set()
+    for klass in [k for k in cls.__mro__ if dataclasses.is_dataclass(k)]:  # the script's fields, then lib's shared ones
+        notes = []
+        for line in inspect.getsource(klass).splitlines()[1:]:
+            if (section := _SECTION.match(line)):
+                out += ["", f"{section.group(1)}:"]
+                notes = []
+            elif line.strip().startswith("#"):
+                notes.append(line.strip().lstrip("#").strip())
+            elif (found := _FIELD.match(line)) and found.group(1) in defaults and found.group(1) not in printed:
+                name, hint, _, comment = found.groups()
+                printed.add(name)
+                out.append(f"  --{name} {hint.strip()}  (default: {defaults[name]!r})")
+                out += [f"      {text}" for text in notes + ([comment] if comment else [])]
+                notes = []
+            elif found:
+                notes = []
     return "\n".join(out)
 
 

@@ -18,7 +18,7 @@ PANELS = [
     ("turns", ["rollout/turns", "eval/turns"]),
     ("tool calls", ["rollout/tool_calls", "rollout/calc_calls", "rollout/searches", "eval/searches"]),
     ("tool failures", ["rollout/tool_failures", "rollout/calc_errors", "rollout/tool_call_parse_failures",
-                       "tools/server_restarts"]),
+                       "server/restarts"]),
     ("answered / correct", ["rollout/answered", "rollout/exact_match", "rollout/acc_final", "rollout/acc_turn1",
                             "rollout/max_tokens_hit", "eval/answered"]),
     ("staleness (versions)", ["rollout/staleness_mean", "rollout/staleness_max"]),

@@ -133,7 +133,7 @@ def test_an_evaluation_episode_past_its_deadline_is_counted_as_failed(tokenizer)
         finally:
             await client.close()
     with ScriptedServer(tokenizer, script) as server:
-        metrics = asyncio.run(go(server.address))
+        _, metrics = asyncio.run(go(server.address))
     assert metrics["failed"] == 1 and metrics["acc_final"] == 1.0
 
 

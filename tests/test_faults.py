@@ -172,7 +172,7 @@ def test_retrieval_killed_then_trainer_killed_mid_checkpoint_and_resumed_loses_a
         retrieval = _children(proc.pid, "lib.retrieval")
         assert len(retrieval) == 1
         os.kill(retrieval[0], signal.SIGKILL)
-        _wait_for(lambda: any(r["tools/server_restarts"] >= 1 for r in train()), proc, 120, "a logged restart")
+        _wait_for(lambda: any(r["server/restarts"] >= 1 for r in train()), proc, 120, "a logged restart")
         _wait_for(lambda: os.path.exists(os.path.join(run_dir, "checkpoints", "latest"))
                   and len(train()) >= 3, proc, 300, "step 3 after a checkpoint")
         proc.send_signal(signal.SIGKILL)

@@ -1,14 +1,13 @@
-"""One GRPO step of the training scripts, phase by phase (rollout_step, train_step, sync_weights)
-without servers: the rollouts are scripted groups of rewards, the actor records its updates. The
-scripts share these phases; each is checked on each script."""
-import collections
-import dataclasses
+"""One GRPO step, phase by phase (lib/run.py's rollout_step, train_step, sync_weights), without
+servers: the rollouts are scripted groups of rewards, the actor records its updates. Every script
+runs these phases; each script's own pieces (its episode metrics) are checked with them."""
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+import lib.run
 import train_calc
 import train_reflect
 import train_search
@@ -52,35 +51,35 @@ class RecordingActor:
 
 
 class Scripted:
-    """rollout_groups' stand-in: each call returns the next entry of `rewards` (one list of rewards a
-    group), sampled under policy version `version`."""
+    """lib.run.rollout_groups' stand-in: each call returns the next entry of `rewards` (one list of
+    rewards a group), sampled under policy version `version`."""
 
     def __init__(self):
         self.rewards, self.version, self.calls = [], 0, []
 
-    async def __call__(self, *args):  # every script's rollout_groups(..., items, ..., group_size)
-        items, group_size = next(a for a in args if isinstance(a, list)), args[-1]
+    async def __call__(self, run, items):
         rewards = self.rewards[len(self.calls)]
         self.calls.append(len(items))
-        assert len(rewards) == len(items) and all(len(g) == group_size for g in rewards)
+        assert len(rewards) == len(items) and all(len(g) == run.cfg.group_size for g in rewards)
         return [[fake_episode(r, version=self.version) for r in g] for g in rewards], 0
 
 
 @pytest.fixture(params=SCRIPTS, ids=lambda m: m.__name__)
 def script(request, monkeypatch):
-    """`m`: the script's module, its rollouts scripted by `scripted`; `new_run(**config)`: a Run of it
-    with a background loop and a recording actor, and no servers."""
+    """`m`: lib.run; `metrics`: the script's episode_metrics; `new_run(**config)`: a Run of the
+    script's Config with a background loop and a recording actor, its rollouts scripted by
+    `scripted`, and no servers."""
     module, scripted, loops = request.param, Scripted(), []
-    monkeypatch.setattr(module, "rollout_groups", scripted)
+    monkeypatch.setattr(lib.run, "rollout_groups", scripted)
 
     def new_run(**config):
         loops.append(BackgroundLoop())
-        names = {f.name for f in dataclasses.fields(module.Run)}
-        extra = {"reward_pool": CountingPool(), "recent_tool_calls": collections.deque(maxlen=5)}
-        return module.Run(cfg=module.Config(batch_size=2, group_size=2, **config), bg=loops[-1],
-                          actor=RecordingActor(), train_items=[{"question": str(i), "answer": ["1"]} for i in range(10)],
-                          **{k: v for k, v in extra.items() if k in names})
-    yield SimpleNamespace(m=module, scripted=scripted, new_run=new_run)
+        return lib.run.Run(cfg=module.Config(batch_size=2, group_size=2, **config), bg=loops[-1],
+                           actor=RecordingActor(), reward_pool=CountingPool(),
+                           train_items=[{"question": str(i), "answer": ["1"]} for i in range(10)])
+    m = SimpleNamespace(rollout_step=lambda run: lib.run.rollout_step(run, module.episode_metrics),
+                        train_step=lib.run.train_step, sync_weights=lib.run.sync_weights, out_of_time=lib.run.out_of_time)
+    yield SimpleNamespace(m=m, scripted=scripted, new_run=new_run)
     for loop in loops:
         loop.close()
 
@@ -149,3 +148,13 @@ def test_the_time_budget_ends_the_loop_once_spent(script):
     run = script.new_run(time_budget_s=0.5)
     assert not script.m.out_of_time(run, start) and script.m.out_of_time(run, start - 1.0)
     assert not script.m.out_of_time(script.new_run(), start - 1e6)  # 0: no budget
+
+
+def test_a_task_can_leave_episodes_out_of_the_loss_after_their_rewards_count(script):
+    run = script.new_run()
+    script.scripted.rewards = [[[0.0, 1.0], [1.0, 0.0]]]
+    batch, episodes, metrics = lib.run.rollout_step(run, lambda episodes: {},
+                                                    leave_out=lambda episodes: torch.tensor([False, True, False, False]))
+    assert keep_of(episodes) == [True, False, True, True] and metrics["rollout/left_out"] == 1
+    assert len(batch["rewards"]) == 3 and batch["advantages"].abs().sum() > 0  # the others' advantages as computed
+    assert metrics["rollout/wasted_tokens"] == 3  # the left-out episode's sampled tokens

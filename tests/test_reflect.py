@@ -12,6 +12,8 @@ import safetensors.torch
 import torch
 
 import train_reflect as tr
+import lib.run
+from lib.run import episode_rows
 from lib.reward_pool import RewardPool
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -362,7 +364,7 @@ def test_the_openai_sdk_agent_gives_the_token_loops_trajectory_id_for_id(tokeniz
     (tokens, token_server), (sdk, sdk_server) = both_paths(tokenizer, script_fn, openai_http_client=http_client,
                                                            **overrides)
     [segment] = sdk["segments"]  # the conversation only grows: one training row
-    assert tr.episode_rows([sdk]) == [(0, segment)] and tr.episode_rows([tokens]) == [(0, tokens)]
+    assert episode_rows([sdk]) == [(0, segment)] and episode_rows([tokens]) == [(0, tokens)]
     for key in ("input_ids", "loss_mask", "versions", "attention_mask"):
         assert torch.equal(tokens[key], segment[key]), key
     assert torch.allclose(tokens["logprobs"], segment["logprobs"]) and torch.equal(tokens["rewards"], sdk["rewards"])
@@ -438,8 +440,8 @@ def test_neg_adv_scale_weights_only_the_below_average_episodes():
     from lib.grpo import grpo_advantages
 
     rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])
-    plain, _, _ = tr.advantages_and_keep(tr.Config(group_size=2), rewards)
-    scaled, equal, keep = tr.advantages_and_keep(tr.Config(group_size=2, neg_adv_scale=0.25), rewards)
+    plain, _, _ = lib.run.advantages_and_keep(tr.Config(group_size=2), rewards)
+    scaled, equal, keep = lib.run.advantages_and_keep(tr.Config(group_size=2, neg_adv_scale=0.25), rewards)
     assert torch.equal(plain, grpo_advantages(rewards, 2))
     assert scaled[0] == plain[0] > 0 and scaled[1] == 0.25 * plain[1] and plain[1] < 0
     assert scaled[2:].tolist() == [0.0, 0.0] and equal.tolist() == [False, False, True, True] and keep.all()
@@ -462,10 +464,10 @@ class RecordingActor:
 @pytest.mark.parametrize("ppo_minibatches,expected", [(1, 1), (2, 2), (9, 5)])  # at most one step per row
 def test_ppo_minibatches_make_that_many_optimizer_steps_over_disjoint_rows(ppo_minibatches, expected):
     actor = RecordingActor()
-    run = tr.Run(tr.Config(ppo_minibatches=ppo_minibatches), actor=actor)
+    run = lib.run.Run(tr.Config(ppo_minibatches=ppo_minibatches), actor=actor)
     batch = {"input_ids": torch.arange(5)[:, None].repeat(1, 3), "loss_mask": torch.ones(5, 3, dtype=torch.long),
              "logprobs": torch.zeros(5, 3), "advantages": torch.ones(5), "rewards": torch.ones(5)}
-    metrics = tr.train_step(run, batch)
+    metrics = lib.run.train_step(run, batch)
     assert len(actor.updates) == metrics["loss/minibatches"] == expected
     assert sorted(row for rows in actor.updates for row in rows) == [0, 1, 2, 3, 4]
     assert metrics["loss/num_tokens"] == 15 and metrics["logprob/server_trainer_abs_diff_max"] == 0.0
@@ -473,7 +475,7 @@ def test_ppo_minibatches_make_that_many_optimizer_steps_over_disjoint_rows(ppo_m
 
 def test_a_step_with_no_rows_trains_nothing():
     actor = RecordingActor()
-    metrics = tr.train_step(tr.Run(tr.Config(), actor=actor), {})
+    metrics = lib.run.train_step(lib.run.Run(tr.Config(), actor=actor), {})
     assert actor.updates == [] and set(metrics) == {"perf/logp_s", "perf/update_s"}
 
 
@@ -504,20 +506,20 @@ def test_every_segment_of_an_sdk_agents_episode_is_a_row_with_its_episodes_advan
     from lib.grpo import grpo_advantages
 
     episodes = [sdk_episode(1.0, 3, 5), sdk_episode(0.0)]  # two segments; none (the agent sampled nothing)
-    run = tr.Run(tr.Config(batch_size=1, group_size=2), producer=FixedProducer([episodes]),
+    run = lib.run.Run(tr.Config(batch_size=1, group_size=2), producer=FixedProducer([episodes]),
                  reward_pool=SimpleNamespace(num_timeouts=0, num_failures=0))
-    batch, got, metrics = tr.rollout_step(run)
+    batch, got, metrics = lib.run.rollout_step(run, tr.episode_metrics)
     advantage = grpo_advantages(torch.tensor([1.0, 0.0]), 2)[0]
     assert batch["advantages"].tolist() == [advantage] * 2 and batch["rewards"].tolist() == [1.0, 1.0]
     assert batch["attention_mask"].sum(1).tolist() == [3, 5] and metrics["rollout/gen_tokens"] == 8
     assert metrics["rollout/reward"] == 0.5 and metrics["rollout/episodes"] == 2  # each episode counted once
-    assert [i for i, _ in tr.episode_rows(got)] == [0, 0]
+    assert [i for i, _ in episode_rows(got)] == [0, 0]
 
 
 def test_a_step_whose_sdk_agent_sampled_nothing_has_nothing_to_train():
-    run = tr.Run(tr.Config(batch_size=1, group_size=2), producer=FixedProducer([[sdk_episode(1.0), sdk_episode(0.0)]]),
+    run = lib.run.Run(tr.Config(batch_size=1, group_size=2), producer=FixedProducer([[sdk_episode(1.0), sdk_episode(0.0)]]),
                  reward_pool=SimpleNamespace(num_timeouts=0, num_failures=0))
-    batch, _, metrics = tr.rollout_step(run)
+    batch, _, metrics = lib.run.rollout_step(run, tr.episode_metrics)
     assert batch == {} and metrics["rollout/gen_tokens"] == 0 and metrics["rollout/kept_groups"] == 1
 
 

@@ -234,10 +234,9 @@ def test_a_turn_cut_by_the_context_budget_is_not_void(tokenizer):
     assert ep["finish_reason"] == "max_tokens" and not ep["void_turn"]
 
 
-def test_the_void_turn_filter_takes_those_episodes_out_of_the_loss():
+def test_the_void_turn_filter_marks_the_episodes_with_a_void_turn():
     episodes = [{"void_turn": v} for v in (False, True, True, False)]
-    keep, filtered = tt.drop_void_turns(torch.tensor([True, True, False, True]), episodes)
-    assert keep.tolist() == [True, False, False, True] and filtered == 1  # the third was not kept anyway
+    assert tt.void_turns(episodes).tolist() == [False, True, True, False]  # lib.run.rollout_step leaves them out
 
 
 def test_the_episode_ends_cleanly_at_max_turns(tokenizer):
@@ -329,7 +328,7 @@ def test_two_grpo_steps_on_the_cpu_server(tmp_path, mode):
             assert r["logprob/server_trainer_abs_diff_max"] < 1e-3 and r["rollout/staleness_max"] == 0
         if mode == "torchrun":  # loss stats are rank 0's rows
             assert r["loss/num_tokens"] < r["rollout/gen_tokens"]
-        assert {"rollout/tool_calls", "rollout/tool_failures", "rollout/void_turns", "rollout/void_filtered"} <= set(r)
+        assert {"rollout/tool_calls", "rollout/tool_failures", "rollout/void_turns", "rollout/left_out"} <= set(r)
     assert any("test/accuracy" in r for r in rows)
     assert [r["probe/questions"] for r in rows if "probe/questions" in r] == ([2] if mode == "sync" else [])
     assert os.path.exists(os.path.join(run_dir, "final", "model.safetensors"))
