@@ -35,6 +35,7 @@ from lib.config import load_config
 from lib.run import (Run, RunConfig, checkpoint_due, close_run, finish_training, log_step, open_run, out_of_time,
                      rollout_step, save_checkpoint, start_training, sync_weights, train_step)
 from lib.supervise import Supervisor
+from lib.wiki_data import read_qa
 
 
 @dataclass
@@ -375,16 +376,6 @@ def check_tool_failures(cfg: Config, recent_tool_calls: collections.deque, episo
             f"{retrieval_addr} (retrieval*.log in {cfg.run_dir}), or raise max_tool_failure_rate")
 
 
-# --- data ---
-def read_jsonl(path: str) -> list[dict]:
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    for row in rows:  # Search-R1 files name the gold list golden_answers; ASearcher's use answer
-        gold = row.get("answer", row.get("golden_answers"))
-        row["answer"] = [gold] if isinstance(gold, str) else list(gold)
-    return rows
-
-
 # --- warm start ---
 def build_demonstrations(tokenizer, cfg: Config, items: list[dict], corpus_path: str,
                          loss_on_tool_tokens: bool = True, direct_frac: float = 0.0, seed: int = 0) -> list[dict]:
@@ -459,11 +450,11 @@ def warm_start_examples(tokenizer, cfg: Config, data_dir: str, direct_frac: floa
     them), plus the training world's corpus as language-model text if `warm_start_corpus_lm`."""
     from lib.wiki_data import SPLITS, default_wiki_dir
 
-    examples = build_demonstrations(tokenizer, cfg, read_jsonl(os.path.join(data_dir, "warmstart.jsonl")),
+    examples = build_demonstrations(tokenizer, cfg, read_qa(os.path.join(data_dir, "warmstart.jsonl")),
                                     os.path.join(data_dir, "corpus.jsonl"), loss_on_tool_tokens, direct_frac, cfg.seed)
     for seed in range(1, cfg.warm_start_worlds + 1):
         world = default_wiki_dir(seed=seed, names_seed=0)
-        items = [q for split in SPLITS for q in read_jsonl(os.path.join(world, f"{split}.jsonl"))]
+        items = [q for split in SPLITS for q in read_qa(os.path.join(world, f"{split}.jsonl"))]
         examples += build_demonstrations(tokenizer, cfg, items, os.path.join(world, "corpus.jsonl"),
                                          loss_on_tool_tokens, direct_frac, cfg.seed + seed)
     if cfg.warm_start_corpus_lm:
@@ -504,7 +495,7 @@ def setup(cfg: Config) -> Run:
     if cfg.reward not in ("f1", "em"):
         raise ValueError(f"reward must be 'f1' or 'em', got {cfg.reward!r}")
     data_dir = cfg.data_dir or default_wiki_dir(seed=0)  # the bundled encyclopedia by default
-    splits = lambda: {split: read_jsonl(os.path.join(data_dir, f"{split}.jsonl")) for split in ("train", "dev", "test")}  # noqa: E731
+    splits = lambda: {split: read_qa(os.path.join(data_dir, f"{split}.jsonl")) for split in ("train", "dev", "test")}  # noqa: E731
     run = open_run(cfg, lambda base, embedded: warm_started_model(cfg, base, data_dir, embedded), splits)
     try:
         retrieval_addr = cfg.retrieval_addr.rstrip("/")

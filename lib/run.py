@@ -167,6 +167,8 @@ def check_config(cfg: RunConfig):
     for name, allowed in CHOICES.items():
         if getattr(cfg, name) not in allowed:
             raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {getattr(cfg, name)!r}")
+    if cfg.server == "external" and not cfg.server_addrs:
+        raise ValueError("server 'external' needs server_addrs: --server_addrs '[\"http://host:port\"]'")
     if cfg.colocate_sleep and cfg.mode != "sync":
         raise ValueError("colocate_sleep needs mode sync: in async mode the server generates while the trainer works")
     if cfg.weight_sync == "nccl" and cfg.dp_size > 1:
@@ -598,6 +600,7 @@ def log_step(run: Run, metrics: dict, episodes: list[dict], batch: dict, *, cont
         return
     cfg = run.cfg
     metrics.update({
+        "policy/version": run.version,
         "rollout/dropped_stale_groups": run.producer.num_dropped_stale if run.producer else 0,
         "perf/gen_tokens_per_s": metrics["rollout/gen_tokens"] / max(metrics["perf/rollout_s"], 1e-6),
         "perf/trained_tokens_per_s": metrics["rollout/gen_tokens"] / max(metrics["perf/step_s"], 1e-6),

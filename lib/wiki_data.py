@@ -366,6 +366,16 @@ def read_jsonl(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def read_qa(path: str) -> list[dict]:
+    """Question rows of a search data set, the gold aliases as a list under `answer` whichever way the
+    file has them: ASearcher's `answer` (a string or a list) or Search-R1's `golden_answers`."""
+    rows = read_jsonl(path)
+    for row in rows:
+        gold = row.get("answer", row.get("golden_answers"))
+        row["answer"] = [gold] if isinstance(gold, str) else list(gold)
+    return rows
+
+
 def iter_wiki_texts(out_dir: str):
     """Passage texts (titles included) and warmstart/train questions and answers, for training the
     tokenizer. Dev and test questions are left out so that no held-out text shapes the vocabulary

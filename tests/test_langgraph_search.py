@@ -11,6 +11,7 @@ pytest.importorskip("langgraph")
 pytest.importorskip("langchain_openai")
 
 import examples.langgraph_search as lg  # noqa: E402
+from lib.agent_episode import arun_episode  # noqa: E402
 from lib.client import InferenceClient  # noqa: E402
 from lib.openai_proxy import OpenAIProxy  # noqa: E402
 from lib.scripted_server import Reply, ScriptedServer  # noqa: E402
@@ -56,7 +57,7 @@ def run_episodes(tokenizer, script, retrieval_addr, n=1, **cfg_overrides):
         await proxy.start()
         lg.start_agent(cfg, retrieval_addr)
         try:
-            return await asyncio.gather(*[lg.arun_episode(proxy, cfg, ITEM, train=True) for _ in range(n)])
+            return await asyncio.gather(*[arun_episode(proxy, lg.run_agent, ITEM, cfg.temperature, train=True) for _ in range(n)])
         finally:
             await lg.close_agent()
             await proxy.close()

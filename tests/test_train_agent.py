@@ -11,7 +11,10 @@ import torch
 
 openai = pytest.importorskip("openai")
 
+import lib.agent_episode as ae  # noqa: E402
+import lib.run  # noqa: E402
 import train_agent as ta  # noqa: E402
+from lib.async_rollout import gather_groups  # noqa: E402
 from lib.client import InferenceClient  # noqa: E402
 from lib.openai_proxy import OpenAIProxy  # noqa: E402
 from lib.scripted_server import Reply, ScriptedServer  # noqa: E402
@@ -47,8 +50,43 @@ def with_proxy(tokenizer, script, fn):
         return asyncio.run(go(server.address)), server
 
 
-def episode_of(tokenizer, script, cfg=None, train=True):
-    return with_proxy(tokenizer, script, lambda proxy: ta.arun_episode(proxy, cfg or ta.Config(), ITEM, train))
+def episode_of(tokenizer, script, train=True):
+    return with_proxy(tokenizer, script, lambda proxy: ae.arun_episode(proxy, ta.run_agent, ITEM, 1.0, train))
+
+
+async def rollout_groups(proxy, items, group_size, cfg=None, agent=None):
+    """(groups, failed) as a training rollout of train_agent.py gets them (lib.run.rollout_groups)."""
+    cfg = cfg or ta.Config()
+    return await gather_groups([ae.rollout_group(proxy, agent or ta.run_agent, item, cfg.temperature, group_size, True,
+                                                 cfg.episode_timeout_s) for item in items])
+
+
+class FixedRollouts:
+    """Stands in for the async producer: hands lib.run the groups it was given."""
+    num_failed = num_wasted_tokens = num_dropped_stale = 0
+
+    def __init__(self, groups):
+        self.groups = groups
+
+    def get_groups(self, num_groups, timeout_s=None):
+        out, self.groups = self.groups[:num_groups], self.groups[num_groups:]
+        return out
+
+    def data_position(self):
+        return 0
+
+
+def train_rows(episodes, group_size=2, **config):
+    """lib.run's steps 1-2 over these episodes of train_agent.py: (batch, episodes, metrics)."""
+    groups = [episodes[i:i + group_size] for i in range(0, len(episodes), group_size)]
+    run = lib.run.Run(ta.Config(batch_size=len(groups), group_size=group_size, **config), producer=FixedRollouts(groups))
+    return lib.run.rollout_step(run, ae.episode_metrics)
+
+
+def recorded(reward, segments):
+    """An episode as lib/agent_episode.py makes it, of these recorded segments."""
+    return {"reward": reward, "rewards": torch.tensor([reward]), "segments": segments, "stats": {}, "requests": 1,
+            "length_cut": False, "tool_calls": 0, "tool_call_parse_failures": 0, "num_turns": 1, "finish_reason": "done"}
 
 
 # --- (a) the default agent's reward ---
@@ -70,11 +108,16 @@ def test_math_reward_is_one_only_for_the_gold_number_after_the_last_marker(text,
     assert ta.math_reward(text, ITEM["answer"]) == reward
 
 
-def test_the_default_agent_speaks_as_the_reflect_warm_start_was_taught():
-    import train_reflect
-
-    assert ta.PROMPT == train_reflect.PROMPT_TEMPLATE and ta.REFLECTION == train_reflect.REFLECTION
-    assert ta.MAX_TURNS == 2
+def test_the_warm_start_demonstrations_are_the_conversations_the_proxy_renders(tokenizer):
+    cfg = ta.Config(warm_start_reflect_frac=1.0)  # every demonstration recovers from a wrong first answer
+    (demo,) = ta.build_demonstrations(tokenizer, cfg, [ITEM])
+    wrong = "#### " + tokenizer.decode([i for i, m in zip(demo["input_ids"], demo["loss_mask"]) if not m]).split("#### ")[1]
+    messages = [{"role": "user", "content": ta.PROMPT.format(question=ITEM["question"])},
+                {"role": "assistant", "content": wrong.split("<")[0].strip()},
+                {"role": "user", "content": ta.REFLECTION}, {"role": "assistant", "content": ITEM["answer"]}]
+    rendered = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False)["input_ids"]
+    assert demo["input_ids"] == rendered  # the tokens the proxy gives the model, turn by turn
+    assert 0 < demo["loss_mask"].count(0) < len(rendered) and wrong.split("<")[0].strip() != "#### 7"
 
 
 @pytest.mark.parametrize("script,reward,requests", [
@@ -94,8 +137,10 @@ def test_the_default_agent_is_rewarded_for_the_gold_answer_with_a_discount_per_r
 
 
 def test_an_evaluation_episode_samples_at_the_eval_temperature(tokenizer):
-    episode, server = episode_of(tokenizer, [Reply("#### 7", eos=True)], ta.Config(eval_temperature=0.0), train=False)
-    assert episode["reward"] == 1.0 and server.requests[0]["sampling_params"]["temperature"] == 0.0
+    cfg = ta.Config(eval_temperature=0.0)
+    (episodes, metrics), server = with_proxy(tokenizer, [Reply("#### 7", eos=True)], lambda proxy: ae.evaluate(
+        proxy, ta.run_agent, [ITEM], cfg.eval_temperature, cfg.episode_timeout_s))
+    assert metrics["reward"] == 1.0 and server.requests[0]["sampling_params"]["temperature"] == 0.0
 
 
 # --- (b) any number of segments per episode ---
@@ -121,30 +166,31 @@ def test_every_segment_of_an_episode_trains_with_its_episodes_advantage_and_none
         episodes = []
         for agent in (two_segment_agent(1.0), no_model_agent):
             monkeypatch.setattr(ta, "run_agent", agent)
-            episodes.append(await ta.arun_episode(proxy, ta.Config(), ITEM, train=True))
+            episodes.append(await ae.arun_episode(proxy, ta.run_agent, ITEM, 1.0, train=True))
         return episodes
     episodes, server = with_proxy(tokenizer, [Reply("abc", eos=True), Reply("de", eos=True)], group)
     assert [len(e["segments"]) for e in episodes] == [2, 0]
-    batch, info = ta.build_batch(episodes, group_size=2)
-    assert info["row_episode"] == [0, 0] and info["episodes_without_segments"] == 1
-    assert info["advantages"][0] > 0 > info["advantages"][1]  # the group statistics count each episode once
-    assert torch.equal(batch["advantages"], info["advantages"][[0, 0]]) and batch["rewards"].tolist() == [1.0, 1.0]
+    batch, episodes, metrics = train_rows(episodes)
+    assert [i for i, _ in lib.run.episode_rows(episodes)] == [0, 0] and metrics["rollout/episodes_without_segments"] == 1
+    advantages = torch.cat([e["advantages"] for e in episodes])
+    assert advantages[0] > 0 > advantages[1]  # the group statistics count each episode once
+    assert torch.equal(batch["advantages"], advantages[[0, 0]]) and batch["rewards"].tolist() == [1.0, 1.0]
     trained = [batch["input_ids"][r][batch["loss_mask"][r].bool()].tolist() for r in range(2)]
     assert trained == [a["output_ids"] for a in server.answers]  # each segment trains its own reply
 
 
 def test_a_step_whose_episodes_recorded_nothing_has_nothing_to_train():
-    episodes = [{"reward": r, "segments": []} for r in (1.0, 0.0)]
-    batch, info = ta.build_batch(episodes, group_size=2)
-    assert batch == {} and info["episodes_without_segments"] == 2 and info["row_episode"] == []
+    batch, _, metrics = train_rows([recorded(r, []) for r in (1.0, 0.0)])
+    assert batch == {} and metrics["rollout/episodes_without_segments"] == 2 and metrics["rollout/trained_rows"] == 0
 
 
 def test_a_group_whose_rewards_are_equal_is_dropped_when_asked():
     segment = {k: torch.ones(1, 3, dtype=torch.long) for k in ("input_ids", "loss_mask", "attention_mask", "versions")}
     segment["logprobs"] = torch.zeros(1, 3)
-    episodes = [{"reward": r, "segments": [segment]} for r in (1.0, 1.0, 1.0, 0.0)]
-    batch, info = ta.build_batch(episodes, group_size=2, drop_equal_groups=True)
-    assert info["row_episode"] == [2, 3] and info["equal_reward_groups"] == 1 and len(batch["advantages"]) == 2
+    batch, episodes, metrics = train_rows([recorded(r, [segment]) for r in (1.0, 1.0, 1.0, 0.0)], drop_equal_groups=True,
+                                          refill_rounds=0)
+    assert [e["keep"].item() for e in episodes] == [False, False, True, True]
+    assert metrics["rollout/equal_reward_groups"] == 1 and len(batch["advantages"]) == 2
 
 
 # --- the reward an agent returns or posts ---
@@ -180,7 +226,7 @@ def test_an_agent_may_return_its_own_stats_beside_the_reward(tokenizer, monkeypa
     episode, _ = episode_of(tokenizer, [Reply("x", eos=True)])
     assert episode["reward"] == 0.5 and episode["stats"] == {"searches": 3, "answered": True, "answer": "7"}
     other = {**episode, "stats": {"searches": 1}}
-    assert ta.mean_stats([episode, other]) == {"searches": 2.0, "answered": 1.0}  # strings go to traces only
+    assert ae.mean_stats([episode, other]) == {"searches": 2.0, "answered": 1.0}  # strings go to traces only
 
 
 @pytest.mark.parametrize("result,expected", [
@@ -207,7 +253,7 @@ def test_an_agent_sampling_at_another_temperature_fails_its_group_naming_it(toke
         return 1.0
     monkeypatch.setattr(ta, "run_agent", hot_agent)
     with pytest.raises(RuntimeError, match="all 1 groups") as e:
-        with_proxy(tokenizer, [Reply("x", eos=True)], lambda proxy: ta.rollout_groups(proxy, ta.Config(), [ITEM], 2, True))
+        with_proxy(tokenizer, [Reply("x", eos=True)], lambda proxy: rollout_groups(proxy, [ITEM], 2))
     assert e.value.__cause__.code == "sampling_fixed_for_training" and "temperature" in str(e.value.__cause__)
 
 
@@ -218,8 +264,8 @@ def test_an_episode_past_its_deadline_drops_its_group_and_the_others_train(token
         return 1.0
     monkeypatch.setattr(ta, "run_agent", agent)
     cfg = ta.Config(episode_timeout_s=0.5)
-    (groups, failed), _ = with_proxy(tokenizer, [Reply("x", eos=True)], lambda proxy: ta.rollout_groups(
-        proxy, cfg, [{"question": "slow"}, {"question": "fast"}], 2, True))
+    (groups, failed), _ = with_proxy(tokenizer, [Reply("x", eos=True)], lambda proxy: rollout_groups(
+        proxy, [{"question": "slow"}, {"question": "fast"}], 2, cfg))
     assert failed == 1 and len(groups) == 1 and [e["item"]["question"] for e in groups[0]] == ["fast", "fast"]
 
 
@@ -245,13 +291,13 @@ def with_agent_workers(agent, num_workers, fn):
 
 def test_agent_workers_below_minus_one_are_refused():
     with pytest.raises(ValueError, match="agent_workers must be -1"):
-        ta.check_config(ta.Config(agent_workers=-2))
+        ta.setup(ta.Config(agent_workers=-2))  # before anything starts
 
 
 def test_an_episode_run_in_a_worker_process_records_every_token_the_server_sampled(tokenizer):
     script = [Reply("#### 8", eos=True), Reply("3 + 4 = 7.\n#### 7", eos=True)]
     episode, server = with_proxy(tokenizer, script, with_agent_workers(ta.run_agent, 1, lambda proxy, workers: (
-        ta.arun_episode(proxy, ta.Config(), ITEM, True, workers.run))))
+        ae.arun_episode(proxy, workers.run, ITEM, 1.0, True))))
     assert episode["reward"] == pytest.approx(ta.TURN_DISCOUNT) and episode["requests"] == 2
     segment = episode["segments"][0]
     sampled = segment["input_ids"][0][segment["loss_mask"][0].bool()].tolist()
@@ -260,9 +306,9 @@ def test_an_episode_run_in_a_worker_process_records_every_token_the_server_sampl
 
 def test_an_episode_in_a_worker_past_its_deadline_drops_its_group_ends_its_session_and_the_others_train(tokenizer):
     async def rollout(proxy, workers):
-        await ta.rollout_groups(proxy, ta.Config(), [ITEM], 2, True, workers.run)  # both workers started
-        result = await ta.rollout_groups(proxy, ta.Config(episode_timeout_s=2.0),
-                                         [{"question": "slow", "answer": "#### 7"}, ITEM], 2, True, workers.run)
+        await rollout_groups(proxy, [ITEM], 2, agent=workers.run)  # both workers started
+        result = await rollout_groups(proxy, [{"question": "slow", "answer": "#### 7"}, ITEM], 2,
+                                      ta.Config(episode_timeout_s=2.0), workers.run)
         return result, len(proxy.sessions), sum(len(w.jobs) for w in workers._workers)
     ((groups, failed), open_sessions, running), _ = with_proxy(tokenizer, [Reply("#### 7", eos=True)],
                                                                 with_agent_workers(slow_question_agent, 2, rollout))
@@ -278,12 +324,12 @@ def test_a_setup_that_fails_midway_closes_what_it_opened(tmp_path, monkeypatch):
     for split in ("train", "dev", "test"):
         (tmp_path / f"{split}.jsonl").write_text(json.dumps(ITEM) + "\n")
     loops = []
-    monkeypatch.setattr(ta, "BackgroundLoop", lambda: loops.append(BackgroundLoop()) or loops[-1])
-    monkeypatch.setattr(ta, "embedded_model", lambda cfg: default_tiny_model_dir())
+    monkeypatch.setattr(lib.run, "BackgroundLoop", lambda: loops.append(BackgroundLoop()) or loops[-1])
+    monkeypatch.setattr(ta, "warm_started_model", lambda cfg, base, embedded: default_tiny_model_dir())
 
     def broken_proxy(*args, **kwargs):
         raise RuntimeError("the proxy did not start")
-    monkeypatch.setattr(ta, "OpenAIProxy", broken_proxy)
+    monkeypatch.setattr(ae, "OpenAIProxy", broken_proxy)
     with pytest.raises(RuntimeError, match="the proxy did not start"):
         ta.setup(ta.Config(run_dir=str(tmp_path / "run"), data_dir=str(tmp_path), server="external",
                            server_addrs=["http://127.0.0.1:9"], tensorboard=False))

@@ -226,7 +226,7 @@ def scripted_search_agent(tokenizer):
     the gold answer, and a half-right answer (F1 > 0, exact match 0: a verdict/reward mismatch)."""
     from lib.scripted_server import Reply, continuing
     from lib.wiki_data import default_wiki_dir
-    from train_search import read_jsonl
+    from lib.wiki_data import read_qa as read_jsonl
 
     golds = {}
     for split in ("train", "test"):
