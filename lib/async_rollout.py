@@ -318,7 +318,11 @@ class RolloutProducer:
                  item_at: Callable[[int], dict], *, capacity: int, max_staleness: int, start_index: int = 0,
                  version: int = 0, batch_groups: int | None = None):
         if capacity < 1:
-            raise ValueError(f"capacity must be at least 1 group, got {capacity}")
+            raise ValueError(f"capacity must be at least 1 group, got {capacity} (a script's async_capacity: "
+                             f"0 = (max_staleness + 1) x batch_size, else a positive number of groups)")
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness must be 0 or more versions, got {max_staleness} (0 = sync mode's "
+                             f"schedule; a negative bound would let no group start, and the trainer wait forever)")
         if batch_groups is not None and batch_groups < 1:
             raise ValueError(f"batch_groups must be at least 1 group, got {batch_groups}")
         self.bg_loop = bg_loop
@@ -380,7 +384,11 @@ class RolloutProducer:
         with self._cond:
             ended, since = self._num_ended, time.monotonic()
             must_take = self._must_take()
-            self._wanted_now = max(self._wanted_now, self._taken_now + num_groups)
+            if self._taken_now + num_groups > self._wanted_now:
+                # a refill (dynamic sampling) asks for more at this version: room for groups to start now, and
+                # the producer, which found none once the batch was taken, sleeps until it is woken
+                self._wanted_now = self._taken_now + num_groups
+                self.bg_loop.loop.call_soon_threadsafe(self._wake)
             while len(out) < num_groups or must_take & self._started.keys():
                 if self._error is not None:
                     raise RuntimeError("the rollout producer failed") from self._error

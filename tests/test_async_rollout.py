@@ -206,3 +206,41 @@ def test_at_max_staleness_0_the_producer_runs_sync_modes_schedule(bg_loop):
         assert all(i // 4 == started_at for i, started_at in starts)
     finally:
         producer.stop()
+
+
+def settle(bg_loop):
+    """Lets the loop run every callback already scheduled on it (the producer's wake-ups) and what
+    those schedule in turn, so that the producer has acted on everything the trainer did so far."""
+    async def spin():
+        for _ in range(20):
+            await asyncio.sleep(0)
+    bg_loop.run(spin())
+
+
+def test_at_max_staleness_0_a_refill_in_the_same_step_starts_the_groups_it_asks_for(bg_loop):
+    # Dynamic sampling (DAPO): a step whose batch has too few groups with a learning signal asks the
+    # producer for more at the same version. The order is forced: the batch is taken, the producer
+    # settles with nothing to start (at max_staleness 0 the step's batch is all it may start), then
+    # the refill asks.
+    started = []
+
+    async def rollout_group(item):
+        started.append(item["i"])
+        return [dict(episode([-1, 0]), index=item["i"])]
+
+    producer = RolloutProducer(bg_loop, rollout_group, lambda i: {"i": i}, capacity=8, max_staleness=0,
+                               batch_groups=2).start()
+    try:
+        assert [g[0]["index"] for g in producer.get_groups(2, timeout_s=10)] == [0, 1]
+        settle(bg_loop)
+        assert started == [0, 1]
+        assert [g[0]["index"] for g in producer.get_groups(1, timeout_s=10)] == [2]
+    finally:
+        producer.stop()
+
+
+@pytest.mark.parametrize("name,value", [("max_staleness", -1), ("capacity", -1), ("capacity", 0)])
+def test_a_negative_max_staleness_or_a_capacity_below_one_is_a_value_error_naming_it(bg_loop, name, value):
+    with pytest.raises(ValueError, match=name):
+        RolloutProducer(bg_loop, lambda item: None, lambda i: {"i": i}, **{"capacity": 4, "max_staleness": 0,
+                                                                            name: value})
