@@ -40,6 +40,31 @@ def test_a_group_with_equal_rewards_has_zero_advantage():
     assert grpo_advantages(torch.tensor([0.7, 0.7, 0.7]), 3).tolist() == [0.0, 0.0, 0.0]
 
 
+@pytest.mark.parametrize("rewards", [
+    torch.tensor([3e38, -3e38, 3e38, 0.0], dtype=torch.float32),  # float32's largest: their squares are not
+    torch.tensor([1.5e308, 1.5e308, -1.5e308, 0.0], dtype=torch.float64),  # their sum overflows float64
+    torch.tensor([1e200, -1e200, 1e200, 0.0], dtype=torch.float64),  # their squares overflow float64
+])
+def test_finite_rewards_of_any_size_give_the_advantages_of_the_same_rewards_scaled_down(rewards):
+    adv = grpo_advantages(rewards, 4, eps=0.0)
+    assert adv.dtype == torch.float32 and torch.isfinite(adv).all()
+    small = grpo_advantages(rewards / rewards.abs().max(), 4, eps=0.0)
+    assert adv.tolist() == pytest.approx(small.tolist(), rel=1e-5)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), 1e39])  # 1e39: inf in float32
+def test_a_reward_that_is_not_a_finite_float32_is_a_value_error_naming_its_group(bad):
+    rewards = torch.tensor([0.0, 1.0, 1.0, bad], dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"group 1 \(rows 2-3\).*finite"):
+        grpo_advantages(rewards, 2)
+
+
+def test_without_std_scaling_advantages_past_float32s_range_are_a_value_error_naming_the_group():
+    rewards = torch.tensor([0.0, 1.0, 1e39, -1e39], dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"group 1 \(rows 2-3\).*float32"):
+        grpo_advantages(rewards, 2, scale_by_std=False)
+
+
 def test_equal_reward_groups_marks_every_row_of_an_all_equal_group():
     mask = equal_reward_groups(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0]), 2)
     assert mask.tolist() == [True, True, False, False, True, True]
