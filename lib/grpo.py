@@ -219,13 +219,18 @@ def ppo_loss(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, behaviour_
     return loss, stats
 
 
+COUNT_STATS = ("num_tokens", "nonfinite_grad_steps")
+
+
 def merge_stats(per_mb: list[dict]) -> dict:
-    """Token-weighted means across micro-batches; `*_max` keys take the max; counts add up."""
+    """Token-weighted means across micro-batches; `*_max` keys take the max; counts (COUNT_STATS) add up."""
     total = sum(s["num_tokens"] for s in per_mb)
     merged = {"num_tokens": total}
     for key in {k for s in per_mb for k in s} - {"num_tokens"}:
         values = [(s[key], s["num_tokens"]) for s in per_mb if key in s]
-        if key.endswith("_max"):
+        if key in COUNT_STATS:
+            merged[key] = sum(v for v, _ in values)
+        elif key.endswith("_max"):
             merged[key] = max(v for v, _ in values)
         else:
             merged[key] = sum(v * n for v, n in values) / max(1, sum(n for _, n in values))

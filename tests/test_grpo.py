@@ -101,6 +101,12 @@ def test_stats_of_minibatches_merge_when_one_had_no_loss_tokens():
     assert merged["num_tokens"] == 4 and merged["clip_fraction"] == 0.5 and merged["approx_kl_max"] == 0.1
 
 
+def test_merged_stats_add_up_the_updates_skipped_for_non_finite_gradients():
+    merged = merge_stats([{"num_tokens": 3, "nonfinite_grad_steps": 1.0}, {"num_tokens": 5, "nonfinite_grad_steps": 0.0},
+                          {"num_tokens": 0, "nonfinite_grad_steps": 1.0}])
+    assert merged["nonfinite_grad_steps"] == 2.0
+
+
 def test_every_rank_gets_the_same_minibatch_count_for_uneven_rows():
     """The training loop's rule: count = min(ppo_minibatches, rows // world_size); rank r holds
     rows r, r + W, ... of the batch. torch.chunk(5 rows, 4) gave 3 parts on one rank, 4 on another."""
