@@ -406,6 +406,9 @@ class OpenAIProxy:
             reward = None
         if reward is None or not math.isfinite(reward):  # a non-finite reward makes the group's advantages NaN
             raise _Refused(400, "send {\"reward\": <a finite number>}", param="reward")
+        if not math.isfinite(array.array("f", [reward])[0]):  # rewards are trained on as float32: 1e39 is inf there
+            raise _Refused(400, f"reward {reward:g} is past float32's range (about ±3.4e38), in which the trainer "
+                                "reads rewards; send a smaller one", param="reward")
         session.reward = reward
         return 200, {"status": "ok"}
 

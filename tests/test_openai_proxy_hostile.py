@@ -171,6 +171,21 @@ def test_a_reward_that_is_not_a_finite_float_is_a_400_and_keeps_the_reward(token
     assert episode["reward"] == 0.5
 
 
+@pytest.mark.parametrize("raw", ['{"reward": 1e39}', '{"reward": -3.5e38}', '{"reward": 1' + "0" * 39 + "}"],
+                         ids=["1e39", "-3.5e38", "int-1e39"])
+def test_a_reward_past_float32s_range_is_a_400_naming_the_field(tokenizer, raw):
+    # finite as a Python float, but inf in the float32 rewards tensor: the group's advantages are NaN
+    async def agent(proxy):
+        key = proxy.new_session()
+        largest = await post(proxy, key, "/agentrl/reward", '{"reward": 3.4028234663852886e38}')
+        refused = await post(proxy, key, "/agentrl/reward", raw)
+        return largest, refused, proxy.end_session(key)
+
+    (largest, (status, answer), episode), _ = run_agent(tokenizer, [Reply("x", eos=True)], agent)
+    assert largest[0] == 200 and status == 400 and answer["error"]["param"] == "reward"
+    assert "float32" in answer["error"]["message"] and episode["reward"] == 3.4028234663852886e38
+
+
 @pytest.fixture(scope="module")
 def live_proxy(tokenizer):
     """A proxy in front of a scripted server answering "ok", on a background loop: (proxy, server)."""
