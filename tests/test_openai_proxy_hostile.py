@@ -186,6 +186,27 @@ def test_a_reward_past_float32s_range_is_a_400_naming_the_field(tokenizer, raw):
     assert "float32" in answer["error"]["message"] and episode["reward"] == 3.4028234663852886e38
 
 
+@pytest.mark.parametrize("stop", [["a"] * 17, ["a" * 1025], ["a" * 600, "b" * 600]],
+                         ids=["17 strings", "1,025 characters", "1,200 characters in all"])
+def test_too_many_or_too_long_stop_strings_are_a_400_naming_the_field(tokenizer, stop):
+    # as the CPU server bounds them (lib/cpu_engine.py): every token's stop check reads them all
+    async def agent(proxy):
+        key = proxy.new_session()
+        return await post(proxy, key, "/v1/chat/completions", chat_body([user("Q")], stop=stop))
+
+    (status, answer), server = run_agent(tokenizer, [Reply("x", eos=True)], agent)
+    assert status == 400 and answer["error"]["param"] == "stop" and server.requests == []
+
+
+def test_sixteen_stop_strings_of_1024_characters_in_all_are_served(tokenizer):
+    async def agent(proxy):
+        key = proxy.new_session()
+        return await post(proxy, key, "/v1/chat/completions", chat_body([user("Q")], stop=["ab" * 32] * 16))
+
+    (status, answer), server = run_agent(tokenizer, [Reply("x", eos=True)], agent)
+    assert status == 200 and server.requests[0]["sampling_params"]["stop"] == ["ab" * 32] * 16
+
+
 @pytest.fixture(scope="module")
 def live_proxy(tokenizer):
     """A proxy in front of a scripted server answering "ok", on a background loop: (proxy, server)."""
