@@ -102,7 +102,8 @@ def test_stats_of_minibatches_merge_when_one_had_no_loss_tokens():
 
 
 def test_merged_stats_add_up_the_updates_skipped_for_non_finite_gradients():
-    merged = merge_stats([{"num_tokens": 3, "nonfinite_grad_steps": 1.0}, {"num_tokens": 5, "nonfinite_grad_steps": 0.0},
+    merged = merge_stats([{"num_tokens": 3, "nonfinite_grad_steps": 1.0},
+                          {"num_tokens": 5, "nonfinite_grad_steps": 0.0},
                           {"num_tokens": 0, "nonfinite_grad_steps": 1.0}])
     assert merged["nonfinite_grad_steps"] == 2.0
 

@@ -159,7 +159,8 @@ def page_rendered_in_a_child(run_dir: str, timeout_s: float = 60) -> str:
     """The page of `run_dir` (every step), rendered by a child process with 1 GB of address space: a
     viewer that waits on a run file or reads one without end fails the test (a timeout, a MemoryError)
     instead of hanging the suite or filling the machine's memory."""
-    code = "import sys; from lib.viewer import render_page; sys.stdout.write(render_page([sys.argv[1]], {'step': ['all']}, {}))"
+    code = ("import sys; from lib.viewer import render_page; "
+            "sys.stdout.write(render_page([sys.argv[1]], {'step': ['all']}, {}))")
     child = subprocess.run([sys.executable, "-c", code, run_dir], cwd=REPO, capture_output=True, timeout=timeout_s,
                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30)))
     assert child.returncode == 0, child.stderr.decode(errors="replace")[-2000:]
