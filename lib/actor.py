@@ -7,6 +7,7 @@ The kernels it runs live in lib/logprobs.py (token log-probs) and lib/grpo.py (t
 import copy
 import math
 import os
+import sys
 import warnings
 from typing import Iterator
 
@@ -160,6 +161,7 @@ class Actor:
         # The schedule counts training steps when update() is given `step` (a script's step: skipped
         # updates and steps with several mini-batches or none count once each), else update() calls.
         self._schedule_step: int | None = None
+        self.num_nonfinite_grad_steps = 0  # updates skipped for a non-finite gradient norm, in this process
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda n: _lr_factor(n if self._schedule_step is None else self._schedule_step,
                                                  warmup_steps, total_steps, lr_schedule))
@@ -235,7 +237,9 @@ class Actor:
 
         Returns floats: loss (global), grad_norm, lr (the one this step used), num_micro_batches,
         and the token-weighted `ppo_loss` stats (clip_fraction, approx_kl, entropy, behaviour
-        weights, ...; those are local to this rank under FSDP). A non-finite grad norm skips the step (`skipped` = 1).
+        weights, ...; those are local to this rank under FSDP). A non-finite grad norm skips the step
+        (`skipped` = 1, `nonfinite_grad_steps` = 1: a count that `merge_stats` adds up) with a warning
+        on stderr that names it and the count of updates skipped so far.
         `step` (0-based training step): the learning rate is the schedule's at that step, so the
         schedule ends where the run does, whatever updates were skipped or split into mini-batches.
         """
@@ -310,6 +314,13 @@ class Actor:
             if not skipped:
                 self.optimizer.step()
                 self._copy_master_to_model()
+        if skipped:  # the norm is global: every rank skips, rank 0 says so
+            self.num_nonfinite_grad_steps += 1
+        if skipped and self.rank == 0:
+            print(f"warning: update skipped: the gradient norm is {grad_norm} (not finite), the weights are "
+                  f"unchanged; {self.num_nonfinite_grad_steps} updates skipped so far. Look for non-finite "
+                  f"advantages or log-probs in the batch, or weights gone non-finite (a learning rate too high)",
+                  file=sys.stderr, flush=True)
         self.optimizer.zero_grad(set_to_none=True)
         with warnings.catch_warnings():
             # torch checks once that optimizer.step() ran first; an offloaded or skipped step does
@@ -317,7 +328,7 @@ class Actor:
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
             self.scheduler.step()
         return {"loss": loss_sum, "grad_norm": grad_norm, "lr": lr, "num_micro_batches": len(groups),
-                "skipped": float(skipped), **merge_stats(per_mb)}
+                "skipped": float(skipped), "nonfinite_grad_steps": float(skipped), **merge_stats(per_mb)}
 
     @torch.no_grad()
     def _add_grads_into(self, sums: list) -> None:

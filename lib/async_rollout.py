@@ -39,6 +39,8 @@ import time
 import traceback
 from typing import Awaitable, Callable
 
+import torch
+
 CANCEL_GRACE_S = 10.0  # an episode cancelled at its deadline has this long to run its `finally` blocks
 ROLLOUT_GRACE_S = 60.0  # a rollout's deadline past its episodes': cancelling them, finishing the groups
 
@@ -301,12 +303,14 @@ async def gather_groups(group_coroutines) -> tuple[list, int]:
 
 def oldest_version(group: list[dict]) -> int:
     """The smallest policy version over the model-sampled tokens of a group; -1 if it has none."""
-    versions = [int(v) for ep in group for v in ep["versions"].flatten().tolist() if v >= 0]
-    return min(versions) if versions else -1
+    versions = torch.cat([ep["versions"].flatten() for ep in group])
+    sampled = versions[versions >= 0]
+    return int(sampled.min()) if sampled.numel() else -1
 
 
-def is_stale(group: list[dict], current_version: int, max_staleness: int) -> bool:
-    oldest = oldest_version(group)
+def is_stale(oldest: int, current_version: int, max_staleness: int) -> bool:
+    """Whether a group whose oldest sampled token is of version `oldest` (-1: none) is more than
+    `max_staleness` versions behind `current_version`."""
     return oldest >= 0 and current_version - oldest > max_staleness
 
 
@@ -318,7 +322,11 @@ class RolloutProducer:
                  item_at: Callable[[int], dict], *, capacity: int, max_staleness: int, start_index: int = 0,
                  version: int = 0, batch_groups: int | None = None):
         if capacity < 1:
-            raise ValueError(f"capacity must be at least 1 group, got {capacity}")
+            raise ValueError(f"capacity must be at least 1 group, got {capacity} (a script's async_capacity: "
+                             f"0 = (max_staleness + 1) x batch_size, else a positive number of groups)")
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness must be 0 or more versions, got {max_staleness} (0 = sync mode's "
+                             f"schedule; a negative bound would let no group start, and the trainer wait forever)")
         if batch_groups is not None and batch_groups < 1:
             raise ValueError(f"batch_groups must be at least 1 group, got {batch_groups}")
         self.bg_loop = bg_loop
@@ -338,7 +346,7 @@ class RolloutProducer:
         self._failed_in_a_row = 0
         self._next_index = start_index
         self._started: dict[int, int] = {}  # index running or finished, not consumed -> version at its start
-        self._ready: collections.deque = collections.deque()  # (index, group)
+        self._ready: collections.deque = collections.deque()  # (index, group, its oldest_version)
         self._cond = threading.Condition()
         self._stopped = False
         self._wakeup: asyncio.Event | None = None
@@ -380,7 +388,11 @@ class RolloutProducer:
         with self._cond:
             ended, since = self._num_ended, time.monotonic()
             must_take = self._must_take()
-            self._wanted_now = max(self._wanted_now, self._taken_now + num_groups)
+            if self._taken_now + num_groups > self._wanted_now:
+                # a refill (dynamic sampling) asks for more at this version: room for groups to start now, and
+                # the producer, which found none once the batch was taken, sleeps until it is woken
+                self._wanted_now = self._taken_now + num_groups
+                self.bg_loop.loop.call_soon_threadsafe(self._wake)
             while len(out) < num_groups or must_take & self._started.keys():
                 if self._error is not None:
                     raise RuntimeError("the rollout producer failed") from self._error
@@ -398,17 +410,19 @@ class RolloutProducer:
                         break
                     self._cond.wait(min(remaining, 1.0) if remaining is not None else 1.0)
                     continue
-                index, group = self._ready[pos]
+                index, group, oldest = self._ready[pos]
                 del self._ready[pos]
                 del self._started[index]
                 self._taken_now += 1
                 self.bg_loop.loop.call_soon_threadsafe(self._wake)  # a slot is free: start the next group
-                if is_stale(group, self.version, self.max_staleness):
+                # With batch_groups, admission and the order of taking make this never true (the module's
+                # docstring); without them, or after a resume, it may be. A comparison of two ints either way.
+                if is_stale(oldest, self.version, self.max_staleness):
                     self.num_dropped_stale += 1
                     self.num_wasted_tokens += sum(int((ep["versions"] >= 0).sum()) for ep in group)
                 else:
                     out.append(group)
-            in_flight = sorted(self._started.keys() - {index for index, _ in self._ready})
+            in_flight = sorted(self._started.keys() - {index for index, _, _ in self._ready})
         if stuck:  # described outside the lock: the loop's tasks take it
             raise RolloutTimeout(
                 f"the rollout producer gave {len(out)} of {num_groups} groups and no group finished or failed "
@@ -460,6 +474,7 @@ class RolloutProducer:
     async def _run_one(self, index: int):
         try:
             group = await self.rollout_group(self.item_at(index))
+            oldest = oldest_version(group)  # once, here: the trainer takes groups under the lock the loop needs
         except asyncio.CancelledError:
             raise
         except Exception as e:  # an episode must never crash training, but a bug must not loop silently
@@ -477,5 +492,5 @@ class RolloutProducer:
         with self._cond:
             self._failed_in_a_row = 0
             self._num_ended += 1
-            self._ready.append((index, group))
+            self._ready.append((index, group, oldest))
             self._cond.notify_all()

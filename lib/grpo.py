@@ -17,23 +17,49 @@ CAP_MODES = ("truncate", "mask")
 
 def grpo_advantages(rewards: torch.Tensor, group_size: int, *, scale_by_std: bool = True,
                     eps: float = 1e-6) -> torch.Tensor:
-    """advantages [B] = (r − group mean) / (group std + eps) for consecutive groups of
+    """advantages [B] (float32) = (r − group mean) / (group std + eps) for consecutive groups of
     `group_size` rows; without `scale_by_std` just r − group mean (Dr. GRPO).
 
     std is the sample std (Bessel-corrected), as TRL and verl compute it; a group of one has
     advantage 0. A group whose rewards are all equal (`equal_reward_groups`) gets exactly 0: in
     float32, eight rewards of 0.9 have a mean that differs from 0.9 by ~6e-8 and a std of ~6e-8,
     and dividing one by the other would give every row of such a group about ±0.06, all of one sign.
+
+    Computed in float64 on each group's rewards divided by their largest magnitude where it is above
+    1 (exact below), so any finite rewards give finite advantages: the sum or the squares of rewards
+    near float64's range overflow otherwise. A NaN or infinite reward is a ValueError naming its
+    group (the update would skip the step on NaN gradients); so is, without `scale_by_std`, an
+    advantage past float32's range.
     """
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     grouped = rewards.double().view(-1, group_size)
-    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    _check_groups(torch.isfinite(grouped), grouped, group_size,
+                  "has a reward that is not a finite number (a reward past float32's range, about 3.4e38, is "
+                  "inf in a float32 tensor); make the reward function return finite rewards of a sane size")
+    scale = grouped.abs().amax(dim=1, keepdim=True).clamp(min=1.0)
+    scaled = grouped / scale
+    centred = scaled - scaled.mean(dim=1, keepdim=True)
     if scale_by_std:
-        std = grouped.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(centred[:, :1])
-        centred = centred / (std + eps)
+        std = scaled.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(centred[:, :1])
+        centred = centred / (std + eps / scale)
+    else:
+        centred = centred * scale
     centred = centred.masked_fill(equal_reward_groups(rewards, group_size).view(-1, group_size), 0.0)
-    return centred.reshape(-1).float()
+    advantages = centred.float()
+    _check_groups(torch.isfinite(advantages), grouped, group_size,
+                  "has advantages (reward minus the group's mean) past float32's range; scale the rewards "
+                  "down, or scale the advantages by the group's std (scale_adv_by_std)")
+    return advantages.reshape(-1)
+
+
+def _check_groups(ok: torch.Tensor, grouped: torch.Tensor, group_size: int, problem: str):
+    """ValueError naming the first group with a row not `ok` ([groups, group_size]) and its rewards."""
+    bad = (~ok).any(dim=1).nonzero()
+    if len(bad):
+        g = int(bad[0])
+        raise ValueError(f"group {g} (rows {g * group_size}-{(g + 1) * group_size - 1}) {problem}: "
+                         f"rewards {grouped[g].tolist()}")
 
 
 def equal_reward_groups(rewards: torch.Tensor, group_size: int, rel_tol: float = 1e-6) -> torch.Tensor:
@@ -193,13 +219,18 @@ def ppo_loss(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, behaviour_
     return loss, stats
 
 
+COUNT_STATS = ("num_tokens", "nonfinite_grad_steps")
+
+
 def merge_stats(per_mb: list[dict]) -> dict:
-    """Token-weighted means across micro-batches; `*_max` keys take the max; counts add up."""
+    """Token-weighted means across micro-batches; `*_max` keys take the max; counts (COUNT_STATS) add up."""
     total = sum(s["num_tokens"] for s in per_mb)
     merged = {"num_tokens": total}
     for key in {k for s in per_mb for k in s} - {"num_tokens"}:
         values = [(s[key], s["num_tokens"]) for s in per_mb if key in s]
-        if key.endswith("_max"):
+        if key in COUNT_STATS:
+            merged[key] = sum(v for v, _ in values)
+        elif key.endswith("_max"):
             merged[key] = max(v for v, _ in values)
         else:
             merged[key] = sum(v * n for v, n in values) / max(1, sum(n for _, n in values))

@@ -49,6 +49,7 @@ from lib.chat_format import (LONE_SURROGATE, LONG_TEXT_CHARS, ChatFormatError, P
                              end_of_turn_token, message_key, parse_tool_calls, render_text, template_renders_tools,
                              to_template_messages, token_bytes_reader)
 from lib.client import GenerationAborted, InferenceServerError
+from lib.cpu_engine import MAX_STOP_CHARS
 from lib.http_body import BadRequest, body_too_large, lone_surrogate, parse_json_body, read_body
 from lib.reply_stream import ReplyText
 
@@ -406,6 +407,9 @@ class OpenAIProxy:
             reward = None
         if reward is None or not math.isfinite(reward):  # a non-finite reward makes the group's advantages NaN
             raise _Refused(400, "send {\"reward\": <a finite number>}", param="reward")
+        if not math.isfinite(array.array("f", [reward])[0]):  # rewards are trained on as float32: 1e39 is inf there
+            raise _Refused(400, f"reward {reward:g} is past float32's range (about ±3.4e38), in which the trainer "
+                                "reads rewards; send a smaller one", param="reward")
         session.reward = reward
         return 200, {"status": "ok"}
 
@@ -554,8 +558,12 @@ class OpenAIProxy:
         stop = body.get("stop")
         if isinstance(stop, str):
             stop = [stop]
-        if stop is not None and (not isinstance(stop, list) or len(stop) > 16 or not all(isinstance(s, str) for s in stop)):
-            raise _Refused(400, "stop must be a string or a list of at most 16 strings", param="stop")
+        if stop is not None and (not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS
+                                 or not all(isinstance(s, str) for s in stop)):
+            raise _Refused(400, f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings", param="stop")
+        if stop and sum(map(len, stop)) > MAX_STOP_CHARS:  # each token's stop check reads them all
+            raise _Refused(400, f"stop holds {sum(map(len, stop))} characters; at most {MAX_STOP_CHARS} in all its "
+                                "strings (as the CPU server allows)", param="stop")
         if stop and lone_surrogate(stop):
             raise _Refused(400, f"stop {LONE_SURROGATE}", param="stop")
         tools = _read_tools(body.get("tools"), fields["flat_tools"])
@@ -881,6 +889,9 @@ _SAMPLING = {"temperature": (0.0, 2.0, float, 1.0), "top_p": (0.0, 1.0, float, 1
              "min_p": (0.0, 1.0, float, 0.0), "presence_penalty": (-2.0, 2.0, float, 0.0),
              "frequency_penalty": (-2.0, 2.0, float, 0.0), "repetition_penalty": (0.0, 2.0, float, 1.0)}
 MAX_N = 16  # samples a request: each is a whole generation and a segment of its own
+# Stop strings: fewer than the CPU server takes (64), and its bound on their characters in all, so a
+# request the proxy passes is one it serves; every streamed token's stop check reads them all.
+MAX_STOP_STRINGS = 16
 # Fresh prompts kept rendered (least recently used out): at most this many, each of at most this many
 # characters of messages and tools (as JSON), so at most ~16 MB of ids.
 _PROMPT_CACHE_SIZE, _PROMPT_CACHE_CHARS = 256, 8192

@@ -34,7 +34,10 @@ class ReplyText:
     def __init__(self, tokenizer, *, stop: list[str] | None, parse_tools: bool, thinking: bool | None):
         """`thinking`: True where the prompt opened `<think>` (the reply begins inside its
         thinking), False where it did not, None for a text completion (no reasoning, no tools)."""
-        self.tokenizer, self.stop, self.parse_tools, self.thinking = tokenizer, stop or [], parse_tools, thinking
+        self.tokenizer, self.parse_tools, self.thinking = tokenizer, parse_tools, thinking
+        self.stop = [s for s in stop or [] if s]  # the server ignores an empty stop string
+        self.longest_stop = max(map(len, self.stop), default=0)
+        self.stop_at, self.stop_searched = None, 0  # where the first stop string begins; how far the text was searched
         self.ids: list[int] = []
         self.sent = {"reasoning": "", "content": ""}
         # A byte-level BPE decodes a token sequence as its bytes, so the text of the tokens so far is
@@ -56,9 +59,28 @@ class ReplyText:
             text = self.text
         else:
             text = self.tokenizer.decode(self.ids, skip_special_tokens=True).rstrip("\ufffd")
-        for stop in self.stop:
-            text = until(text, stop)
-        return self._deltas(*self._sendable(text))
+        return self._deltas(*self._sendable(self._before_stop(text)))
+
+    def _before_stop(self, text: str) -> str:
+        """`text` before the first stop string, or without a tail that may begin one. Linear in the
+        reply's length where the text is decoded by parts (it only grows): each call searches only
+        the text a stop string may end in that the last one did not see, and a stop once found
+        stays where it is (the server stops there)."""
+        if not self.stop:
+            return text
+        if self.stop_at is None or not self.by_parts:
+            start = max(self.stop_searched - self.longest_stop + 1, 0) if self.by_parts else 0
+            found = [at for stop in self.stop if (at := text.find(stop, start)) >= 0]
+            self.stop_at, self.stop_searched = min(found, default=None), len(text)
+        if self.stop_at is not None:
+            return text[:self.stop_at]
+        keep = len(text)
+        for stop in self.stop:  # a tail that may begin a stop string waits for more tokens
+            at = text.find(stop[0], max(len(text) - len(stop) + 1, 0))
+            while at >= 0 and not stop.startswith(text[at:]):
+                at = text.find(stop[0], at + 1)
+            keep = min(keep, len(text) if at < 0 else at)
+        return text[:keep]
 
     def finish(self, reasoning: str | None, content: str | None) -> list[tuple[str, str]]:
         """The rest of the finished reply's `reasoning` and `content` beyond what was sent."""

@@ -53,6 +53,8 @@ PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS =
 # run alone. Slots are claimed with a lock file, so concurrent callers on one machine do not share.
 SANDBOX_UID_BASE = 1_900_000_000
 NUM_UID_SLOTS = 256
+UID_WAIT_S = 30.0  # a run finding every slot held waits this long for one, then is a failed result ("not run")
+UID_POLL_S = 0.05
 FALLBACK_UID = 65534  # nobody, where the kernel refuses uids past the base (a user namespace's map)
 UID_LOCK_DIR = "/tmp/agentrl-sandbox-uids"
 MAX_CODE_BYTES = 1 << 20
@@ -529,8 +531,9 @@ def _after_fork_in_child():
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _claim_uid() -> tuple[int, int]:
-    """A uid no other run holds now (a lock file per slot; the lock goes with the process)."""
+def _claim_uid() -> tuple[int, int] | None:
+    """(uid, lock fd): a uid no other run holds now (a lock file per slot; the lock goes with the
+    process); None when every slot is held."""
     global _next_slot
     os.makedirs(UID_LOCK_DIR, mode=0o700, exist_ok=True)
     st = os.lstat(UID_LOCK_DIR)
@@ -548,8 +551,15 @@ def _claim_uid() -> tuple[int, int]:
                 continue
             _next_slot = slot + 1
             return SANDBOX_UID_BASE + slot, fd
-    raise RuntimeError(f"all {NUM_UID_SLOTS} sandbox uids are in use ({UID_LOCK_DIR}): too many concurrent "
-                       "runs on this machine; run fewer at once")
+    return None
+
+
+def _no_uid(start_s: float) -> SandboxResult:
+    """The result of a run that found every uid slot held for UID_WAIT_S: not run, and says why."""
+    return SandboxResult(stdout="", stderr="", returncode=None, timed_out=False, output_truncated=False,
+                         wall_s=time.monotonic() - start_s,
+                         error=f"not run: all {NUM_UID_SLOTS} sandbox uids ({UID_LOCK_DIR}) stayed in use for "
+                               f"{UID_WAIT_S:g} s: too many concurrent runs on this machine; run fewer at once")
 
 
 def _check_args(code, timeout_s, memory_mb, max_output_bytes, max_processes, max_file_mb, max_dir_mb):
@@ -570,8 +580,9 @@ class _Run:
     """One run's pipes, output and state, driven by run_python (selectors) or arun_python (the loop)."""
 
     def __init__(self, code, timeout_s, memory_mb, max_output_bytes, max_processes, max_file_mb, max_dir_mb,
-                 network, warm, site_packages, namespaces):
-        _check_args(code, timeout_s, memory_mb, max_output_bytes, max_processes, max_file_mb, max_dir_mb)
+                 network, warm, site_packages, namespaces, uid_claim):
+        """The arguments checked by _check_args; `uid_claim` (uid, lock fd) from _claim_uid as root, else
+        None: the run owns it from here."""
         import tempfile  # not at the top: the warm interpreter must not import random (its forks share it)
         self.timeout_s, self.memory_mb, self.max_output_bytes = timeout_s, memory_mb, max_output_bytes
         self.max_processes, self.max_file_mb, self.max_dir_mb, self.warm = max_processes, max_file_mb, max_dir_mb, warm
@@ -580,10 +591,8 @@ class _Run:
         self.out, self.err, self.status = bytearray(), bytearray(), bytearray()
         self.truncated = self.timed_out = self.killed = False
         self.pgid, self.process, self.drain_deadline = None, None, None
-        self.uid, self.uid_lock_fd = (None, None)
+        self.uid, self.uid_lock_fd = uid_claim or (None, None)
         self.fds_to_close = []
-        if os.geteuid() == 0:
-            self.uid, self.uid_lock_fd = _claim_uid()
         self.work_dir = None
         try:
             self.work_dir = tempfile.mkdtemp(prefix="agentrl-sandbox-")
@@ -754,9 +763,18 @@ def run_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, max_o
     code does; raises ValueError/TypeError for bad arguments. `max_dir_mb` bounds the working
     directory's total size (as root); `site_packages=True` lets the code import this environment's
     installed packages (sympy, numpy; read-only); `warm=False` starts a fresh interpreter for this run;
-    `namespaces=False` runs without namespaces even where they work (weaker: docs/sandbox.md)."""
+    `namespaces=False` runs without namespaces even where they work (weaker: docs/sandbox.md). As root,
+    a run waits up to UID_WAIT_S for a uid of its own while every slot is held; past it the result's
+    `error` says "not run: ..." (no exit status, not timed out)."""
+    _check_args(code, timeout_s, memory_mb, max_output_bytes, max_processes, max_file_mb, max_dir_mb)
+    claim, start_s = None, time.monotonic()
+    if os.geteuid() == 0:
+        while (claim := _claim_uid()) is None and time.monotonic() < start_s + UID_WAIT_S:
+            time.sleep(UID_POLL_S)
+        if claim is None:
+            return _no_uid(start_s)
     run = _Run(code, timeout_s, memory_mb, max_output_bytes, max_processes, max_file_mb, max_dir_mb, network, warm,
-               site_packages, namespaces)
+               site_packages, namespaces, claim)
     ready = selectors.DefaultSelector()
     try:
         run.start()
@@ -781,8 +799,15 @@ async def arun_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512
     loop = asyncio.get_running_loop()
     if warm and not (_server["owner_pid"] == os.getpid() and _server["process"].poll() is None):
         await asyncio.to_thread(_server_socket)  # the first call starts the warm interpreter (~50 ms)
+    _check_args(code, timeout_s, memory_mb, max_output_bytes, max_processes, max_file_mb, max_dir_mb)
+    claim, start_s = None, time.monotonic()
+    if os.geteuid() == 0:
+        while (claim := _claim_uid()) is None and time.monotonic() < start_s + UID_WAIT_S:
+            await asyncio.sleep(UID_POLL_S)
+        if claim is None:
+            return _no_uid(start_s)
     run = _Run(code, timeout_s, memory_mb, max_output_bytes, max_processes, max_file_mb, max_dir_mb, network, warm,
-               site_packages, namespaces)
+               site_packages, namespaces, claim)
     woken = asyncio.Event()
     watched = set()
 

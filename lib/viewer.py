@@ -31,7 +31,7 @@ from itertools import compress
 import jinja2
 
 from lib.viewer_data import (PANELS, SORTS, MetricsIndex, TraceIndex, decode_line, filter_entries, is_mismatch,
-                              is_number, metric_series, sort_entries)
+                              is_number, metric_series, open_regular, sort_entries)
 
 RUN_COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
 MAX_EPISODES_SHOWN = 64  # a page of episodes; a filter over every step can match thousands (paged)
@@ -178,8 +178,11 @@ def read_config(run_dir: str) -> dict | None:
         if not os.path.isfile(path) or os.path.getsize(path) > 1_000_000:
             continue
         try:
-            with open(path, "rb") as f:
-                raw = f.read().decode("utf-8", errors="replace")
+            f = open_regular(path)  # a FIFO put in its place since the check is refused, not waited on
+            if f is None:
+                continue
+            with f:
+                raw = f.read(1_000_000).decode("utf-8", errors="replace")
             if name.endswith(".json"):
                 config = json.loads(raw)
             else:
@@ -212,7 +215,8 @@ def load_run(run_dir: str, indexes: dict) -> dict:
     state = metrics.state  # read once: a refresh by another request replaces it
     tests = state["tests"]
     return {"dir": run_dir, "name": os.path.basename(os.path.abspath(run_dir)), "metrics": state, "index": index,
-            "entries": index.entries, "bad": state["bad"] + index.bad, "last_step": state["last_step"],
+            "entries": index.entries, "last_step": state["last_step"],
+            "bad": [p for p in (state["problem"], index.problem) if p] + state["bad"] + index.bad,
             "tests": {k: v if (is_number(v) and math.isfinite(v)) or isinstance(v, str) else str(v)
                       for k, v in tests.items()}}
 

@@ -6,6 +6,7 @@ import json
 import math
 import operator
 import os
+import stat
 import sys
 import threading
 from itertools import compress
@@ -75,13 +76,44 @@ def metric_series(rows: list[dict]) -> dict[str, tuple[list, list]]:
     return series
 
 
-def appended_lines(path: str, start: int):
-    """(byte offset, line) of each whole line of `path` from byte `start` on; a last line without its
-    newline is being written and is left for the next read."""
-    with open(path, "rb") as f:
+# A run file is read up to this many bytes; past it the page says so. Traces of 200 steps of the
+# largest recipe are ~600 MB (docs/traces.md); a file of zeros without a newline is not read without end.
+MAX_RUN_FILE_BYTES = 1 << 30
+
+
+def run_file_problem(path: str, st: os.stat_result) -> str | None:
+    """Why the run file `path`, whose os.stat (symlinks followed) is `st`, is not read or not all of
+    it (shown on the page with the bad records), or None."""
+    name = os.path.basename(path)
+    if not stat.S_ISREG(st.st_mode):
+        return f"{name} is not a regular file (a FIFO, a device or a directory, maybe behind a symlink): not read"
+    if st.st_size > MAX_RUN_FILE_BYTES:
+        return f"{name} is {st.st_size} bytes: only its first {MAX_RUN_FILE_BYTES} are read (MAX_RUN_FILE_BYTES)"
+    return None
+
+
+def open_regular(path: str):
+    """`path` opened for binary reading if it is a regular file, else None. O_NONBLOCK: a FIFO put in
+    its place since it was checked opens at once, without waiting for a writer, and is refused."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return open(fd, "rb")
+
+
+def appended_lines(path: str, start: int, end: int):
+    """(byte offset, line) of each whole line of `path` between bytes `start` and `end`; a last line
+    without its newline is being written and is left for the next read. Nothing if `path` is no
+    longer a regular file."""
+    f = open_regular(path)
+    if f is None:
+        return
+    with f:
         f.seek(start)
         offset = start
-        for line in f:
+        while offset < end:
+            line = f.readline(end - offset)
             if not line.endswith(b"\n"):
                 return
             yield offset, line
@@ -99,8 +131,9 @@ class MetricsIndex:
     def __init__(self, path: str):
         self.path = path
         # rows; why lines were skipped; every metric name; test/* values (the last of each); the step of
-        # the last row with a rollout/reward
-        self.state = {"generation": 0, "rows": [], "bad": [], "keys": set(), "tests": {}, "last_step": None}
+        # the last row with a rollout/reward; why the file is not read, or not all of it (run_file_problem)
+        self.state = {"generation": 0, "rows": [], "bad": [], "keys": set(), "tests": {}, "last_step": None,
+                      "problem": None}
         self._read_to = self._lines = 0
         self._inode = None
         self._lock = threading.Lock()
@@ -115,19 +148,21 @@ class MetricsIndex:
     def refresh(self):
         with self._lock:
             old = self.state
-            exists = os.path.exists(self.path)
-            st = os.stat(self.path) if exists else None
-            if not exists or st.st_ino != self._inode or st.st_size < self._read_to:  # start over
+            st = os.stat(self.path) if os.path.exists(self.path) else None
+            problem = run_file_problem(self.path, st) if st else None
+            readable = st is not None and stat.S_ISREG(st.st_mode)  # never a FIFO, /dev/zero, a directory
+            if not readable or st.st_ino != self._inode or st.st_size < self._read_to:  # start over
                 started = self._inode is not None or old["rows"] or old["bad"]
                 old = {"generation": old["generation"] + bool(started), "rows": [], "bad": [], "keys": set(),
-                       "tests": {}, "last_step": None}
-                self._read_to, self._lines, self._inode = 0, 0, st.st_ino if exists else None
-            if not exists or st.st_size == self._read_to:
-                self.state = old
+                       "tests": {}, "last_step": None, "problem": None}
+                self._read_to, self._lines, self._inode = 0, 0, st.st_ino if readable else None
+            end = min(st.st_size, MAX_RUN_FILE_BYTES) if readable else 0
+            if end == self._read_to:
+                self.state = old if old["problem"] == problem else dict(old, problem=problem)
                 return self
             rows, bad = list(old["rows"]), list(old["bad"])
             offset = self._read_to
-            for start, line in appended_lines(self.path, self._read_to):
+            for start, line in appended_lines(self.path, self._read_to, end):
                 self._lines += 1
                 row = _metric_row(line, self._lines, bad)
                 if row is not None:
@@ -143,7 +178,7 @@ class MetricsIndex:
             keys.discard("step")
             self._read_to = offset
             self.state = {"generation": old["generation"], "rows": rows, "bad": bad, "keys": keys, "tests": tests,
-                          "last_step": last_step}
+                          "last_step": last_step, "problem": problem}
         return self
 
 
@@ -208,21 +243,23 @@ class TraceIndex:
         self.path = path
         self.entries: list[dict] = []
         self.bad: list[str] = []
+        self.problem: str | None = None  # why the file is not read, or not all of it (run_file_problem)
         self._read_to = self._lines = 0
         self._inode = None
         self._lock = threading.Lock()  # one refresh at a time
 
     def refresh(self):
         with self._lock:
-            if not os.path.exists(self.path):
+            st = os.stat(self.path) if os.path.exists(self.path) else None
+            self.problem = run_file_problem(self.path, st) if st else None
+            if st is None or not stat.S_ISREG(st.st_mode):  # never a FIFO, /dev/zero, a directory
                 self.entries, self.bad, self._read_to, self._lines, self._inode = [], [], 0, 0, None
                 return self
-            st = os.stat(self.path)
             if st.st_ino != self._inode or st.st_size < self._read_to:
                 self.entries, self.bad, self._read_to, self._lines, self._inode = [], [], 0, 0, st.st_ino
             entries, bad = list(self.entries), list(self.bad)
             offset = self._read_to
-            for start, line in appended_lines(self.path, self._read_to):
+            for start, line in appended_lines(self.path, self._read_to, min(st.st_size, MAX_RUN_FILE_BYTES)):
                 self._lines += 1
                 record = decode_line(line)
                 problem = trace_problem(record) if line.strip() else None
@@ -250,7 +287,11 @@ class TraceIndex:
         """(entry, its raw line as indexed) for each of `entries`; the file is opened only when there are any."""
         if not entries:
             return
-        with open(self.path, "rb") as f:
+        f = open_regular(self.path)
+        if f is None:  # replaced by what is not a regular file since it was indexed
+            yield from ((e, b"") for e in entries)
+            return
+        with f:
             for e in entries:
                 f.seek(e["offset"])
                 yield e, f.read(e["length"])

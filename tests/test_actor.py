@@ -171,6 +171,18 @@ def test_actor_updates_on_a_fixed_batch_lower_the_loss_and_move_logprobs_with_th
     assert losses[2] < losses[1] < losses[0]
 
 
+@pytest.mark.parametrize("offload", [False, True])
+def test_an_update_with_non_finite_gradients_is_skipped_with_a_warning_and_counted(model_dir, capsys, offload):
+    actor = Actor(model_dir, lr=1e-2, **(dict(dtype="bfloat16", offload_optimizer=True) if offload else {}))
+    before = [p.detach().clone() for p in actor.master_model.parameters()]
+    batch = make_batch([6, 4], advantages=[float("nan"), 1.0])
+    assert [actor.update(batch)["nonfinite_grad_steps"] for _ in range(2)] == [1.0, 1.0]
+    assert all(torch.equal(p, b) for p, b in zip(actor.master_model.parameters(), before))
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning")]
+    assert len(warnings) == 2 and "gradient norm is nan" in warnings[0] and "2 updates skipped so far" in warnings[1]
+    assert actor.update(make_batch([6, 4], advantages=[1.0, -1.0]))["nonfinite_grad_steps"] == 0.0
+
+
 def test_actor_update_gives_the_same_step_for_any_token_budget(model_dir):
     batch = make_batch([6, 3, 5, 4], advantages=[1.0, -0.5, 0.25, -1.0])
     one = Actor(model_dir, lr=1e-3, max_tokens_per_mb=10_000).update(batch)

@@ -25,10 +25,10 @@ def test_oldest_version_ignores_tokens_the_model_did_not_sample():
 
 
 def test_a_group_exactly_max_staleness_behind_is_kept_and_one_more_is_dropped():
-    group = [episode([-1, 2, 3]), episode([-1, 4])]
-    assert not is_stale(group, current_version=4, max_staleness=2)
-    assert is_stale(group, current_version=5, max_staleness=2)
-    assert not is_stale([episode([-1, -1])], current_version=100, max_staleness=0)
+    oldest = oldest_version([episode([-1, 2, 3]), episode([-1, 4])])
+    assert not is_stale(oldest, current_version=4, max_staleness=2)
+    assert is_stale(oldest, current_version=5, max_staleness=2)
+    assert not is_stale(oldest_version([episode([-1, -1])]), current_version=100, max_staleness=0)
 
 
 def test_run_blocks_until_the_coroutine_on_the_background_loop_returns(bg_loop):
@@ -204,5 +204,85 @@ def test_at_max_staleness_0_the_producer_runs_sync_modes_schedule(bg_loop):
             version[0] = v + 1
             producer.set_version(v + 1)
         assert all(i // 4 == started_at for i, started_at in starts)
+    finally:
+        producer.stop()
+
+
+def settle(bg_loop):
+    """Lets the loop run every callback already scheduled on it (the producer's wake-ups) and what
+    those schedule in turn, so that the producer has acted on everything the trainer did so far."""
+    async def spin():
+        for _ in range(20):
+            await asyncio.sleep(0)
+    bg_loop.run(spin())
+
+
+def test_at_max_staleness_0_a_refill_in_the_same_step_starts_the_groups_it_asks_for(bg_loop):
+    # Dynamic sampling (DAPO): a step whose batch has too few groups with a learning signal asks the
+    # producer for more at the same version. The order is forced: the batch is taken, the producer
+    # settles with nothing to start (at max_staleness 0 the step's batch is all it may start), then
+    # the refill asks.
+    started = []
+
+    async def rollout_group(item):
+        started.append(item["i"])
+        return [dict(episode([-1, 0]), index=item["i"])]
+
+    producer = RolloutProducer(bg_loop, rollout_group, lambda i: {"i": i}, capacity=8, max_staleness=0,
+                               batch_groups=2).start()
+    try:
+        assert [g[0]["index"] for g in producer.get_groups(2, timeout_s=10)] == [0, 1]
+        settle(bg_loop)
+        assert started == [0, 1]
+        assert [g[0]["index"] for g in producer.get_groups(1, timeout_s=10)] == [2]
+    finally:
+        producer.stop()
+
+
+@pytest.mark.parametrize("name,value", [("max_staleness", -1), ("capacity", -1), ("capacity", 0)])
+def test_a_negative_max_staleness_or_a_capacity_below_one_is_a_value_error_naming_it(bg_loop, name, value):
+    with pytest.raises(ValueError, match=name):
+        RolloutProducer(bg_loop, lambda item: None, lambda i: {"i": i}, **{"capacity": 4, "max_staleness": 0,
+                                                                            name: value})
+
+
+class WatchedVersions(torch.Tensor):
+    """A versions tensor that records the thread of every operation on it."""
+    threads: list = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.threads.append(threading.current_thread().name)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_a_groups_oldest_version_is_found_when_it_completes_on_the_loop_not_by_the_trainer(bg_loop):
+    # The trainer takes groups under the producer's lock, which the loop's tasks need too: it must
+    # not walk tokens there. The oldest version is found once, as the group completes.
+    async def rollout_group(item):
+        versions = torch.tensor([[-1, 0, 0]]).as_subclass(WatchedVersions)
+        return [{"versions": versions, "rewards": torch.tensor([1.0])}]
+
+    WatchedVersions.threads = []
+    producer = RolloutProducer(bg_loop, rollout_group, lambda i: {"i": i}, capacity=2, max_staleness=0).start()
+    try:
+        assert len(producer.get_groups(2, timeout_s=10)) == 2
+    finally:
+        producer.stop()
+    assert WatchedVersions.threads and set(WatchedVersions.threads) == {"rollout-loop"}
+
+
+def test_a_taken_group_is_judged_by_its_oldest_sampled_token_wherever_it_is_in_the_group(bg_loop):
+    async def rollout_group(item):
+        oldest = 3 if item["i"] < 2 else 6  # 3: mid-way through the second episode
+        return [dict(episode([-1, 6, 6]), index=item["i"]), episode([-1, 7, oldest, 8, -1])]
+
+    producer = RolloutProducer(bg_loop, rollout_group, lambda i: {"i": i}, capacity=1, max_staleness=2,
+                               version=5).start()
+    try:
+        assert [g[0]["index"] for g in producer.get_groups(1, timeout_s=10)] == [0]  # 5 - 3 = 2: kept
+        producer.set_version(6)
+        assert [g[0]["index"] for g in producer.get_groups(1, timeout_s=10)] == [2]  # 6 - 3 = 3: item 1 dropped
+        assert producer.num_dropped_stale == 1 and producer.num_wasted_tokens == 5
     finally:
         producer.stop()

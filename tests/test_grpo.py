@@ -40,6 +40,31 @@ def test_a_group_with_equal_rewards_has_zero_advantage():
     assert grpo_advantages(torch.tensor([0.7, 0.7, 0.7]), 3).tolist() == [0.0, 0.0, 0.0]
 
 
+@pytest.mark.parametrize("rewards", [
+    torch.tensor([3e38, -3e38, 3e38, 0.0], dtype=torch.float32),  # float32's largest: their squares are not
+    torch.tensor([1.5e308, 1.5e308, -1.5e308, 0.0], dtype=torch.float64),  # their sum overflows float64
+    torch.tensor([1e200, -1e200, 1e200, 0.0], dtype=torch.float64),  # their squares overflow float64
+])
+def test_finite_rewards_of_any_size_give_the_advantages_of_the_same_rewards_scaled_down(rewards):
+    adv = grpo_advantages(rewards, 4, eps=0.0)
+    assert adv.dtype == torch.float32 and torch.isfinite(adv).all()
+    small = grpo_advantages(rewards / rewards.abs().max(), 4, eps=0.0)
+    assert adv.tolist() == pytest.approx(small.tolist(), rel=1e-5)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), 1e39])  # 1e39: inf in float32
+def test_a_reward_that_is_not_a_finite_float32_is_a_value_error_naming_its_group(bad):
+    rewards = torch.tensor([0.0, 1.0, 1.0, bad], dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"group 1 \(rows 2-3\).*finite"):
+        grpo_advantages(rewards, 2)
+
+
+def test_without_std_scaling_advantages_past_float32s_range_are_a_value_error_naming_the_group():
+    rewards = torch.tensor([0.0, 1.0, 1e39, -1e39], dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"group 1 \(rows 2-3\).*float32"):
+        grpo_advantages(rewards, 2, scale_by_std=False)
+
+
 def test_equal_reward_groups_marks_every_row_of_an_all_equal_group():
     mask = equal_reward_groups(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0]), 2)
     assert mask.tolist() == [True, True, False, False, True, True]
@@ -74,6 +99,13 @@ def test_stats_of_minibatches_merge_when_one_had_no_loss_tokens():
     merged = merge_stats([{"num_tokens": 0, "loss": 0.0, "grad_norm": 0.0},
                           {"num_tokens": 4, "loss": 1.0, "grad_norm": 2.0, "clip_fraction": 0.5, "approx_kl_max": 0.1}])
     assert merged["num_tokens"] == 4 and merged["clip_fraction"] == 0.5 and merged["approx_kl_max"] == 0.1
+
+
+def test_merged_stats_add_up_the_updates_skipped_for_non_finite_gradients():
+    merged = merge_stats([{"num_tokens": 3, "nonfinite_grad_steps": 1.0},
+                          {"num_tokens": 5, "nonfinite_grad_steps": 0.0},
+                          {"num_tokens": 0, "nonfinite_grad_steps": 1.0}])
+    assert merged["nonfinite_grad_steps"] == 2.0
 
 
 def test_every_rank_gets_the_same_minibatch_count_for_uneven_rows():

@@ -171,6 +171,42 @@ def test_a_reward_that_is_not_a_finite_float_is_a_400_and_keeps_the_reward(token
     assert episode["reward"] == 0.5
 
 
+@pytest.mark.parametrize("raw", ['{"reward": 1e39}', '{"reward": -3.5e38}', '{"reward": 1' + "0" * 39 + "}"],
+                         ids=["1e39", "-3.5e38", "int-1e39"])
+def test_a_reward_past_float32s_range_is_a_400_naming_the_field(tokenizer, raw):
+    # finite as a Python float, but inf in the float32 rewards tensor: the group's advantages are NaN
+    async def agent(proxy):
+        key = proxy.new_session()
+        largest = await post(proxy, key, "/agentrl/reward", '{"reward": 3.4028234663852886e38}')
+        refused = await post(proxy, key, "/agentrl/reward", raw)
+        return largest, refused, proxy.end_session(key)
+
+    (largest, (status, answer), episode), _ = run_agent(tokenizer, [Reply("x", eos=True)], agent)
+    assert largest[0] == 200 and status == 400 and answer["error"]["param"] == "reward"
+    assert "float32" in answer["error"]["message"] and episode["reward"] == 3.4028234663852886e38
+
+
+@pytest.mark.parametrize("stop", [["a"] * 17, ["a" * 1025], ["a" * 600, "b" * 600]],
+                         ids=["17 strings", "1,025 characters", "1,200 characters in all"])
+def test_too_many_or_too_long_stop_strings_are_a_400_naming_the_field(tokenizer, stop):
+    # as the CPU server bounds them (lib/cpu_engine.py): every token's stop check reads them all
+    async def agent(proxy):
+        key = proxy.new_session()
+        return await post(proxy, key, "/v1/chat/completions", chat_body([user("Q")], stop=stop))
+
+    (status, answer), server = run_agent(tokenizer, [Reply("x", eos=True)], agent)
+    assert status == 400 and answer["error"]["param"] == "stop" and server.requests == []
+
+
+def test_sixteen_stop_strings_of_1024_characters_in_all_are_served(tokenizer):
+    async def agent(proxy):
+        key = proxy.new_session()
+        return await post(proxy, key, "/v1/chat/completions", chat_body([user("Q")], stop=["ab" * 32] * 16))
+
+    (status, answer), server = run_agent(tokenizer, [Reply("x", eos=True)], agent)
+    assert status == 200 and server.requests[0]["sampling_params"]["stop"] == ["ab" * 32] * 16
+
+
 @pytest.fixture(scope="module")
 def live_proxy(tokenizer):
     """A proxy in front of a scripted server answering "ok", on a background loop: (proxy, server)."""

@@ -212,3 +212,17 @@ def test_concurrent_streams_on_one_conversation_fork_and_train_each_token_once(t
     episode, server = run(tokenizer, script, agent)
     assert len(episode["segments"]) == 2
     assert sorted(sampled(episode["segments"])[0]) == sorted(t for a in server.answers for t in a["output_ids"])
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5, 8])
+def test_a_streamed_reply_stops_at_the_first_stop_string_and_sends_no_part_of_it_whatever_the_chunks(
+        tokenizer, chunk):
+    from lib.reply_stream import ReplyText
+    text = "Pem Varo </answ héllo </ans </b  then </b> and </answer> more"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    stream = ReplyText(tokenizer, stop=["</answer>", "</b>"], parse_tools=False, thinking=None)
+    sent = ""
+    for i in range(0, len(ids), chunk):
+        sent += "".join(delta for _, delta in stream.add(ids[i:i + chunk]))
+        assert "Pem Varo </answ héllo </ans </b  then ".startswith(sent)  # no part of a stop string, ever
+    assert sent == "Pem Varo </answ héllo </ans </b  then "

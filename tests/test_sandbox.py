@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import pytest
@@ -310,6 +311,43 @@ def test_concurrent_runs_get_different_uids():
                                       for _ in range(4)])
     uids = [int(r.stdout) for r in asyncio.run(main())]
     assert len(set(uids)) == 4
+
+
+@pytest.fixture
+def only_uid_held(monkeypatch, tmp_path):
+    """As root: the sandbox with one uid (a lock directory of its own), held as a run elsewhere holds
+    it; the fixture's value releases it."""
+    import fcntl
+
+    import lib.sandbox
+    lock_dir = tmp_path / "uids"
+    os.makedirs(lock_dir, mode=0o700)
+    monkeypatch.setattr(lib.sandbox, "UID_LOCK_DIR", str(lock_dir))
+    monkeypatch.setattr(lib.sandbox, "NUM_UID_SLOTS", 1)
+    fd = os.open(lock_dir / "0.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    release = lambda: fcntl.flock(fd, fcntl.LOCK_UN)  # noqa: E731
+    yield release
+    os.close(fd)
+
+
+@needs_root
+@pytest.mark.parametrize("api", ["run_python", "arun_python"])
+def test_as_root_a_run_waits_for_a_uid_to_be_free_then_runs(only_uid_held, api):
+    threading.Timer(0.5, only_uid_held).start()  # the other run ends
+    r = run_python("print(6 * 7)") if api == "run_python" else asyncio.run(arun_python("print(6 * 7)"))
+    assert r.stdout == "42\n" and r.error is None
+
+
+@needs_root
+@pytest.mark.parametrize("api", ["run_python", "arun_python"])
+def test_as_root_a_run_that_finds_no_free_uid_within_the_wait_is_a_failed_result_naming_the_cause(
+        only_uid_held, monkeypatch, api):
+    import lib.sandbox
+    monkeypatch.setattr(lib.sandbox, "UID_WAIT_S", 0.3)
+    r = run_python("print(1)") if api == "run_python" else asyncio.run(arun_python("print(1)"))
+    assert r.returncode is None and not r.timed_out and r.stdout == ""
+    assert "not run" in r.error and "all 1 sandbox uids" in r.error
 
 
 def test_killing_its_parent_and_group_leaves_the_caller_alive(isolation):

@@ -120,6 +120,25 @@ def test_a_run_the_sandbox_could_not_report_on_is_tried_again(monkeypatch):
     assert len(calls) == 1 + tt._SANDBOX_RETRIES
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox gives each run a uid of its own only as root")
+def test_a_program_the_sandbox_finds_no_free_uid_for_is_a_tool_failure_naming_the_cause(monkeypatch, tmp_path):
+    import fcntl
+
+    import lib.sandbox
+    lock_dir = tmp_path / "uids"
+    os.makedirs(lock_dir, mode=0o700)
+    monkeypatch.setattr(lib.sandbox, "UID_LOCK_DIR", str(lock_dir))
+    monkeypatch.setattr(lib.sandbox, "NUM_UID_SLOTS", 1)
+    monkeypatch.setattr(lib.sandbox, "UID_WAIT_S", 0.2)
+    held = os.open(lock_dir / "0.lock", os.O_RDWR | os.O_CREAT, 0o600)  # another run holds the only uid
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        output, ok = run_code("print(1)")
+    finally:
+        os.close(held)
+    assert not ok and output.startswith("error: the sandbox could not run the program: not run: all 1 sandbox uids")
+
+
 def test_a_program_longer_than_the_bound_is_not_run(tmp_path):
     marker = tmp_path / "ran"
     output, ok = run_code(f"open({str(marker)!r}, 'w')\n" + "#" * tt.MAX_CODE_CHARS)

@@ -7,11 +7,15 @@ Records are written by hand here (no model, no tokenizer), so the module runs in
 """
 import contextlib
 import gzip
+import html
 import http.client
 import json
 import os
 import re
+import resource
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.parse
@@ -21,7 +25,11 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import lib.viewer
+import lib.viewer_data
 from lib.viewer import MAX_TOKENS_SHOWN, make_server, render_page
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def record(step=1, group=0, index=0, num_tokens=4, **fields) -> dict:
@@ -145,6 +153,45 @@ def test_a_bad_record_is_skipped_and_counted_and_every_run_still_renders(tmp_pat
             assert status == 200, page
             assert 'class="group" data-step="1"' in page  # the good record of the run shown
         assert "1 bad record skipped" in page
+
+
+def page_rendered_in_a_child(run_dir: str, timeout_s: float = 60) -> str:
+    """The page of `run_dir` (every step), rendered by a child process with 1 GB of address space: a
+    viewer that waits on a run file or reads one without end fails the test (a timeout, a MemoryError)
+    instead of hanging the suite or filling the machine's memory."""
+    code = ("import sys; from lib.viewer import render_page; "
+            "sys.stdout.write(render_page([sys.argv[1]], {'step': ['all']}, {}))")
+    child = subprocess.run([sys.executable, "-c", code, run_dir], cwd=REPO, capture_output=True, timeout=timeout_s,
+                           preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30)))
+    assert child.returncode == 0, child.stderr.decode(errors="replace")[-2000:]
+    return child.stdout.decode()
+
+
+@pytest.mark.parametrize("kind", ["a FIFO", "a symlink to /dev/zero", "a directory"])
+@pytest.mark.parametrize("name", ["traces.jsonl", "metrics.jsonl"])
+def test_a_run_file_that_is_not_a_regular_file_is_named_on_the_page_not_read(tmp_path, name, kind):
+    run_dir = write_run(tmp_path / "run")
+    os.remove(os.path.join(run_dir, name))
+    path = os.path.join(run_dir, name)
+    if kind == "a FIFO":
+        os.mkfifo(path)
+    elif kind == "a directory":
+        os.mkdir(path)
+    else:
+        os.symlink("/dev/zero", path)
+    page = page_rendered_in_a_child(run_dir)
+    assert f"{name} is not a regular file" in html.unescape(page)
+    if name == "metrics.jsonl":
+        assert 'class="group" data-step="1"' in page  # the traces are read all the same
+
+
+def test_a_run_file_past_the_size_bound_is_read_to_the_bound_and_named_on_the_page(tmp_path, monkeypatch):
+    rows = b"".join(b'{"step": %d, "rollout/reward": 0.5}\n' % step for step in range(10))
+    run_dir = write_run(tmp_path / "run", metrics=rows)
+    monkeypatch.setattr(lib.viewer_data, "MAX_RUN_FILE_BYTES", len(rows) // 2)
+    run = lib.viewer.load_run(run_dir, {})
+    assert [r["step"] for r in run["metrics"]["rows"]] == [0, 1, 2, 3, 4]
+    assert any(f"metrics.jsonl is {len(rows)} bytes" in problem and "first" in problem for problem in run["bad"])
 
 
 JSON_VALUES = st.recursive(
