@@ -172,7 +172,7 @@ def reward_fn(completion: str, answer: str) -> float:
 
 # --- one episode ---
 async def arun_episode(client: InferenceClient, tokenizer, reward_pool: RewardPool, cfg: Config, item: dict,
-                       temperature: float) -> dict:
+                       temperature: float, trajectory_id: str | None = None) -> dict:
     """One trajectory (docs/trajectory.md): turns until one ends without a code block (at EOS).
     Token ids in, token ids out: generated tokens enter the trajectory exactly as the server sampled
     them, with its log-probs; each `<output>` is tokenized on its own (special tokens the program
@@ -189,7 +189,7 @@ async def arun_episode(client: InferenceClient, tokenizer, reward_pool: RewardPo
         logprobs.extend(lps if lps is not None else [0.0] * len(ids))
         versions.extend(vers if vers is not None else [-1] * len(ids))
 
-    trajectory_id = uuid.uuid4().hex
+    trajectory_id = trajectory_id or uuid.uuid4().hex  # a training item's: "<item index>/<sample>" (seeded_sampling)
     finish, turns, tool_calls, tool_failures, void_turn, texts = "max_turns", 0, 0, 0, False, []
     try:
         for _ in range(cfg.max_turns):
@@ -257,8 +257,9 @@ def void_turns(episodes: list[dict]) -> torch.Tensor:
 async def rollout_group(client, tokenizer, reward_pool, cfg, item, temperature, group_size) -> list[dict]:
     # Each episode under its deadline: one that runs past it fails the group (dropped and counted).
     return list(await asyncio.gather(*[
-        with_deadline(arun_episode(client, tokenizer, reward_pool, cfg, item, temperature), cfg.episode_timeout_s, item)
-        for _ in range(group_size)]))
+        with_deadline(arun_episode(client, tokenizer, reward_pool, cfg, item, temperature,
+                                   trajectory_id=f"{item['index']}/{k}" if "index" in item else None),
+                      cfg.episode_timeout_s, item) for k in range(group_size)]))
 
 
 async def rollout_groups(client, tokenizer, reward_pool, cfg, items, temperature, group_size):
