@@ -18,6 +18,7 @@ server's prefix cache flushed before every round; the table gives the median.
 """
 import argparse
 import asyncio
+import dataclasses
 import gc
 import os
 import statistics
@@ -30,11 +31,15 @@ sys.path.insert(0, REPO)
 
 import train_agent as ta  # noqa: E402
 import train_reflect as tr  # noqa: E402
+from lib import agent_episode  # noqa: E402
 from lib.agent_workers import AgentWorkers  # noqa: E402
+from lib.async_rollout import gather_groups  # noqa: E402
 from lib.client import InferenceClient, model_eos_ids  # noqa: E402
+from lib.config import load_config  # noqa: E402
 from lib.launch import launch_cpu_server, launch_sglang  # noqa: E402
 from lib.openai_proxy import OpenAIProxy  # noqa: E402
 from lib.reward_pool import RewardPool  # noqa: E402
+from lib.run import episode_rows  # noqa: E402
 from lib.tiny_model import default_tiny_model_dir  # noqa: E402
 
 
@@ -68,13 +73,13 @@ def main():
 
     from transformers import AutoTokenizer
 
-    cfg = tr.load_config(tr.Config, "configs/reflect_tiny.yaml",
+    cfg = load_config(tr.Config, "configs/reflect_tiny.yaml",
                          {"max_turns": args.max_turns, "warm_start_steps": args.warm_start_steps,
                           **({} if args.warm_start_direct_steps is None
                              else {"warm_start_direct_steps": args.warm_start_direct_steps})})
     model_path = args.model_path or tr.warm_started_model(cfg, default_tiny_model_dir(), embedded=True)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    cfg = tr.dataclasses.replace(cfg, stop_token_ids=model_eos_ids(model_path, tokenizer))
+    cfg = dataclasses.replace(cfg, stop_token_ids=model_eos_ids(model_path, tokenizer))
     reflection_ids = tr.build_reflection_ids(tokenizer, cfg.apply_chat_template)
     items = tr.load_splits(cfg)["dev"][: args.questions]
     if args.server == "sglang":
@@ -100,14 +105,15 @@ def main():
             await client.flush_cache()
             t0, c0 = time.perf_counter(), time.process_time()
             if path in ("tokens", "openai"):
-                run_cfg = tr.dataclasses.replace(cfg, agent="openai" if path == "openai" else "tokens",
+                run_cfg = dataclasses.replace(cfg, agent="openai" if path == "openai" else "tokens",
                                                  openai_http_client=args.http_client)
                 groups, failed = await tr.rollout_groups(proxy if path == "openai" else client, tokenizer,
                                                          reflection_ids, reward_pool, run_cfg, items, 0.0, args.group_size)
-                rows = [row for g in groups for _, row in tr.episode_rows(g)]
+                rows = [row for g in groups for _, row in episode_rows(g)]
             else:  # train=False: greedy, as the token path here
-                groups, failed = await ta.rollout_groups(proxy, agent_cfg, items, args.group_size, False,
-                                                         workers.run if path == "agent_workers" else ta.run_agent)
+                agent = workers.run if path == "agent_workers" else ta.run_agent
+                groups, failed = await gather_groups([agent_episode.rollout_group(
+                    proxy, agent, item, 0.0, args.group_size, False, agent_cfg.episode_timeout_s) for item in items])
                 rows = [s for g in groups for e in g for s in e["segments"]]
             elapsed = time.perf_counter() - t0
             assert failed == 0

@@ -37,8 +37,9 @@ def run_trl(args) -> list[float]:
     from trl import GRPOConfig, GRPOTrainer
 
     import train_search as ts
+    from lib.wiki_data import read_qa
 
-    questions = ts.read_jsonl(os.path.join(args.data_dir, "train.jsonl"))[: args.batch_size * (args.steps + 1)]
+    questions = read_qa(os.path.join(args.data_dir, "train.jsonl"))[: args.batch_size * (args.steps + 1)]
     dataset = Dataset.from_list([
         {"prompt": [{"role": "user", "content": ts.PROMPT_TEMPLATE.format(question=q["question"])}],
          "gold": q["answer"]} for q in questions])

@@ -24,6 +24,7 @@ from transformers import AutoTokenizer
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import train_search as ts  # noqa: E402
+from lib.wiki_data import read_qa  # noqa: E402
 from bench.sft_curve import CurveRecorder  # noqa: E402
 from lib.client import InferenceClient  # noqa: E402
 from lib.launch import launch_cpu_server  # noqa: E402
@@ -50,7 +51,7 @@ def main(steps: int = 2000, eval_every: int = 250, eval_size: int = 100, worlds:
     lengths = [len(d["input_ids"]) for d in demos]
     print(f"{len(demos)} examples in {time.time() - t0:.0f} s, mean {sum(lengths) / len(lengths):.0f} tokens")
 
-    dev = ts.read_jsonl(os.path.join(data_dir, "dev.jsonl"))[:eval_size]
+    dev = read_qa(os.path.join(data_dir, "dev.jsonl"))[:eval_size]
     work = tempfile.mkdtemp(prefix="wscurve-")
     retrieval = launch_retrieval_server(os.path.join(data_dir, "corpus.jsonl"))
     server = launch_cpu_server(base, device=server_device, num_threads=1, random_seed=seed,

@@ -19,6 +19,7 @@ from lib.ranks import server_seed
 from lib.retrieval import launch_retrieval_server
 from lib.scripted_server import Reply, ScriptedServer, continuing
 from lib.tiny_model import default_tiny_model_dir
+from lib.wiki_data import read_qa
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ITEM = {"question": "Who founded the Ostrel Guild?", "answer": ["Pem Varo"]}
@@ -152,13 +153,13 @@ def test_a_pretrained_model_is_warm_started_on_its_own_turns_only(tokenizer):
 
     data_dir = default_wiki_dir(seed=0)
     cfg = ts.Config(warm_start_worlds=0)
-    [demo] = ts.build_demonstrations(tokenizer, cfg, ts.read_jsonl(os.path.join(data_dir, "warmstart.jsonl"))[:1],
+    [demo] = ts.build_demonstrations(tokenizer, cfg, read_qa(os.path.join(data_dir, "warmstart.jsonl"))[:1],
                                      os.path.join(data_dir, "corpus.jsonl"), loss_on_tool_tokens=False)
     trained = tokenizer.decode([t for t, m in zip(demo["input_ids"], demo["loss_mask"]) if m])
     assert "<information>" not in trained and "Question:" not in trained and "<search>" in trained
     assert trained.endswith("</answer><|im_end|>")
     [demo] = ts.build_demonstrations(tokenizer, dataclasses.replace(cfg, use_tool=False),
-                                     ts.read_jsonl(os.path.join(data_dir, "warmstart.jsonl"))[:1],
+                                     read_qa(os.path.join(data_dir, "warmstart.jsonl"))[:1],
                                      os.path.join(data_dir, "corpus.jsonl"), direct_frac=1.0)
     assert "<search>" not in tokenizer.decode(demo["input_ids"])
 
@@ -294,7 +295,7 @@ def test_warm_start_demonstrations_search_each_hop_or_answer_directly(tokenizer)
     from lib.wiki_data import default_wiki_dir
 
     data_dir = default_wiki_dir(seed=0)
-    items = ts.read_jsonl(os.path.join(data_dir, "warmstart.jsonl"))[:40]
+    items = read_qa(os.path.join(data_dir, "warmstart.jsonl"))[:40]
     cfg = ts.Config(prompt="short", topk=2)
     demos = ts.build_demonstrations(tokenizer, cfg, items, os.path.join(data_dir, "corpus.jsonl"), direct_frac=0.5)
     texts = [tokenizer.decode(d["input_ids"]) for d in demos]
