@@ -171,6 +171,8 @@ def test_a_langgraph_agent_whose_tool_never_returns_fails_its_group(tokenizer, m
     from langchain_core.tools import tool
 
     import examples.langgraph_search as lg
+    from lib import agent_episode
+    from lib.async_rollout import gather_groups
     from lib.openai_proxy import OpenAIProxy
     from lib.tiny_model import TOOLS_CHAT_TEMPLATE
 
@@ -194,7 +196,8 @@ def test_a_langgraph_agent_whose_tool_never_returns_fails_its_group(tokenizer, m
         await proxy.start()
         lg.start_agent(cfg, "http://127.0.0.1:9")
         try:
-            groups, failed = await bounded(lg.rollout_groups(proxy, cfg, [fine, stuck], 2, train=True))
+            groups, failed = await bounded(gather_groups([agent_episode.rollout_group(
+                proxy, lg.run_agent, item, cfg.temperature, 2, True, cfg.episode_timeout_s) for item in (fine, stuck)]))
             return groups, failed, dict(proxy.sessions)
         finally:
             await lg.close_agent()

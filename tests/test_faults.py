@@ -196,7 +196,7 @@ def test_retrieval_killed_then_trainer_killed_mid_checkpoint_and_resumed_loses_a
     assert steps == list(range(1, final + 1)), "every step once: none lost, none repeated"
     # Same data order as an uninterrupted run: step s draws train item s - 1 (batch_size 1).
     from lib.wiki_data import default_wiki_dir
-    from train_search import read_jsonl
+    from lib.wiki_data import read_qa as read_jsonl
 
     train_items = read_jsonl(os.path.join(default_wiki_dir(seed=0), "train.jsonl"))
     order = np.random.RandomState(0).permutation(len(train_items))
