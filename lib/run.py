@@ -23,6 +23,7 @@ import functools
 import gc
 import os
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -163,7 +164,39 @@ CHOICES = {"trace_backend": ("jsonl", "mlflow"), "mode": ("sync", "async"), "pau
            "behav_imp_weight_mode": ("truncate", "mask"), "lr_schedule": ("constant", "cosine")}
 
 
+# Fields that act only in some settings: (field, when it acts, what to do instead). Set to anything but
+# its default where it does not act, a field is named in a warning rather than ignored in silence.
+ONLY_WHEN = [
+    ("max_staleness", lambda c: c.mode == "async", "it bounds async mode: add --mode async"),
+    ("async_capacity", lambda c: c.mode == "async", "it sizes async mode's producer: add --mode async"),
+    ("pause_mode", lambda c: c.mode == "async", "sync mode has nothing in flight at a weight sync"),
+    ("server_addrs", lambda c: c.server == "external", "they are used with --server external"),
+    ("server_device", lambda c: c.server == "cpu", "it is the CPU server's"),
+    ("server_threads", lambda c: c.server == "cpu", "it is the CPU server's"),
+    ("base_gpu_id", lambda c: c.server == "sglang", "it places the SGLang servers"),
+    ("tp_size", lambda c: c.server in ("sglang", "external"), "it is SGLang's tensor parallelism"),
+    ("dp_size", lambda c: c.server == "sglang", "it is SGLang's data parallelism"),
+    ("num_servers", lambda c: c.server == "sglang", "it counts the SGLang servers launched"),
+    ("mem_fraction_static", lambda c: c.server == "sglang", "it is SGLang's"),
+    ("sglang_extra_args", lambda c: c.server == "sglang", "they go to SGLang"),
+    ("colocate_sleep", lambda c: c.server == "sglang", "only SGLang lends its memory"),
+    ("weight_sync_bucket_mb", lambda c: c.weight_sync in ("nccl", "tensor"), "it sizes nccl/tensor syncs"),
+    ("weight_sync_master_address", lambda c: c.weight_sync == "nccl", "it is for --weight_sync nccl"),
+    ("refill_rounds", lambda c: c.drop_equal_groups, "it bounds dynamic sampling: add --drop_equal_groups True"),
+]
+
+
+def inert_fields(cfg: RunConfig) -> list[str]:
+    """One line per field set away from its default where it has no effect."""
+    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                for f in dataclasses.fields(RunConfig)}
+    return [f"{name}={getattr(cfg, name)!r} has no effect here: {why}"
+            for name, acts, why in ONLY_WHEN if getattr(cfg, name) != defaults[name] and not acts(cfg)]
+
+
 def check_config(cfg: RunConfig):
+    for line in inert_fields(cfg):
+        print(f"config warning: {line}", file=sys.stderr)
     for name, allowed in CHOICES.items():
         if getattr(cfg, name) not in allowed:
             raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {getattr(cfg, name)!r}")
@@ -382,16 +415,17 @@ def start_training(run: Run):
 
 
 def finish_training(run: Run) -> dict | None:
-    """After the last step: the test evaluation (rank 0, the server to itself) and the final weights
-    (`run_dir/final`, an HF folder)."""
+    """After the last step: the final weights (`run_dir/final`, an HF folder), then the test
+    evaluation (rank 0, the server to itself). Saved first: under torchrun the save is collective,
+    and ranks waiting in it through a long evaluation would pass NCCL's watchdog and lose final/."""
     if run.producer is not None:  # the test evaluation alone uses the server
         run.producer.stop()
         run.producer = None
+    run.actor.save_hf(os.path.join(run.cfg.run_dir, "final"))
     test_metrics = None
     if run.is_main:
         test_metrics = run_evaluation(run, "test", run.test_items)
         print(f"test after {run.step} steps: {test_metrics}")
-    run.actor.save_hf(os.path.join(run.cfg.run_dir, "final"))
     return test_metrics
 
 
@@ -521,8 +555,7 @@ def rollout_step(run: Run, episode_metrics: Callable[[list], dict],
                                      + (int(full["loss_mask"][~row_keep].sum()) if rows else 0),
             "rollout/failed_groups": failed_groups,
         }
-        if leave_out is not None:
-            metrics["rollout/left_out"] = int(left_out.sum())  # episodes kept out of the loss by the task
+        metrics["rollout/left_out"] = int(left_out.sum())  # episodes kept out of the loss by the task's leave_out
     if cfg.colocate_sleep and run.is_main:  # the server is idle until the sync: lend its memory to the trainer
         run.bg.run(run.client.release_memory_occupation())
     batch = broadcast_from_rank0(batch, run.cpu_group)
