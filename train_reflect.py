@@ -57,7 +57,7 @@ class Config(RunConfig):  # the run's fields (servers, trainer, GRPO, async, log
     warm_start_reflect_frac: float = 0.3  # demonstrations that recover from a wrong first answer
     warm_start_direct_steps: int = 0  # then SFT steps on demonstrations of which a fraction give the final line only
     warm_start_direct_frac: float = 0.6  # ... that fraction ("#### N", no worked steps)
-    warm_start_direct_lr: float = 5e-4
+    warm_start_direct_lr: float = 5e-4  # stage 2's learning rate
     warm_start_problems: int = 20000  # distinct synthetic problems for the warm start (the train split changes with it)
 
 

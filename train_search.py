@@ -45,7 +45,7 @@ class Config(RunConfig):  # the run's fields (servers, trainer, GRPO, async, log
     data_dir: str = ""  # dir with corpus.jsonl and {train,dev,test}.jsonl; "" = bundled synthetic data
     retrieval_addr: str = ""  # a running Search-R1/ASearcher-style server; "" = start lib/retrieval
     topk: int = 3  # documents per search
-    tool_timeout_s: float = 30.0
+    tool_timeout_s: float = 30.0  # one retrieval call; past it the call is retried, then a tool failure
     tool_latency_s: float = 0.0  # sleep before each retrieval call: stands in for a slower search engine in benchmarks
     tool_retries: int = 3  # attempts before the episode gets a tool-failure message
     max_tool_failure_rate: float = 0.5  # stop the run when more tool calls than this fail over tool_failure_window steps; 1 = never
@@ -69,7 +69,7 @@ class Config(RunConfig):  # the run's fields (servers, trainer, GRPO, async, log
     warm_start_corpus_lm: bool = False  # also train on the corpus as plain text ("pretraining")
     warm_start_direct_steps: int = 0  # then SFT steps on demonstrations of which a fraction answer without searching
     warm_start_direct_frac: float = 0.6  # ... that fraction: they answer from their own world's facts, which are stale here
-    warm_start_direct_lr: float = 5e-4
+    warm_start_direct_lr: float = 5e-4  # stage 2's learning rate
 
 
 # --- prompt ---

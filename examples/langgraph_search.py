@@ -56,7 +56,7 @@ class Config(RunConfig):  # the run's fields (servers, trainer, GRPO, async, log
     data_dir: str = ""  # dir with corpus.jsonl and {train,dev,test}.jsonl; "" = bundled synthetic data
     retrieval_addr: str = ""  # a running Search-R1/ASearcher-style server; "" = start lib/retrieval
     topk: int = 2  # passages per search
-    tool_timeout_s: float = 30.0
+    tool_timeout_s: float = 30.0  # one search call; past it the call is retried, then a failure message
     tool_retries: int = 3  # attempts before the tool answers with a failure message
     max_info_chars: int = 1500  # cap of one search result
     max_turns: int = 6  # model calls per episode (LangGraph's recursion limit follows from it)
@@ -70,14 +70,14 @@ class Config(RunConfig):  # the run's fields (servers, trainer, GRPO, async, log
     # run_agent, start_agent and close_agent must be module-level; items and results go by pickle.
     agent_workers: int = -1
     batch_size: int = 4  # questions per step
-    lr: float = 5e-5
+    lr: float = 5e-5  # the trainer's learning rate
     max_tokens_per_mb: int = 8192  # micro-batch token budget of the trainer
     pack_sequences: bool = False  # padding-free rows; best with a varlen attention on GPUs
     # == warm start (embedded default only) ==
     warm_start_steps: int = 4000  # SFT steps on tool-calling demonstrations (copying answers out of results comes last)
     warm_start_worlds: int = 1  # counterfactual worlds (same names, other facts) whose questions are demonstrations too
-    warm_start_lr: float = 2e-3
-    warm_start_batch_size: int = 8
+    warm_start_lr: float = 2e-3  # the SFT's learning rate
+    warm_start_batch_size: int = 8  # demonstrations per SFT step
     eval_size: int = 50  # dev questions per evaluation
     test_size: int = 100  # test questions at the end
 

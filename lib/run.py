@@ -59,7 +59,7 @@ TRAJECTORY_KEYS = ("input_ids", "loss_mask", "logprobs", "versions", "attention_
 class RunConfig:
     # == run ==
     run_dir: str = "runs/run"  # metrics.jsonl, traces.jsonl, evals/, checkpoints/, final/
-    seed: int = 0
+    seed: int = 0  # data order, initial sampling and the trainer's RNGs
     max_steps: int = 100  # GRPO steps
     time_budget_s: float = 0.0  # stop training after this many seconds (then test); 0 = no limit
     mode: str = "sync"  # "sync": rollout, then update; "async": rollouts keep running during the update
@@ -76,6 +76,7 @@ class RunConfig:
     dp_size: int = 1  # SGLang data parallelism inside one server (its own router)
     num_servers: int = 1  # SGLang servers, each on its own tp_size x dp_size GPUs; the client spreads trajectories
     mem_fraction_static: float | None = None  # SGLang's share of GPU memory (weights + KV cache); None = its default
+    # passed to every SGLang server as they are
     sglang_extra_args: str = "--attention-backend triton --sampling-backend pytorch --grammar-backend none"
     max_concurrent_requests: int = 256  # the client's in-flight requests per server
     seeded_sampling: bool = False  # each request's sampling seed from (seed, trajectory, position): runs repeat
@@ -84,7 +85,7 @@ class RunConfig:
     max_tokens: int = 512  # context budget of one episode: prompt + all turns + what the task appends
     max_new_tokens_per_turn: int = 64  # tokens per generation request; a turn cut by it goes on while the budget lasts
     stop_token_ids: list = field(default_factory=list)  # ids that end a turn; [] = the model's EOS set (tokenizer + generation_config)
-    temperature: float = 1.0
+    temperature: float = 1.0  # training samples' temperature (evaluations are greedy)
     apply_chat_template: bool = True  # wrap the prompt in the tokenizer's chat template
     # One episode's deadline, from its start (which includes waiting for the server behind every other
     # episode started with it): past it the episode is cancelled and its group fails, counted in
@@ -95,17 +96,17 @@ class RunConfig:
     # == GRPO ==
     batch_size: int = 8  # questions per step
     group_size: int = 4  # episodes per question
-    lr: float = 1e-6
+    lr: float = 1e-6  # AdamW learning rate of the trainer
     lr_schedule: str = "constant"  # "constant" or "cosine" (after warmup_steps of linear warm-up)
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    adam_betas: tuple = (0.9, 0.999)
-    adam_eps: float = 1e-8
-    grad_clip: float = 1.0
+    warmup_steps: int = 0  # steps of linear warm-up of the learning rate
+    weight_decay: float = 0.0  # AdamW's
+    adam_betas: tuple = (0.9, 0.999)  # AdamW's
+    adam_eps: float = 1e-8  # larger = tiny, noisy per-parameter gradients take smaller steps
+    grad_clip: float = 1.0  # max gradient norm per optimizer step
     freeze_embeddings: bool = False  # keep the input and output embeddings as they are
     kl_coef: float = 0.0  # k3 KL to the starting model (a frozen copy on the trainer); 0 = none
-    eps_clip_low: float = 0.2
-    eps_clip_high: float = 0.28
+    eps_clip_low: float = 0.2  # PPO clip below: ratio >= 1 - eps_clip_low
+    eps_clip_high: float = 0.28  # PPO clip above (DAPO's clip-higher): ratio <= 1 + eps_clip_high
     scale_adv_by_std: bool = True  # divide by the group's reward std; Dr. GRPO: False, with loss_agg seq-mean-token-sum-norm
     drop_equal_groups: bool = False  # dynamic sampling (DAPO): drop groups whose rewards are all equal, refill the batch
     refill_rounds: int = 2  # dynamic sampling: at most this many more rollouts per step to refill the batch
@@ -143,7 +144,7 @@ class RunConfig:
     # == warm start (SFT on the task's demonstrations before GRPO; any model) ==
     warm_start_steps: int | None = None  # 0 = no warm start; None = the script's default for the embedded tiny model, 0 for a pretrained one
     warm_start_lr: float | None = None  # None = 2e-3 for the embedded tiny model, 5e-5 for a pretrained one
-    warm_start_batch_size: int = 16
+    warm_start_batch_size: int = 16  # demonstrations per SFT step
     # == evaluation and logging ==
     eval_every: int = 10  # steps; 0 = only at the end
     eval_size: int = 200  # dev questions per evaluation
@@ -155,8 +156,8 @@ class RunConfig:
     trace_every: int = 1  # write trajectories (traces.jsonl, token by token) every N steps; 0 = never
     trace_groups: int = 1  # groups traced per traced step (group_size episodes each)
     trace_backend: str = "jsonl"  # "jsonl", or "mlflow": metrics and traces also go to MLflow (run_dir/mlflow.db)
-    tensorboard: bool = True
-    wandb_project: str | None = None
+    tensorboard: bool = True  # also write run_dir/tb (when tensorboard is installed)
+    wandb_project: str | None = None  # also log to this W&B project (when wandb is installed)
 
 
 CHOICES = {"trace_backend": ("jsonl", "mlflow"), "mode": ("sync", "async"), "pause_mode": ("in_place", "abort", "retract"),
