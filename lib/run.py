@@ -250,22 +250,25 @@ class Run:
 
 
 # --- set-up and tear-down ---
-def open_run(cfg: RunConfig, build_model: Callable[[str, bool], str], load_splits: Callable[[], dict]) -> Run:
+def open_run(cfg: RunConfig, build_model: Callable[[str, bool], str], load_splits: Callable[[], dict],
+             tokenizer_texts: Callable[[], list[str]] | None = None) -> Run:
     """Ranks, seeds, the model (`build_model(base, embedded)`: the base after the script's warm start),
     data (`load_splits()`: {"train", "dev", "test"} item lists), servers, client, actor, weight sync,
-    the resumed checkpoint, the logger and trace file. If any of it fails, what was opened is closed."""
+    the resumed checkpoint, the logger and trace file. If any of it fails, what was opened is closed.
+    `tokenizer_texts()`: a fork's own texts, learned by the embedded tiny model's tokenizer beside the
+    bundled data (lib.tiny_model.default_tiny_model_dir); unused with a model by name or path."""
     check_config(cfg)
     world_size, rank, cpu_group = init_trainer_ranks()
     run = Run(cfg, rank=rank, world_size=world_size, cpu_group=cpu_group)
     try:
-        _open(run, build_model, load_splits)
+        _open(run, build_model, load_splits, tokenizer_texts)
     except BaseException:
         close_run(run)
         raise
     return run
 
 
-def _open(run: Run, build_model, load_splits):
+def _open(run: Run, build_model, load_splits, tokenizer_texts):
     cfg, is_main = run.cfg, run.is_main
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
@@ -278,7 +281,9 @@ def _open(run: Run, build_model, load_splits):
     if not is_main:
         dist.barrier()  # rank 0 builds the cache first; the others then find it there
     # a known name is built once and cached; then the warm start (cached too), if the run has one
-    run.model_path = build_model(resolve_model_path(cfg.model_path) or default_tiny_model_dir(), not cfg.model_path)
+    base = resolve_model_path(cfg.model_path) or default_tiny_model_dir(
+        extra_texts=tokenizer_texts() if tokenizer_texts else None)
+    run.model_path = build_model(base, not cfg.model_path)
     if is_main and run.world_size > 1:
         dist.barrier()
     run.tokenizer = AutoTokenizer.from_pretrained(run.model_path)

@@ -144,13 +144,19 @@ def default_texts(seed: int = 0) -> list[str]:
     return texts
 
 
-def default_tiny_model_dir(seed: int = 0, **arch) -> str:
-    """Path of the embedded tiny model, building it (and the data it is trained on) on first use."""
+def default_tiny_model_dir(seed: int = 0, extra_texts: list[str] | None = None, **arch) -> str:
+    """Path of the embedded tiny model, building it (and the data it is trained on) on first use.
+    `extra_texts`: a fork's own texts (its prompt, demonstrations, tool output) for the tokenizer to
+    learn beside the bundled data, so that text the bundled data never shows (upper-case SQL, code)
+    is not cut into single characters; the model is then cached under them."""
     from lib import math_data, wiki_data
 
     # The tokenizer is trained on the bundled data: a new data generator means a new model.
     data = {"wiki": wiki_data.GENERATOR_VERSION, "math": math_data.GENERATOR_VERSION}
+    if extra_texts:
+        data["extra"] = hashlib.sha1("\x00".join(extra_texts).encode()).hexdigest()
     key = hashlib.sha1(json.dumps({**DEFAULT_ARCH, **arch, "seed": seed, "data": data},
                                   sort_keys=True).encode()).hexdigest()[:8]
     out_dir = os.path.join(cache_root(), f"tiny-qwen2-{key}")
-    return build_once(out_dir, lambda tmp: build_tiny_model(tmp, default_texts(seed), seed=seed, **arch))
+    return build_once(out_dir, lambda tmp: build_tiny_model(tmp, default_texts(seed) + list(extra_texts or []),
+                                                            seed=seed, **arch))

@@ -2,6 +2,7 @@
 import hashlib
 import os
 
+import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lib.tiny_model import build_tiny_model
@@ -38,3 +39,19 @@ def test_byte_level_tokenizer_round_trips_unseen_text(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(path)
     text = "Ünïcode ✓ and <search> zebra </search>\n\ttabs"
     assert tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) == text
+
+
+@pytest.mark.slow
+def test_a_forks_own_texts_give_a_tokenizer_that_knows_them_cached_apart(monkeypatch, tmp_path):
+    from transformers import AutoTokenizer
+
+    from lib import tiny_model
+
+    monkeypatch.setattr(tiny_model, "default_texts", lambda seed=0: list(TEXTS))  # the bundled data, small
+    monkeypatch.setenv("AGENTRL_CACHE", str(tmp_path))
+    sql = ["SELECT name FROM employees WHERE salary > 100 ORDER BY name"] * 200
+    plain, forked = tiny_model.default_tiny_model_dir(**SMALL), tiny_model.default_tiny_model_dir(extra_texts=sql, **SMALL)
+    assert plain != forked and tiny_model.default_tiny_model_dir(extra_texts=sql, **SMALL) == forked  # cached under them
+    query = "SELECT name FROM employees"
+    pieces = lambda path: len(AutoTokenizer.from_pretrained(path)(query)["input_ids"])  # noqa: E731
+    assert pieces(forked) < pieces(plain) / 2
