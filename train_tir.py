@@ -31,7 +31,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from lib.async_rollout import gather_groups, with_deadline
+from lib.async_rollout import gather_groups
+from lib.deadlines import with_deadline
 from lib.client import InferenceClient
 from lib.config import load_config
 from lib.reward_pool import RewardPool

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from lib.agent_workers import AgentWorkers, num_workers
-from lib.async_rollout import gather_groups, with_deadline
+from lib.async_rollout import gather_groups
+from lib.deadlines import with_deadline
 from lib.openai_proxy import OpenAIProxy
 
 # names the trainer logs or keeps itself (the session's counts, the episode's keys): an agent's stats may not take them

@@ -20,176 +20,19 @@ So every group is trained on within `max_staleness` versions of its start, and w
 the producer runs exactly sync mode's schedule: a step's groups start after the previous update.
 A group found stale anyway (without `batch_groups`, or a resumed run) is dropped and counted.
 
-Deadlines (docs/reliability.md): `with_deadline` bounds one episode (`episode_timeout_s` of each
-script): past it the episode is cancelled and raises `EpisodeTimeout`, saying where it was stuck, so
-its group fails and is counted instead of hanging the step. A rollout (a step's groups, an
-evaluation, or the wait for the producer's next group) has a deadline too, `rollout_deadline_s`: its
-episodes' own plus time to cancel them. Past it the run stops with `RolloutTimeout`, naming the
-episodes still running and where each is, or the line that blocks the event loop.
+Deadlines (lib/deadlines.py): every episode has one, and so has every rollout: a stuck event loop
+stops the run with `RolloutTimeout`, naming the episodes still running and where each is.
 """
 import asyncio
 import collections
-import gc
-import linecache
-import os
 import sys
-import sysconfig
 import threading
 import time
-import traceback
 from typing import Awaitable, Callable
 
 import torch
 
-CANCEL_GRACE_S = 10.0  # an episode cancelled at its deadline has this long to run its `finally` blocks
-ROLLOUT_GRACE_S = 60.0  # a rollout's deadline past its episodes': cancelling them, finishing the groups
-
-
-class EpisodeTimeout(TimeoutError):
-    """An episode ran past its deadline and was cancelled; its group fails (dropped and counted)."""
-
-
-class RolloutTimeout(RuntimeError):
-    """A rollout ran past its deadline although each episode has its own: the event loop is stuck."""
-
-
-def rollout_deadline_s(episode_timeout_s: float) -> float | None:
-    """The deadline of a rollout that starts its episodes at once (None: none, as episode_timeout_s 0)."""
-    return episode_timeout_s + CANCEL_GRACE_S + ROLLOUT_GRACE_S if episode_timeout_s else None
-
-
-_episodes: dict = {}  # asyncio.Task of a running episode -> its item's label
-
-
-def _label(item) -> str:
-    text = item.get("question", item) if isinstance(item, dict) else item
-    text = str(text)
-    return repr(text if len(text) <= 60 else text[:60] + "...")
-
-
-def _frames(coro) -> list:
-    """The frames of a suspended coroutine and of what it awaits, outermost first: through the
-    coroutines it awaits, into a task it awaits and the first unfinished child of a gather."""
-    frames = []
-    while coro is not None and len(frames) < 200:
-        if isinstance(coro, asyncio.Task):
-            coro = coro.get_coro()
-        elif isinstance(coro, asyncio.Future):
-            coro = next((c for c in getattr(coro, "_children", []) if not c.done()), None)
-            continue
-        elif type(coro).__name__ in ("FutureIter", "async_generator_asend"):  # `await future`, `async for` (CPython)
-            coro = next((r for r in gc.get_referents(coro) if isinstance(r, asyncio.Future) or hasattr(r, "ag_frame")),
-                        None)
-            continue
-        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None) or getattr(coro, "ag_frame", None)
-        if frame is None:
-            break
-        frames.append(frame)
-        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None) or getattr(coro, "ag_await", None)
-    return frames
-
-
-def _where(frames: list) -> str:
-    """One line: the innermost line of the episode's own file (the tool, the turn that is waiting)
-    and the episode function's counters (turns, calls, ...)."""
-    if not frames:
-        return "at an unknown place"
-    own = [f for f in frames if f.f_code.co_filename == frames[0].f_code.co_filename][-1]
-    code = linecache.getline(own.f_code.co_filename, own.f_lineno).strip()
-    counters = ", ".join(f"{k}={v!r}" for k, v in frames[0].f_locals.items()
-                         if type(v) in (int, float, bool) and not k.startswith("_"))
-    state = f" ({frames[0].f_code.co_name}: {counters})" if counters else ""
-    return f"at {os.path.basename(own.f_code.co_filename)}:{own.f_lineno} in {own.f_code.co_name}{state}: `{code}`"
-
-
-_LIBRARIES = (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"])
-
-
-def _stack(frames: list) -> str:
-    """The frames of the project's own code and the last two (where it waits), library frames between elided."""
-    shown, elided = [], 0
-    for i, f in enumerate(frames):
-        if f.f_code.co_filename.startswith(_LIBRARIES) and i < len(frames) - 2:
-            elided += 1
-            continue
-        if elided:
-            shown.append(f"  ... {elided} library frames\n")
-            elided = 0
-        shown += traceback.format_list(traceback.StackSummary.extract([(f, f.f_lineno)]))
-    return "".join(shown).rstrip()
-
-
-async def in_thread(fn, *args):
-    """`fn(*args)` in a daemon thread of its own, awaited: a blocking tool off the event loop, so that
-    one that never returns stops only its own episode, at the episode's deadline, and does not keep the
-    process from exiting (asyncio.to_thread's pool threads are joined at exit)."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def settle(outcome, error):
-        if future.done():  # the episode was cancelled meanwhile
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(outcome)
-
-    def work():
-        outcome, error = None, None
-        try:
-            outcome = fn(*args)
-        except BaseException as e:  # handed to the awaiting episode
-            error = e
-        try:
-            loop.call_soon_threadsafe(settle, outcome, error)
-        except RuntimeError:  # the loop is closed: nobody waits for it any more
-            pass
-    threading.Thread(target=work, name=f"tool {getattr(fn, '__name__', fn)}", daemon=True).start()
-    return await future
-
-
-async def with_deadline(episode: Awaitable, timeout_s: float, item=None):
-    """Await the coroutine `episode` for at most `timeout_s` seconds (0: no deadline). Past it the
-    episode is cancelled (its in-flight requests are cancelled with it: their connections close and
-    the server drops them; nothing they sampled is returned) and EpisodeTimeout is raised, saying
-    which item, at which line and turn it was stuck, and its stack."""
-    task = asyncio.ensure_future(episode)
-    _episodes[task] = _label(item)
-    task.add_done_callback(lambda t: _episodes.pop(t, None))
-    try:
-        done, _ = await asyncio.wait({task}, timeout=timeout_s or None)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    if done:
-        return task.result()
-    frames = _frames(task)
-    message = (f"episode of {_episodes.get(task)} ran past its deadline (episode_timeout_s = {timeout_s:g} s) "
-               f"{_where(frames)}; cancelled, its group is dropped. Where it was (innermost last):\n{_stack(frames)}")
-    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # whatever it raises while cancelled
-    task.cancel()
-    await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
-    raise EpisodeTimeout(message)
-
-
-def _report(error: BaseException):
-    """Print why a group failed: a timed-out episode's message holds its stack; others, the traceback."""
-    if isinstance(error, EpisodeTimeout):
-        print(f"EpisodeTimeout: {error}", file=sys.stderr, flush=True)
-    else:
-        traceback.print_exception(error)
-
-
-def _running_episodes(loop) -> str:
-    """The episodes running on `loop` (the loop's own thread): how many of each item, and where."""
-    counts = collections.Counter(f"{label} {_where(_frames(task))}" for task, label in list(_episodes.items())
-                                 if task.get_loop() is loop and not task.done())
-    if not counts:
-        return "no episode is running"
-    lines = [f"{n} x episode of {what}" if n > 1 else f"episode of {what}" for what, n in counts.most_common(8)]
-    more = len(counts) - 8
-    return f"{sum(counts.values())} episodes still running:\n  " + "\n  ".join(lines) + (
-        f"\n  ... and {more} more places" if more > 0 else "")
+from lib.deadlines import RolloutTimeout, report, running, running_episodes, stack_text, where
 
 
 class BackgroundLoop:
@@ -234,7 +77,7 @@ class BackgroundLoop:
         """For a deadline's error: the episodes running on the loop, each with its item and where it
         is; or, if the loop does not answer, the line that blocks it and the episode it is in."""
         async def describe():
-            return _running_episodes(self.loop)
+            return running_episodes(self.loop)
         try:
             return asyncio.run_coroutine_threadsafe(describe(), self.loop).result(self.answer_timeout_s)
         except TimeoutError:
@@ -245,18 +88,18 @@ class BackgroundLoop:
             stack.append(frame)
             frame = frame.f_back
         stack.reverse()
-        coro_frames = {getattr(t.get_coro(), "cr_frame", None): (t, label) for t, label in list(_episodes.items())}
+        coro_frames = {getattr(t.get_coro(), "cr_frame", None): (t, label) for t, label in list(running.items())}
         start = next((i for i, f in enumerate(stack) if f in coro_frames), None)
         if start is None:  # not inside an episode: the last frames are where it is
             frames, episode = stack[-8:], "outside any episode"
         else:
             frames, episode = stack[start:], f"in an episode of {coro_frames[stack[start]][1]}"
-        self.blocked_at = _where(frames)
+        self.blocked_at = where(frames)
         return (f"the event loop is blocked {episode} {self.blocked_at}: code that never yields to the loop "
                 f"(a synchronous tool, a blocking call) stops every episode and no deadline can cancel it; run "
-                f"it off the loop, `await in_thread(tool, ...)` (lib/async_rollout.py; train_calc.py runs its "
+                f"it off the loop, `await in_thread(tool, ...)` (lib/deadlines.py; train_calc.py runs its "
                 f"calculator so): then its episode's deadline applies. "
-                f"Where it is (innermost last):\n{_stack(frames)}")
+                f"Where it is (innermost last):\n{stack_text(frames)}")
 
     def close(self):
         if self.loop.is_closed():
@@ -292,7 +135,7 @@ async def gather_groups(group_coroutines) -> tuple[list, int]:
         if isinstance(result, BaseException):
             if not isinstance(result, Exception):
                 raise result  # cancellation, KeyboardInterrupt
-            _report(result)
+            report(result)
             errors.append(result)
         else:
             groups.append(result)
@@ -478,7 +321,7 @@ class RolloutProducer:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # an episode must never crash training, but a bug must not loop silently
-            _report(e)
+            report(e)
             with self._cond:
                 self.num_failed += 1
                 self._num_ended += 1

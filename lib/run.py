@@ -34,7 +34,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from lib.actor import Actor
-from lib.async_rollout import BackgroundLoop, RolloutProducer, gather_groups, rollout_deadline_s
+from lib.async_rollout import BackgroundLoop, RolloutProducer, gather_groups
+from lib.deadlines import rollout_deadline_s
 from lib.checkpoint import read_checkpoint_extra
 from lib.client import InferenceClient, model_eos_ids
 from lib.config import to_dict

@@ -16,7 +16,8 @@ from transformers import AutoTokenizer
 import train_calc as tc
 import train_reflect as tr
 import train_search as ts
-from lib.async_rollout import BackgroundLoop, RolloutProducer, RolloutTimeout
+from lib.async_rollout import BackgroundLoop, RolloutProducer
+from lib.deadlines import RolloutTimeout
 from lib.client import InferenceClient
 from lib.scripted_server import Reply, ScriptedServer
 from lib.tiny_model import default_tiny_model_dir
@@ -238,7 +239,7 @@ def test_in_async_mode_a_tool_that_never_returns_fails_its_group_and_the_produce
 
 
 def test_in_async_mode_no_group_ending_within_the_rollout_deadline_names_the_items_in_flight(bg_loop):
-    from lib.async_rollout import with_deadline
+    from lib.deadlines import with_deadline
 
     async def episode_that_never_ends():
         turns = 2  # noqa: F841 (shown in the error)
