@@ -6,13 +6,12 @@ to `max_turns`; the reward is 1 for a correct answer, times `turn_discount` per 
 
     python train_reflect.py                                   # embedded default, CPU, no hub
     python train_reflect.py --mode async --max_staleness 2    # rollouts overlap the update
-    python train_reflect.py --agent openai                    # the same agent written with the openai SDK
     python train_reflect.py --config configs/reflect_qwen2.5_1.5b.yaml   # Qwen2.5 + SGLang on GPUs
 
-Reads top to bottom: config, prompt, reward, one episode (as a token loop, and as an openai-SDK
-agent behind lib/openai_proxy.py, in train_agent.py's shape), group rollout, evaluation, data, warm
-start, the run's set-up and tear-down, one GRPO step phase by phase
-(rollout_step, train_step, sync_weights, log_step, save_checkpoint), main() with the loop.
+The same agent written with the openai SDK and trained through lib/openai_proxy.py is
+train_agent.py's default agent. Reads top to bottom: config, prompt, reward, one episode, group
+rollout, evaluation, data, warm start, the run's set-up (lib/run.py), main() with the GRPO loop
+(rollout_step, train_step, sync_weights, log_step, save_checkpoint).
 """
 import asyncio
 import os
@@ -32,7 +31,6 @@ from lib.async_rollout import gather_groups
 from lib.deadlines import with_deadline
 from lib.client import InferenceClient
 from lib.config import load_config
-from lib.openai_proxy import OpenAIProxy, sdk_aiohttp_client
 from lib.reward_pool import RewardPool
 from lib.run import (Run, RunConfig, checkpoint_due, close_run, finish_training, log_step, open_run, out_of_time,
                      rollout_step, save_checkpoint, start_training, sync_weights, train_step)
@@ -43,8 +41,6 @@ class Config(RunConfig):  # the run's fields (servers, trainer, GRPO, async, log
     # == the math task with reflection ==
     run_dir: str = "runs/reflect"  # metrics.jsonl, traces.jsonl, evals/, checkpoints/, final/
     max_steps: int = 200  # GRPO steps
-    agent: str = "tokens"  # "tokens": arun_episode's token loop; "openai": the same agent on the openai SDK, through lib/openai_proxy.py
-    openai_http_client: str = "aiohttp"  # --agent openai: the SDK's HTTP transport, "aiohttp" (DefaultAioHttpClient), "httpx" (its default) or "in_process" (proxy.http_client(): no socket)
     dataset: str = ""  # "" = bundled synthetic problems; a hub id ("openai/gsm8k"); or a local dir of {train,dev,test}.{jsonl,parquet}
     dataset_config: str = "main"  # hub config name
     dev_size: int = 300  # held out of train when the dataset has no dev/validation split
@@ -243,119 +239,13 @@ async def arun_episode(client: InferenceClient, tokenizer, reflection_ids: list[
     }
 
 
-# --- one episode, as an agent written with the openai SDK (--agent openai) ---
-_openai_clients: dict = {}  # (proxy url, event loop, http_client) -> AsyncOpenAI
-
-
-def openai_client(proxy: OpenAIProxy, http_client: str = "aiohttp"):
-    """One SDK client (one connection pool) per event loop for every episode: building an
-    AsyncOpenAI takes ~40 ms (an SSL context), a copy with another api_key (`with_options`) ~0.04 ms.
-    `http_client`: "aiohttp" is the SDK's own aiohttp transport (`DefaultAioHttpClient`, the
-    `openai[aiohttp]` extra), "httpx" its default one, "in_process" the proxy's own client that
-    hands requests to it without a socket (`proxy.http_client()`). The default httpx pool walks
-    every pooled connection on each request and response, and with one connection per concurrent
-    episode that was a third of the proxy path's cost (docs/benchmarks.md). Close with
-    `close_openai_clients()`."""
-    from openai import AsyncOpenAI
-
-    loop = asyncio.get_running_loop()
-    key = (proxy.url, loop, http_client)
-    if key not in _openai_clients:
-        if http_client not in ("aiohttp", "httpx", "in_process"):
-            raise ValueError(f"openai_http_client must be 'aiohttp', 'httpx' or 'in_process', got {http_client!r}")
-        transport = None  # "httpx": the SDK's default client
-        if http_client == "in_process":
-            transport = proxy.http_client()
-        elif http_client == "aiohttp":
-            transport = sdk_aiohttp_client()
-        _openai_clients[key] = AsyncOpenAI(base_url=proxy.url, api_key="per-episode", max_retries=0,
-                                           http_client=transport)
-    return _openai_clients[key]
-
-
-async def close_openai_clients():
-    """Close the SDK clients of the running event loop (their connection pools)."""
-    loop = asyncio.get_running_loop()
-    for key in [k for k in _openai_clients if k[1] is loop]:
-        await _openai_clients.pop(key).close()
-
-
-async def run_agent(base_url: str, api_key: str, item: dict, temperature: float, *, sdk, reward_pool: RewardPool,
-                    cfg: Config) -> dict:
-    """arun_episode's loop as an agent author writes it, in train_agent.py's shape (a run_agent against
-    the episode's base URL and key; here also the shared SDK client `sdk` to copy, the reward pool
-    and the config): chat messages in, text out, no token in sight. Returns the reward and the
-    episode's stats."""
-    from openai import BadRequestError  # only this path needs the SDK
-
-    llm = sdk.with_options(base_url=base_url, api_key=api_key)
-    messages = [{"role": "user", "content": PROMPT_TEMPLATE.format(question=item["question"])}]
-    score, turns, finish, texts = 0.0, 0, "max_turns", []
-    for turn in range(cfg.max_turns):
-        try:
-            reply = await llm.chat.completions.create(model="policy", messages=messages, temperature=temperature,
-                                                      max_tokens=cfg.max_new_tokens_per_turn)
-        except BadRequestError as e:
-            if e.code != "context_length_exceeded":  # the proxy's context budget is cfg.max_tokens
-                raise
-            finish = "max_tokens"
-            break
-        turns += 1
-        text = reply.choices[0].message.content or ""
-        texts.append(text)
-        score = await reward_pool.score(reward_fn, text, item["answer"])
-        if score > 0:
-            finish = "correct"
-            break
-        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": REFLECTION}]
-    return {
-        "reward": score * cfg.turn_discount ** (turns - 1) if turns else 0.0,
-        "num_turns": turns,
-        "correct_turn": turns if score > 0 else 0,
-        "shows_work": bool(texts) and shows_work(texts[0]),
-        "finish_reason": finish,
-        "turn_texts": texts,
-    }
-
-
-async def arun_episode_openai(proxy: OpenAIProxy, tokenizer, reflection_ids, reward_pool: RewardPool, cfg: Config,
-                              item: dict, temperature: float) -> dict:
-    """run_agent in a proxy session of its own, as train_agent.py runs an episode. The proxy renders
-    the messages with the chat template, keeps the tokens the server sampled, and hands back the
-    session's `segments` (one per unbroken conversation: this agent only appends, so one), each a
-    training row with the episode's reward; for the same sampled tokens the segment is
-    arun_episode's trajectory, id for id (tests/test_reflect.py checks)."""
-    # A training session samples at the trainer's temperature only (the proxy refuses others);
-    # evaluation (greedy) is not trained on.
-    key = proxy.new_session(train=temperature != 0.0)
-    try:
-        result = await run_agent(proxy.session_url(key), key, item, temperature, reward_pool=reward_pool, cfg=cfg,
-                                 sdk=openai_client(proxy, cfg.openai_http_client))
-    finally:
-        episode = proxy.end_session(key)
-    segments = episode["segments"]
-    return {
-        "segments": segments,
-        # every sampled token's version, for the async producer's staleness check
-        "versions": torch.cat([s["versions"] for s in segments], 1) if segments else torch.zeros(1, 0, dtype=torch.long),
-        "rewards": torch.tensor([result.pop("reward")], dtype=torch.float32),
-        **result,
-        "question": item["question"],
-        "gold": item["answer"],
-    }
-
-
 # --- group rollout ---
 async def rollout_group(client, tokenizer, reflection_ids, reward_pool, cfg, item, temperature, group_size) -> list[dict]:
     # Each episode under its deadline: one that runs past it fails the group (dropped and counted).
-    if cfg.agent == "openai":  # `client` is then the proxy
-        episodes = [arun_episode_openai(client, tokenizer, reflection_ids, reward_pool, cfg, item, temperature)
-                    for _ in range(group_size)]
-    else:
-        episodes = [arun_episode(client, tokenizer, reflection_ids, reward_pool, cfg, item, temperature,
-                                 trajectory_id=f"{item['index']}/{k}" if "index" in item else None)
-                    for k in range(group_size)]
-    return list(await asyncio.gather(*[with_deadline(e, cfg.episode_timeout_s, item) for e in episodes]))
+    return list(await asyncio.gather(*[
+        with_deadline(arun_episode(client, tokenizer, reflection_ids, reward_pool, cfg, item, temperature,
+                                   trajectory_id=f"{item['index']}/{k}" if "index" in item else None),
+                      cfg.episode_timeout_s, item) for k in range(group_size)]))
 
 
 async def rollout_groups(client, tokenizer, reflection_ids, reward_pool, cfg, items, temperature, group_size):
@@ -488,30 +378,15 @@ def warm_started_model(cfg: Config, base: str, embedded: bool) -> str:
 # --- the run: lib's plumbing with this task's pieces ---
 def setup(cfg: Config) -> Run:
     """lib's run (ranks, model, servers, client, actor, weight sync, resume, logger), then this task's
-    reflection prompt, reward pool, (--agent openai) the agent's OpenAI-compatible server, and its
-    rollouts, bound to them."""
-    if cfg.agent not in ("tokens", "openai"):
-        raise ValueError(f"agent must be 'tokens' or 'openai', got {cfg.agent!r}")
+    reflection prompt, reward pool and rollouts, bound to them."""
     run = open_run(cfg, lambda base, embedded: warm_started_model(cfg, base, embedded), lambda: load_splits(cfg))
     try:
         if run.is_main:
-            cfg = run.cfg
-            reflection_ids = build_reflection_ids(run.tokenizer, cfg.apply_chat_template)
+            reflection_ids = build_reflection_ids(run.tokenizer, run.cfg.apply_chat_template)
             run.reward_pool = RewardPool(cfg.reward_workers, cfg.reward_timeout_s, preload=reward_fn)
-            agent_server = run.client
-            if cfg.agent == "openai":
-                # The agent's chat requests go to this OpenAI-compatible server, which generates through
-                # the client and records every sampled token; its context budget is the episode's.
-                agent_server = OpenAIProxy(run.client, run.tokenizer, stop_token_ids=cfg.stop_token_ids,
-                                           max_context_tokens=cfg.max_tokens,
-                                           default_max_tokens=cfg.max_new_tokens_per_turn,
-                                           train_sampling={"temperature": cfg.temperature})
-                run.bg.run(agent_server.start())
-                run.closers.append(lambda: (run.bg.run(close_openai_clients(), timeout_s=30),
-                                            run.bg.run(agent_server.close(), timeout_s=30)))
             run.rollout_group = lambda item, temperature, group_size: rollout_group(
-                agent_server, run.tokenizer, reflection_ids, run.reward_pool, run.cfg, item, temperature, group_size)
-            run.evaluate = lambda items: evaluate(agent_server, run.tokenizer, reflection_ids, run.reward_pool,
+                run.client, run.tokenizer, reflection_ids, run.reward_pool, run.cfg, item, temperature, group_size)
+            run.evaluate = lambda items: evaluate(run.client, run.tokenizer, reflection_ids, run.reward_pool,
                                                   run.cfg, items)
     except BaseException:
         close_run(run)
@@ -530,8 +405,7 @@ def main(config: str | None = "configs/reflect_tiny.yaml", **overrides):
         train_start, stopping = time.time(), False
         while run.step < cfg.max_steps and not stopping:
             t0 = time.time()
-            # 1. rollout, 2. advantages: the rows to train (each episode, or each segment an agent's
-            # session recorded), on every rank
+            # 1. rollout, 2. advantages: the rows to train, on every rank
             batch, episodes, metrics = rollout_step(run, episode_metrics)
             metrics["perf/rollout_s"] = time.time() - t0
             # 3. proximal log-probs, 4. PPO update: each rank on its share of the rows

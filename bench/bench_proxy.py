@@ -4,8 +4,8 @@ token path, on train_reflect.py's episodes.
     python bench/bench_proxy.py                                   # embedded default, lib's CPU server
     python bench/bench_proxy.py --model-path M --server sglang    # a real model on SGLang (GPU)
 
-Paths: `tokens` (train_reflect.arun_episode, token ids to the server), `openai` (train_reflect
---agent openai: the same agent on the openai SDK, on the trainer's event loop), `agent`
+Paths: `tokens` (train_reflect.arun_episode, token ids to the server), `openai` (the same agent on
+the openai SDK, tests/reflect_openai_agent.py, on the trainer's event loop), `agent`
 (train_agent.py's default agent, the same conversation, on the trainer's event loop) and
 `agent_workers` (the same in `--agent-workers` processes, train_agent.py --agent_workers N:
 only the proxy and the inference client stay on the trainer's loop).
@@ -40,6 +40,7 @@ from lib.launch import launch_cpu_server, launch_sglang  # noqa: E402
 from lib.openai_proxy import OpenAIProxy  # noqa: E402
 from lib.reward_pool import RewardPool  # noqa: E402
 from lib.run import episode_rows  # noqa: E402
+from tests.reflect_openai_agent import close_openai_clients, rollout_groups_openai  # noqa: E402
 from lib.tiny_model import default_tiny_model_dir  # noqa: E402
 
 
@@ -104,11 +105,13 @@ def main():
         for path in paths * (args.rounds + 1):  # the first round of each warms up
             await client.flush_cache()
             t0, c0 = time.perf_counter(), time.process_time()
-            if path in ("tokens", "openai"):
-                run_cfg = dataclasses.replace(cfg, agent="openai" if path == "openai" else "tokens",
-                                                 openai_http_client=args.http_client)
-                groups, failed = await tr.rollout_groups(proxy if path == "openai" else client, tokenizer,
-                                                         reflection_ids, reward_pool, run_cfg, items, 0.0, args.group_size)
+            if path == "openai":
+                groups, failed = await rollout_groups_openai(proxy, reward_pool, cfg, items, 0.0, args.group_size,
+                                                             args.http_client)
+                rows = [row for g in groups for _, row in episode_rows(g)]
+            elif path == "tokens":
+                groups, failed = await tr.rollout_groups(client, tokenizer, reflection_ids, reward_pool, cfg, items, 0.0,
+                                                         args.group_size)
                 rows = [row for g in groups for _, row in episode_rows(g)]
             else:  # train=False: greedy, as the token path here
                 agent = workers.run if path == "agent_workers" else ta.run_agent
@@ -120,7 +123,7 @@ def main():
             tokens[path] = sum(int(row["loss_mask"].sum()) for row in rows)
             times[path].append(elapsed)
             cpu[path].append(time.process_time() - c0)
-        await tr.close_openai_clients()
+        await close_openai_clients()
         await ta.close_agent()
         if workers is not None:
             await workers.close()

@@ -23,7 +23,7 @@ RESERVED_STATS = {"reward", "rewards", "item", "segments", "stats", "advantage",
                   "episodes", "requests", "length_cut", "tool_calls", "tool_call_parse_failures",
                   "segments_per_episode", "episodes_without_segments", "trained_rows", "gen_tokens",
                   "equal_reward_groups", "failed_groups", "completion_tokens", "failed", "question", "gold",
-                  "num_turns"}
+                  "num_turns", "versions"}
 
 
 def agent_result(result) -> tuple:
@@ -61,7 +61,10 @@ async def arun_episode(proxy: OpenAIProxy, run_agent, item, temperature: float, 
     if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
         raise ValueError(f"run_agent must return a finite number (or None after posting one), got {reward!r}")
     fields = item if isinstance(item, dict) else {}
-    return {**episode, "question": fields.get("question"), "gold": fields.get("answer"), "num_turns": episode["requests"],
+    segments = episode["segments"]
+    # every sampled token's policy version, for the async producer's staleness bound
+    versions = torch.cat([s["versions"] for s in segments], 1) if segments else torch.zeros(1, 0, dtype=torch.long)
+    return {**episode, "versions": versions, "question": fields.get("question"), "gold": fields.get("answer"), "num_turns": episode["requests"],
             "finish_reason": "max_tokens" if episode["length_cut"] else "done", **stats,
             "reward": float(reward), "rewards": torch.tensor([float(reward)]), "stats": stats, "item": item}
 

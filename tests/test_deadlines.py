@@ -141,8 +141,9 @@ def test_an_evaluation_episode_past_its_deadline_is_counted_as_failed(tokenizer)
 def test_an_openai_sdk_agent_past_its_deadline_fails_its_group_and_its_proxy_session_is_ended(tokenizer):
     from lib.openai_proxy import OpenAIProxy
 
-    cfg = tr.Config(max_turns=1, max_tokens=512, agent="openai", openai_http_client="in_process",
-                    episode_timeout_s=DEADLINE_S)
+    from tests.reflect_openai_agent import close_openai_clients, rollout_groups_openai
+
+    cfg = tr.Config(max_turns=1, max_tokens=512, episode_timeout_s=DEADLINE_S)
     script = by_question(tokenizer, Reply("#### 3", eos=True), Reply("#### 7", eos=True))
 
     async def go(address):
@@ -151,13 +152,13 @@ def test_an_openai_sdk_agent_past_its_deadline_fails_its_group_and_its_proxy_ses
         await proxy.start()
         try:
             # The SDK's first request sets it up (its platform is probed in a thread): not under a deadline.
-            await tr.rollout_groups(proxy, tokenizer, [], InlinePool(), dataclasses.replace(cfg, episode_timeout_s=0),
-                                    [FINE], 1.0, 1)
-            groups, failed = await bounded(tr.rollout_groups(proxy, tokenizer, [], RewardThatNeverReturns(), cfg,
-                                                             [FINE, STUCK], 1.0, 2))
+            await rollout_groups_openai(proxy, InlinePool(), dataclasses.replace(cfg, episode_timeout_s=0), [FINE], 1.0,
+                                        1, "in_process")
+            groups, failed = await bounded(rollout_groups_openai(proxy, RewardThatNeverReturns(), cfg, [FINE, STUCK],
+                                                                 1.0, 2, "in_process"))
             return groups, failed, dict(proxy.sessions), dict(client._routes)
         finally:
-            await tr.close_openai_clients()
+            await close_openai_clients()
             await proxy.close()
             await client.close()
     with ScriptedServer(tokenizer, script) as server:

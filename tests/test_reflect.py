@@ -303,12 +303,13 @@ def test_an_aborted_turn_drops_the_group_and_is_counted(tokenizer):
 
 
 # --- the same agent on the openai SDK, through lib/openai_proxy.py ---
-def both_paths(tokenizer, script_fn, **cfg_overrides):
-    """The token loop and the openai-SDK agent, each against a fresh scripted server playing the
-    same model output: (token episode, its server), (SDK episode, its server)."""
+def both_paths(tokenizer, script_fn, http_client="aiohttp", **cfg_overrides):
+    """The token loop and the openai-SDK agent (tests/reflect_openai_agent.py), each against a fresh
+    scripted server playing the same model output: (token episode, its server), (SDK episode, its server)."""
     from lib.client import InferenceClient
     from lib.openai_proxy import OpenAIProxy
     from lib.scripted_server import ScriptedServer
+    from tests.reflect_openai_agent import close_openai_clients, rollout_groups_openai
 
     cfg = tr.Config(**{"max_turns": 3, "max_tokens": 1024, **cfg_overrides})
     reflection_ids = tr.build_reflection_ids(tokenizer, cfg.apply_chat_template)
@@ -321,13 +322,16 @@ def both_paths(tokenizer, script_fn, **cfg_overrides):
                                 default_max_tokens=cfg.max_new_tokens_per_turn)
             await proxy.start()
         try:
-            groups, failed = await tr.rollout_groups(proxy or client, tokenizer, reflection_ids, InlinePool(),
-                                                     tr.Config(**{**vars(cfg), "agent": agent}), [ITEM], 1.0, 1)
+            if proxy:
+                groups, failed = await rollout_groups_openai(proxy, InlinePool(), cfg, [ITEM], 1.0, 1, http_client)
+            else:
+                groups, failed = await tr.rollout_groups(client, tokenizer, reflection_ids, InlinePool(), cfg, [ITEM],
+                                                         1.0, 1)
             assert failed == 0
             return groups[0][0]
         finally:
             if proxy:
-                await tr.close_openai_clients()
+                await close_openai_clients()
                 await proxy.close()
             await client.close()
     out = []
@@ -361,7 +365,7 @@ def _scenarios(tokenizer):
 @pytest.mark.parametrize("http_client", ["aiohttp", "httpx", "in_process"])
 def test_the_openai_sdk_agent_gives_the_token_loops_trajectory_id_for_id(tokenizer, scenario, http_client):
     script_fn, overrides = _scenarios(tokenizer)[scenario]
-    (tokens, token_server), (sdk, sdk_server) = both_paths(tokenizer, script_fn, openai_http_client=http_client,
+    (tokens, token_server), (sdk, sdk_server) = both_paths(tokenizer, script_fn, http_client=http_client,
                                                            **overrides)
     [segment] = sdk["segments"]  # the conversation only grows: one training row
     assert episode_rows([sdk]) == [(0, segment)] and episode_rows([tokens]) == [(0, tokens)]
@@ -596,21 +600,6 @@ def test_dynamic_sampling_refills_the_batch_and_a_step_with_nothing_to_train_kee
         assert "loss/pg" not in r
     extra = torch.load(os.path.join(run_dir, "checkpoints", "latest", "trainer_state.pt"), weights_only=False)["extra"]
     assert extra["version"] == 0 and extra["data_position"] == 2 * 2 * 3
-
-
-@pytest.mark.slow
-def test_two_grpo_steps_run_end_to_end_with_the_openai_sdk_agent(tmp_path):
-    run_dir = str(tmp_path / "openai")
-    result = tr.main(config="configs/reflect_tiny.yaml", run_dir=run_dir, agent="openai", mode="async",
-                     **{**E2E, "checkpoint_every": 0})
-    assert result["failed"] == 0
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    steps = [r for r in rows if "rollout/reward" in r]
-    assert [r["step"] for r in steps] == [1, 2]
-    for r in steps:
-        assert r["rollout/failed_groups"] == 0 and r["rollout/gen_tokens"] > 0
-        assert r["logprob/server_trainer_abs_diff_mean"] < 0.05  # the proxy's tokens are the ones the server scored
-        assert r["rollout/staleness_max"] <= 1
 
 
 @pytest.mark.slow

@@ -343,6 +343,20 @@ E2E = dict(max_steps=2, batch_size=2, group_size=2, max_new_tokens_per_turn=24, 
 
 
 @pytest.mark.slow
+def test_the_agent_trains_in_async_mode_with_the_token_scripts_plumbing(tmp_path):
+    run_dir = str(tmp_path / "async")
+    result = ta.main(config="configs/agent_tiny.yaml", run_dir=run_dir, mode="async", max_staleness=1,
+                     **{**E2E, "checkpoint_every": 0})
+    assert result["failed"] == 0
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    steps = [r for r in rows if "rollout/reward" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["rollout/failed_groups"] == 0 and r["rollout/gen_tokens"] > 0 and r["rollout/staleness_max"] <= 1
+        assert r["logprob/server_trainer_abs_diff_mean"] < 0.05  # the proxy's tokens are the ones the server scored
+
+
+@pytest.mark.slow
 def test_two_grpo_steps_run_end_to_end_and_resume(tmp_path):
     run_dir = str(tmp_path / "agent")
     result = ta.main(config="configs/agent_tiny.yaml", run_dir=run_dir, **E2E)
