@@ -51,7 +51,7 @@ from lib.chat_format import (LONE_SURROGATE, LONG_TEXT_CHARS, ChatFormatError, P
 from lib.client import GenerationAborted, InferenceServerError
 from lib.cpu_engine import MAX_STOP_CHARS
 from lib.http_body import BadRequest, body_too_large, lone_surrogate, parse_json_body, read_body
-from lib.reply_stream import ReplyText
+from lib.reply_stream import THINK_START, ReplyText, split_reasoning
 
 # Request fields accepted and ignored (they do not change sampling), in every API.
 _IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier"}
@@ -486,8 +486,8 @@ class OpenAIProxy:
             raise
         if first is None and task.exception() is not None:
             raise task.exception()
-        thinking = None if "prompt_text" in params else self._opens_thinking(plan["prompt"])
-        texts = [ReplyText(self.tokenizer, stop=params["stop"], parse_tools=params["parse_tools"], thinking=thinking)
+        texts = [ReplyText(self.tokenizer, stop=params["stop"], parse_tools=params["parse_tools"],
+                           thinking=self._opens_thinking(params, plan))
                  for _ in range(params["n"])]
         return _Events(self._events(session, params, plan, api, task, runs, first, texts), task)
 
@@ -513,7 +513,7 @@ class OpenAIProxy:
                     yield _sse(events), None
                 run = await runs.get()
             try:
-                turns = [self._reply(params, gen) for gen in task.result()]
+                turns = [self._reply(params, plan, gen) for gen in task.result()]
             except _Refused as e:  # OpenAI's error event; the SDKs raise it as an APIError
                 yield _sse([_error(e.status, str(e))[1]]), None
                 return
@@ -526,9 +526,12 @@ class OpenAIProxy:
         finally:
             task.cancel()
 
-    def _opens_thinking(self, prompt: list[int]) -> bool:
-        """Did the chat template open `<think>` at the end of the prompt (the reply starts inside it)?"""
-        return self.tokenizer.decode(prompt[-4:]).rstrip().endswith(_THINK_START)
+    def _opens_thinking(self, params: dict, plan: dict) -> bool | None:
+        """Did the chat template open `<think>` at the end of the prompt (the reply starts inside it)?
+        None for a text completion (its reply is never split into reasoning and content)."""
+        if "prompt_text" in params:
+            return None
+        return self.tokenizer.decode(plan["prompt"][-4:]).rstrip().endswith(THINK_START)
 
     # --- the request's fields ---
     def _read_params(self, session: _Session, body, fields: dict) -> dict:
@@ -653,7 +656,7 @@ class OpenAIProxy:
             gens = await self._sample(session, params, plan)
         finally:
             release()
-        return plan, [self._reply(params, gen) for gen in gens]
+        return plan, [self._reply(params, plan, gen) for gen in gens]
 
     async def _sample(self, session: _Session, params: dict, plan: dict, on_tokens=None) -> list:
         """The request's `n` generations; `on_tokens(i, ids, logprobs, tops)` streams sample i's
@@ -807,17 +810,15 @@ class OpenAIProxy:
                              f"{self.max_prompt_chars} with this tokenizer", param="messages",
                         code="context_length_exceeded")
 
-    def _reply(self, params: dict, gen) -> dict:
+    def _reply(self, params: dict, plan: dict, gen) -> dict:
         """A generation read as a turn: the assistant `message` (and `text`, for /v1/completions), its
         `finish` reason and `logprobs` entries for the answer, and what _record keeps. Changes nothing."""
         out = gen.output_ids
         text = self.tokenizer.decode(out, skip_special_tokens=True)
         if gen.finish_reason == "stop" and isinstance(gen.matched, str) and gen.matched in text:
             text = text[:text.find(gen.matched)]  # OpenAI leaves the stop sequence out of the content
-        reasoning, answer = None, text
-        if "prompt_text" not in params and _THINK_END in text:  # a model that thinks in <think> tags
-            reasoning, _, answer = text.partition(_THINK_END)
-            reasoning, answer = reasoning.removeprefix(_THINK_START).strip(), answer.lstrip()
+        # A model that thinks in <think> tags: the rule the stream follows too (lib/reply_stream.py)
+        reasoning, answer = split_reasoning(text, self._opens_thinking(params, plan))
         content, calls = parse_tool_calls(answer) if params["parse_tools"] else (answer, None)
         parse_failed = params["parse_tools"] and calls is None and "<tool_call>" in answer
         closed = bool(out) and out[-1] in self.stop_token_ids
@@ -917,7 +918,6 @@ _RESPONSES_FIELDS = {
                 "prompt_cache_retention": ()},
     "max_tokens": ("max_output_tokens",), "flat_tools": True}
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_THINK_START, _THINK_END = "<think>", "</think>"
 
 
 def _read_tools(tools, flat: bool) -> list[dict] | None:
