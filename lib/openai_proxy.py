@@ -25,7 +25,8 @@ request's tokens: the sampled tokens stay as they were, only the new messages ar
 rewrote its history, changed its tools, or asked twice from the same point) starts a new segment,
 rendered by the chat template, where only the new reply is trained on. So every sampled token is in
 exactly one segment with loss_mask 1 and the log-prob the server reported for it. Each segment is a
-training sequence with the episode's reward. A turn is recorded only as its answer is handed to the
+training sequence with the episode's reward; replies the agent did not go on from (one it asked for
+again, the unused choices of `n` > 1) are cut out of them by end_session (`discarded_turns`). A turn is recorded only as its answer is handed to the
 client: a client that disconnects cancels its generation, and a reply that fails to build is a 500
 that records nothing (docs/reliability.md has the limits on hostile requests).
 """
@@ -72,12 +73,27 @@ class _Segment:
         # The template's text of the conversation before its latest state's reply, through the last end
         # of turn (None if unknown): a request that continues that state renders only its own messages.
         self.rendered: str | None = None
+        self.turn_ends: dict[int, _Turn] = {}  # token count after each recorded turn -> that turn
+
+
+class _Turn:
+    """One recorded reply: where its sampled tokens are (`segment.ids[start:end]`), the turn whose
+    state its request continued (`parent`, None for a fresh rendering), its request's prompt as the
+    template saw it (`context`), the request's order among the session's recorded ones and its choice
+    index. What end_session needs to tell the replies the agent went on from from those it discarded."""
+    __slots__ = ("segment", "start", "end", "parent", "context", "request", "choice")
+
+    def __init__(self, segment, start, end, parent, context, request, choice):
+        self.segment, self.start, self.end, self.parent = segment, start, end, parent
+        self.context, self.request, self.choice = context, request, choice
 
 
 class _Session:
     def __init__(self, key: str, train: bool):
         self.key, self.train = key, train
         self.segments: list[_Segment] = []
+        self.turns: list[_Turn] = []  # in the order they were recorded
+        self.recorded_requests = 0
         self.reward = None
         self.error = None
         self.stats = {"requests": 0, "completion_tokens": 0, "tool_calls": 0, "tool_call_parse_failures": 0,
@@ -268,21 +284,34 @@ class OpenAIProxy:
         API key: `http://127.0.0.1:PORT/s/<key>/v1`."""
         return f"http://{self.host}:{self.port}/s/{key}/v1"
 
-    def end_session(self, key: str) -> dict:
+    def end_session(self, key: str, train_discarded: bool = False) -> dict:
         """The episode: `segments` (trajectory dicts of [1, T] tensors: input_ids, loss_mask,
-        logprobs, versions, attention_mask; segments without a sampled token are left out), the
-        `reward` posted to /agentrl/reward (None if none was) and the session's counts. Raises
-        SessionFailed if a generation of the session failed."""
+        logprobs, versions, attention_mask; segments without a trained token are left out), the
+        `reward` posted to /agentrl/reward (None if none was) and the session's counts, among them
+        `discarded_turns`, how many replies the agent did not go on from (a retry's superseded reply,
+        the unused choices of an `n` > 1 request: `discarded_turns()`). Those are not trained on
+        (a segment ends before its first one) unless `train_discarded`. Raises SessionFailed if a
+        generation of the session failed."""
         session = self.sessions.pop(key)
         self.client.end_trajectory(key)
         if session.error is not None:
             raise SessionFailed(f"a generation of session {key} failed: {session.error}")
+        discarded = discarded_turns(session.turns)
+        ends = {}  # per segment: where its kept part ends (discarded turns of a segment are its last ones)
+        for turn in discarded if not train_discarded else []:
+            ends[id(turn.segment)] = min(ends.get(id(turn.segment), turn.start), turn.start)
         t = lambda xs, dtype: torch.tensor([xs], dtype=dtype)  # noqa: E731
-        segments = [{"input_ids": t(s.ids, torch.long), "loss_mask": t(s.mask, torch.long),
-                     "logprobs": t(s.logprobs, torch.float32), "versions": t(s.versions, torch.long),
-                     "attention_mask": torch.ones(1, len(s.ids), dtype=torch.long)}
-                    for s in session.segments if any(s.mask)]
-        return {"segments": segments, "reward": session.reward, **session.stats}
+        segments = []
+        for s in session.segments:
+            n = ends.get(id(s), len(s.ids))
+            while n < len(s.ids) and n and not s.mask[n - 1]:  # cut: the prompt of its first discarded reply goes too
+                n -= 1
+            if any(s.mask[:n]):
+                segments.append({"input_ids": t(s.ids[:n], torch.long), "loss_mask": t(s.mask[:n], torch.long),
+                                 "logprobs": t(s.logprobs[:n], torch.float32),
+                                 "versions": t(s.versions[:n], torch.long),
+                                 "attention_mask": torch.ones(1, n, dtype=torch.long)})
+        return {"segments": segments, "reward": session.reward, **session.stats, "discarded_turns": len(discarded)}
 
     # --- handlers: an answer is (status, a JSON object | server-sent events as bytes, record), whichever transport ---
     def _session_of(self, authorization: str) -> _Session:
@@ -846,14 +875,16 @@ class OpenAIProxy:
                 for t, lp, top in zip(ids, logprobs, tops if tops is not None else itertools.repeat(None))]
 
     def _record_all(self, session: _Session, plan: dict, turns: list[dict]):
-        for turn in turns:  # the first continues the record in place (when it can); the others fork
-            self._record(session, plan, turn)
+        session.recorded_requests += 1
+        for choice, turn in enumerate(turns):  # the first continues the record in place (when it can); the others fork
+            self._record(session, plan, turn, choice)
 
-    def _record(self, session: _Session, plan: dict, turn: dict):
+    def _record(self, session: _Session, plan: dict, turn: dict, choice: int = 0):
         """Keep a turn whose answer was sent: its tokens, the session's counts, the state it leaves."""
         gen = turn["gen"]
         out = list(gen.output_ids)
         segment = plan["segment"]
+        parent = segment.turn_ends.get(plan["prefix"]) if segment is not None else None
         if segment is not None and plan["in_place"] and len(segment.ids) == plan["prefix"]:
             n = len(plan["delta"])
             segment.ids += plan["delta"]
@@ -867,6 +898,7 @@ class OpenAIProxy:
             segment = _Segment(list(prompt), [0] * len(prompt), [0.0] * len(prompt), [-1] * len(prompt))
             session.segments.append(segment)
             session.stats["new_segments"] += 1
+        start = len(segment.ids)
         segment.ids += out
         segment.mask += [1] * len(out)
         segment.logprobs += list(gen.logprobs)
@@ -876,11 +908,43 @@ class OpenAIProxy:
         session.stats["tool_calls"] += len(turn["message"].get("tool_calls", []))
         session.stats["tool_call_parse_failures"] += turn["parse_failed"]
         session.stats["length_cut"] += turn["finish"] == "length"
+        context = plan["text"] if plan["text"] is not None else (plan["keys"], plan["tools_key"])
+        recorded = _Turn(segment, start, len(segment.ids), parent, context, session.recorded_requests, choice)
+        session.turns.append(recorded)
+        segment.turn_ends[len(segment.ids)] = recorded
         if plan["text"] is not None:
             segment.text_states.append((plan["text"] + turn["text"], len(segment.ids)))
         else:
             segment.states.append((plan["keys"] + (turn["key"],), plan["tools_key"], len(segment.ids), turn["closed"]))
             segment.rendered = plan["rendered"] if self.end_of_turn in (plan["rendered"] or "") else None
+
+
+def discarded_turns(turns: list[_Turn]) -> list[_Turn]:
+    """The replies of a session the agent did not go on from (docs/openai_proxy.md, "What is
+    trained"). Replies sampled for the same prompt (the same messages and tools, or the same text
+    prompt, continuing the same reply) are alternatives: the `n` choices of one request, or a request
+    sent again. Of each set the agent kept the one it went on from last (whose later requests
+    continue it most recently); if it went on from none, the latest request's first choice (what an
+    SDK's `choices[0]` reads). The others are discarded, and with them every reply whose
+    conversation continued one of them. Replies to different prompts (another question, a sub-agent,
+    a rewritten history) are never alternatives: each is kept."""
+    latest = {id(t): t.request for t in turns}  # the latest request in each turn's subtree
+    for t in reversed(turns):  # a reply is always recorded after the one it continues
+        if t.parent is not None:
+            latest[id(t.parent)] = max(latest[id(t.parent)], latest[id(t)])
+    alternatives: dict = collections.defaultdict(list)
+    for t in turns:
+        alternatives[(id(t.parent), t.context)].append(t)
+    superseded = set()
+    for group in alternatives.values():
+        if len(group) > 1:
+            kept = max(group, key=lambda t: (latest[id(t)], -t.choice))
+            superseded.update(id(t) for t in group if t is not kept)
+    gone = set()
+    for t in turns:
+        if id(t) in superseded or (t.parent is not None and id(t.parent) in gone):
+            gone.add(id(t))
+    return [t for t in turns if id(t) in gone]
 
 
 # --- what each API reads; helpers of the three APIs ---

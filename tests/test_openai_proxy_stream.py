@@ -63,7 +63,7 @@ def test_a_streamed_chat_reply_joins_into_the_plain_reply(tokenizer, name, incre
             stream = await llm.chat.completions.create(model="policy", messages=[user("Q")], logprobs=True,
                                                        stream=True, **fields)
             chunks = [c async for c in stream]
-        return whole, chunks, proxy.end_session(key)
+        return whole, chunks, proxy.end_session(key, train_discarded=True)  # the same prompt twice: both trained
 
     (whole, chunks, episode), server = run(tokenizer, [Reply(text, eos=True)] * 2, agent, incremental)
     assert joined(chunks) == {**plain(whole), "logprobs": joined(chunks)["logprobs"]}
@@ -241,7 +241,7 @@ def test_concurrent_streams_on_one_conversation_fork_and_train_each_token_once(t
             async def streamed():
                 return [c async for c in await llm.chat.completions.create(model="policy", messages=history, stream=True)]
             await asyncio.gather(streamed(), streamed())
-        return proxy.end_session(key)
+        return proxy.end_session(key, train_discarded=True)  # two samples of one prompt: both trained
 
     script = [Reply("A.", eos=True), Reply("B b b.", eos=True, token_delay_s=0.05),
               Reply("C c c.", eos=True, token_delay_s=0.05)]
