@@ -6,7 +6,7 @@ SDK, LangChain/LangGraph, the OpenAI Agents SDK through the Responses API): the 
 lib/openai_proxy.py, which generates with the policy on the inference server and records every
 token the model sampled. Each episode is one proxy session (lib/agent_episode.py); what it recorded
 (one or more segments: one per unbroken conversation) is trained with the episode's GRPO advantage,
-but for the replies the agent did not go on from, an episode counting once (docs/train_agent.md).
+the replies the agent did not go on from left out and the episode counting once (docs/train_agent.md).
 
 The default agent is a small math solver on the bundled arithmetic word problems, written with
 the plain `openai` SDK: it answers, and after a wrong answer is told so and tries once more;
