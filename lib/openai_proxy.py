@@ -26,9 +26,10 @@ rewrote its history, changed its tools, or asked twice from the same point) star
 rendered by the chat template, where only the new reply is trained on. So every sampled token is in
 exactly one segment with loss_mask 1 and the log-prob the server reported for it. Each segment is a
 training sequence with the episode's reward; replies the agent did not go on from (one it asked for
-again, the unused choices of `n` > 1) are cut out of them by end_session (`discarded_turns`). A turn is recorded only as its answer is handed to the
-client: a client that disconnects cancels its generation, and a reply that fails to build is a 500
-that records nothing (docs/reliability.md has the limits on hostile requests).
+again, the unused choices of `n` > 1) are cut out of them by end_session (`discarded_turns`). A turn
+is recorded only as its answer is handed to the client: a client that disconnects cancels its
+generation, and a reply that fails to build is a 500 that records nothing (docs/reliability.md has
+the limits on hostile requests).
 """
 import array
 import asyncio
