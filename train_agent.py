@@ -5,7 +5,8 @@ OpenAI-compatible server and returns its reward. Write it with any SDK or framew
 SDK, LangChain/LangGraph, the OpenAI Agents SDK through the Responses API): the server is
 lib/openai_proxy.py, which generates with the policy on the inference server and records every
 token the model sampled. Each episode is one proxy session (lib/agent_episode.py); what it recorded
-(one or more segments: one per unbroken conversation) is trained with the episode's GRPO advantage.
+(one or more segments: one per unbroken conversation) is trained with the episode's GRPO advantage,
+the replies the agent did not go on from left out and the episode counting once (docs/train_agent.md).
 
 The default agent is a small math solver on the bundled arithmetic word problems, written with
 the plain `openai` SDK: it answers, and after a wrong answer is told so and tries once more;
@@ -64,6 +65,14 @@ class Config(RunConfig):  # the run's fields (servers, trainer, GRPO, async, log
     # 0 with the CPU server (its cores are the server's), else half the cores, at most 8. With workers,
     # run_agent, start_agent and close_agent must be module-level; items and results go by pickle.
     agent_workers: int = -1
+    # What an episode's rows are credited with (docs/train_agent.md, "What is trained"). A reply the agent
+    # did not go on from (one it asked for again, an unused choice of n > 1) is not trained; True trains
+    # it too, with the episode's advantage (the unbiased policy gradient when the agent's choice among
+    # its samples depends on them: best-of-n, voting).
+    train_discarded_turns: bool = False
+    # per-sequence loss_aggs: "episode" = each of an episode's k segments weighs 1/k, so the episode counts
+    # once; "segment" = each weighs 1 (an episode of k segments counts k times). token-mean: no effect.
+    segment_weight: str = "episode"
     # == warm start of the default agent (lib/warm_start.py) ==
     warm_start_reflect_frac: float = 0.3  # demonstrations that recover from a wrong first answer
     warm_start_direct_steps: int = 0  # then SFT steps on demonstrations of which a fraction give the final line only

@@ -69,6 +69,14 @@ class Config(RunConfig):  # the run's fields (servers, trainer, GRPO, async, log
     # 0 with the CPU server (its cores are the server's), else half the cores, at most 8. With workers,
     # run_agent, start_agent and close_agent must be module-level; items and results go by pickle.
     agent_workers: int = -1
+    # What an episode's rows are credited with (docs/train_agent.md, "What is trained"). A reply the agent
+    # did not go on from (one it asked for again, an unused choice of n > 1) is not trained; True trains
+    # it too, with the episode's advantage (the unbiased policy gradient when the agent's choice among
+    # its samples depends on them: best-of-n, voting).
+    train_discarded_turns: bool = False
+    # per-sequence loss_aggs: "episode" = each of an episode's k segments weighs 1/k, so the episode counts
+    # once; "segment" = each weighs 1 (an episode of k segments counts k times). token-mean: no effect.
+    segment_weight: str = "episode"
     batch_size: int = 4  # questions per step
     lr: float = 5e-5  # the trainer's learning rate
     max_tokens_per_mb: int = 8192  # micro-batch token budget of the trainer

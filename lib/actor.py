@@ -232,8 +232,9 @@ class Actor:
     def update(self, batch: dict, step: int | None = None) -> dict:
         """One optimizer step on `batch`: input_ids, attention_mask, loss_mask, logprobs (behaviour),
         advantages ([B] or [B, T]), and optionally proximal_logprobs (default: the behaviour ones,
-        i.e. plain PPO) and ref_logprobs (default: computed when kl_coef > 0 and a reference model
-        is loaded). Gradients accumulate over token-budget micro-batches, then clip, AdamW, LR step.
+        i.e. plain PPO), ref_logprobs (default: computed when kl_coef > 0 and a reference model
+        is loaded) and row_weights ([B], positive; each row's weight in the per-sequence loss_aggs,
+        lib.grpo.ppo_loss). Gradients accumulate over token-budget micro-batches, then clip, AdamW, LR step.
 
         Returns floats: loss (global), grad_norm, lr (the one this step used), num_micro_batches,
         and the token-weighted `ppo_loss` stats (clip_fraction, approx_kl, entropy, behaviour
@@ -255,13 +256,19 @@ class Actor:
         if batch["advantages"].dim() == 1:
             batch["advantages"] = batch["advantages"][:, None].expand_as(batch["loss_mask"])
         loss_mask = batch["loss_mask"]
-        counts = torch.tensor([float(loss_mask.sum()), float((loss_mask.sum(dim=1) > 0).sum())], device=self.device)
+        seqs = loss_mask.sum(dim=1) > 0  # the per-sequence losses count rows with loss tokens, each by its weight
+        if batch.get("row_weights") is not None:
+            weights = batch["row_weights"].double()
+            if weights.shape != seqs.shape or not (torch.isfinite(weights) & (weights > 0)).all():
+                raise ValueError(f"row_weights must be one finite positive weight per row, got {batch['row_weights']}")
+            seqs = weights * seqs
+        counts = torch.tensor([float(loss_mask.sum()), float(seqs.sum())], device=self.device)
         if self.world_size > 1:
             dist.all_reduce(counts)
         total_tokens, total_seqs = counts.tolist()
         lr = self.optimizer.param_groups[0]["lr"]
         keys = ("input_ids", "attention_mask", "loss_mask", "logprobs", "proximal_logprobs", "advantages",
-                "ref_logprobs")
+                "ref_logprobs", "row_weights")
 
         self.policy.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -283,7 +290,7 @@ class Actor:
                 behaviour_cap_mode=self.behaviour_cap_mode,
                 ref_logprobs=mb["ref_logprobs"].float() if "ref_logprobs" in mb else None, kl_coef=self.kl_coef,
                 entropy=entropy, total_loss_tokens=total_tokens, total_loss_seqs=total_seqs,
-                norm_tokens=self.loss_norm_tokens)
+                norm_tokens=self.loss_norm_tokens, row_weights=mb.get("row_weights"))
             if rows is None:  # a padding micro-batch under FSDP: run the collectives, add nothing
                 loss = loss * 0.0
             else:

@@ -6,6 +6,12 @@ api_key, item, temperature)` and calls `attach_agent` after lib.run.open_run: th
 and evaluations then go through the proxy, which generates with the policy and records every token
 the model sampled. Each episode's `segments` (one per unbroken conversation) are its training rows,
 each with the episode's reward and advantage (lib.run.episode_rows).
+
+What a row is credited with (docs/train_agent.md, "What is trained"): by default only the replies
+the agent went on from are trained (a reply it asked for again and the unused choices of an `n` > 1
+request are cut out: lib.openai_proxy.discarded_turns), and each of an episode's k rows weighs 1/k
+in the per-sequence loss_aggs, so that an episode counts once whatever its number of segments. The
+agent Config's `train_discarded_turns` and `segment_weight` ("segment": 1 a row) choose otherwise.
 """
 import asyncio
 import math
@@ -23,7 +29,10 @@ RESERVED_STATS = {"reward", "rewards", "item", "segments", "stats", "advantage",
                   "episodes", "requests", "length_cut", "tool_calls", "tool_call_parse_failures",
                   "segments_per_episode", "episodes_without_segments", "trained_rows", "gen_tokens",
                   "equal_reward_groups", "failed_groups", "completion_tokens", "failed", "question", "gold",
-                  "num_turns", "versions"}
+                  "num_turns", "versions", "discarded_turns", "row_weight"}
+# How an episode's k rows weigh in the per-sequence loss_aggs: "episode", 1/k each (the episode counts
+# once, as a one-row episode does); "segment", 1 each (an episode of k segments counts k times).
+SEGMENT_WEIGHTS = ("episode", "segment")
 
 
 def agent_result(result) -> tuple:
@@ -41,17 +50,24 @@ def agent_result(result) -> tuple:
     return result.get("reward"), stats
 
 
-async def arun_episode(proxy: OpenAIProxy, run_agent, item, temperature: float, train: bool) -> dict:
+async def arun_episode(proxy: OpenAIProxy, run_agent, item, temperature: float, train: bool, *,
+                       train_discarded: bool = False, segment_weight: str = "episode") -> dict:
     """Run the agent once in a session of its own; returns the session's `segments` (training
-    sequences, [1, T] tensors: docs/trajectory.md) and counts, the reward (`reward`, and `rewards [1]`
-    for lib.run), the agent's `stats` (also as keys of their own, for the traces) and the item. A
-    session whose generation failed raises (lib.openai_proxy.SessionFailed), which drops the group.
-    `run_agent`: the agent, or AgentWorkers.run (the same in a worker process)."""
+    sequences, [1, T] tensors: docs/trajectory.md, each with its `row_weight`) and counts, the reward
+    (`reward`, and `rewards [1]` for lib.run), the agent's `stats` (also as keys of their own, for the
+    traces) and the item. A session whose generation failed raises (lib.openai_proxy.SessionFailed),
+    which drops the group. `run_agent`: the agent, or AgentWorkers.run (the same in a worker process).
+    `train_discarded`: also train the replies the agent did not go on from; `segment_weight`: one of
+    SEGMENT_WEIGHTS."""
+    if segment_weight not in SEGMENT_WEIGHTS:
+        raise ValueError(f"segment_weight must be one of {SEGMENT_WEIGHTS}, got {segment_weight!r}")
     key = proxy.new_session(train=train)  # evaluation sessions are not trained on and sample as they ask
     try:
         result = await run_agent(proxy.session_url(key), key, item, temperature)
     finally:
-        episode = proxy.end_session(key)
+        episode = proxy.end_session(key, train_discarded=train_discarded)
+    for segment in episode["segments"]:
+        segment["row_weight"] = 1.0 / len(episode["segments"]) if segment_weight == "episode" else 1.0
     reward, stats = agent_result(result)
     if reward is None:
         reward = episode["reward"]
@@ -76,9 +92,10 @@ def mean_stats(episodes: list[dict]) -> dict:
 
 
 async def rollout_group(proxy, run_agent, item, temperature: float, group_size: int, train: bool,
-                        timeout_s: float) -> list[dict]:
+                        timeout_s: float, **credit) -> list[dict]:
     # Each episode under its deadline: one that runs past it is cancelled and fails the group.
-    return list(await asyncio.gather(*[with_deadline(arun_episode(proxy, run_agent, item, temperature, train),
+    # `credit`: arun_episode's train_discarded and segment_weight.
+    return list(await asyncio.gather(*[with_deadline(arun_episode(proxy, run_agent, item, temperature, train, **credit),
                                                      timeout_s, item) for _ in range(group_size)]))
 
 
@@ -107,6 +124,9 @@ def episode_metrics(episodes: list[dict]) -> dict:
         "segments_per_episode": float(np.mean([len(e["segments"]) for e in episodes])),
         "episodes_without_segments": sum(not e["segments"] for e in episodes),
         "trained_rows": sum(len(e["segments"]) for e in episodes if e["keep"].item()),
+        # replies the agents did not go on from (asked for again, unused choices of n > 1): not trained
+        # unless train_discarded_turns
+        "discarded_turns": int(sum(e["discarded_turns"] for e in episodes)),
         **mean_stats(episodes),
     }
 
@@ -115,8 +135,13 @@ def attach_agent(run, run_agent, start_agent=None, close_agent=None, start_args:
     """Give an open lib.run Run (rank 0) the proxy and the agent's rollouts: `start_agent(*start_args)`
     in this process and in each worker (cfg.agent_workers), `close_agent()` at the end; training
     sessions sample at cfg.temperature only (the proxy refuses another setting), evaluation ones at
-    cfg.eval_temperature."""
+    cfg.eval_temperature. What a training row is credited with: the agent Config's
+    `train_discarded_turns` (default False) and `segment_weight` (default "episode"; SEGMENT_WEIGHTS)."""
     cfg = run.cfg
+    credit = {"train_discarded": bool(getattr(cfg, "train_discarded_turns", False)),
+              "segment_weight": getattr(cfg, "segment_weight", "episode")}
+    if credit["segment_weight"] not in SEGMENT_WEIGHTS:  # before anything starts
+        raise ValueError(f"segment_weight must be one of {SEGMENT_WEIGHTS}, got {credit['segment_weight']!r}")
     workers = num_workers(cfg.agent_workers, beside_cpu_server=cfg.server == "cpu")
     proxy = OpenAIProxy(run.client, run.tokenizer, stop_token_ids=cfg.stop_token_ids,
                         max_context_tokens=cfg.max_tokens, default_max_tokens=cfg.max_new_tokens_per_turn,
@@ -137,5 +162,5 @@ def attach_agent(run, run_agent, start_agent=None, close_agent=None, start_args:
     agent = pool.run if pool else run_agent
     run.task["proxy"] = proxy
     run.rollout_group = lambda item, temperature, group_size: rollout_group(
-        proxy, agent, item, temperature, group_size, True, run.cfg.episode_timeout_s)
+        proxy, agent, item, temperature, group_size, True, run.cfg.episode_timeout_s, **credit)
     run.evaluate = lambda items: evaluate(proxy, agent, items, run.cfg.eval_temperature, run.cfg.episode_timeout_s)

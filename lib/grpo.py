@@ -135,7 +135,7 @@ def ppo_loss(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, behaviour_
              eps_clip_high: float = 0.28, agg: str = "token-mean", behaviour_weight_cap: float | None = None,
              behaviour_cap_mode: str = "truncate", ref_logprobs: torch.Tensor | None = None, kl_coef: float = 0.0, entropy: torch.Tensor | None = None,
              total_loss_tokens: float | None = None, total_loss_seqs: float | None = None,
-             norm_tokens: float | None = None):
+             norm_tokens: float | None = None, row_weights: torch.Tensor | None = None):
     """Decoupled PPO-clip loss (AReaL's form): returns `(loss scalar, stats dict of floats)`.
 
     All token tensors are `[B, T]`; `advantages` is `[B]` (one per sequence) or `[B, T]`.
@@ -156,6 +156,13 @@ def ppo_loss(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, behaviour_
     a sequence's length nor the batch's token count scales its tokens' gradient. The denominators
     default to this batch's; pass the whole batch's counts when it is split into micro-batches so that
     the accumulated gradient equals the one-big-batch gradient exactly.
+
+    `row_weights` `[B]` (default 1 each), for the per-sequence aggregations: each row's term is
+    multiplied by its weight and the sequence count is the sum of the weights of the rows that have
+    loss tokens (`total_loss_seqs` then is that sum over the whole batch). An agent's episode of k
+    rows (segments) weighing 1/k each then counts once, as an episode of one row does
+    (lib/agent_episode.py). "token-mean" weighs every token alike and ignores them: there an
+    episode's weight is its token count, however its tokens are split into rows.
     """
     if agg not in LOSS_AGGS:
         raise ValueError(f"agg must be one of {LOSS_AGGS}, got {agg!r}")
@@ -190,17 +197,19 @@ def ppo_loss(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, behaviour_
     if agg == "token-mean":
         denom = mask.sum() if total_loss_tokens is None else total_loss_tokens
         loss = (per_token * mask).sum() / max(float(denom), 1.0)
-    elif agg == "seq-mean-token-mean":
-        tokens_per_seq = mask.sum(dim=1)
-        seq_means = (per_token * mask).sum(dim=1) / tokens_per_seq.clamp(min=1.0)
-        denom = (tokens_per_seq > 0).sum() if total_loss_seqs is None else total_loss_seqs
-        loss = seq_means.sum() / max(float(denom), 1.0)
     else:
-        if not norm_tokens:
-            raise ValueError("seq-mean-token-sum-norm needs norm_tokens, the constant token count per sequence "
-                             "(e.g. the episode's context budget, max_tokens)")
-        seqs = (mask.sum(dim=1) > 0).sum() if total_loss_seqs is None else total_loss_seqs
-        loss = (per_token * mask).sum() / (max(float(seqs), 1.0) * float(norm_tokens))
+        tokens_per_seq = mask.sum(dim=1)
+        weights = torch.ones_like(tokens_per_seq) if row_weights is None else row_weights.to(mask.dtype)
+        seqs = (weights * (tokens_per_seq > 0)).sum() if total_loss_seqs is None else total_loss_seqs
+        seqs = float(seqs) if float(seqs) > 0 else 1.0  # weighted: a sum below 1 is a real count, not a guard
+        if agg == "seq-mean-token-mean":
+            seq_means = (per_token * mask).sum(dim=1) / tokens_per_seq.clamp(min=1.0)
+            loss = (seq_means * weights).sum() / seqs
+        else:
+            if not norm_tokens:
+                raise ValueError("seq-mean-token-sum-norm needs norm_tokens, the constant token count per sequence "
+                                 "(e.g. the episode's context budget, max_tokens)")
+            loss = ((per_token * mask).sum(dim=1) * weights).sum() / (seqs * float(norm_tokens))
 
     with torch.no_grad():
         on = mask.bool()

@@ -25,9 +25,11 @@ request's tokens: the sampled tokens stay as they were, only the new messages ar
 rewrote its history, changed its tools, or asked twice from the same point) starts a new segment,
 rendered by the chat template, where only the new reply is trained on. So every sampled token is in
 exactly one segment with loss_mask 1 and the log-prob the server reported for it. Each segment is a
-training sequence with the episode's reward. A turn is recorded only as its answer is handed to the
-client: a client that disconnects cancels its generation, and a reply that fails to build is a 500
-that records nothing (docs/reliability.md has the limits on hostile requests).
+training sequence with the episode's reward; replies the agent did not go on from (one it asked for
+again, the unused choices of `n` > 1) are cut out of them by end_session (`discarded_turns`). A turn
+is recorded only as its answer is handed to the client: a client that disconnects cancels its
+generation, and a reply that fails to build is a 500 that records nothing (docs/reliability.md has
+the limits on hostile requests).
 """
 import array
 import asyncio
@@ -51,7 +53,7 @@ from lib.chat_format import (LONE_SURROGATE, LONG_TEXT_CHARS, ChatFormatError, P
 from lib.client import GenerationAborted, InferenceServerError
 from lib.cpu_engine import MAX_STOP_CHARS
 from lib.http_body import BadRequest, body_too_large, lone_surrogate, parse_json_body, read_body
-from lib.reply_stream import ReplyText
+from lib.reply_stream import THINK_START, ReplyText, split_reasoning
 
 # Request fields accepted and ignored (they do not change sampling), in every API.
 _IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier"}
@@ -72,12 +74,27 @@ class _Segment:
         # The template's text of the conversation before its latest state's reply, through the last end
         # of turn (None if unknown): a request that continues that state renders only its own messages.
         self.rendered: str | None = None
+        self.turn_ends: dict[int, _Turn] = {}  # token count after each recorded turn -> that turn
+
+
+class _Turn:
+    """One recorded reply: where its sampled tokens are (`segment.ids[start:end]`), the turn whose
+    state its request continued (`parent`, None for a fresh rendering), its request's prompt as the
+    template saw it (`context`), the request's order among the session's recorded ones and its choice
+    index. What end_session needs to tell the replies the agent went on from from those it discarded."""
+    __slots__ = ("segment", "start", "end", "parent", "context", "request", "choice")
+
+    def __init__(self, segment, start, end, parent, context, request, choice):
+        self.segment, self.start, self.end, self.parent = segment, start, end, parent
+        self.context, self.request, self.choice = context, request, choice
 
 
 class _Session:
     def __init__(self, key: str, train: bool):
         self.key, self.train = key, train
         self.segments: list[_Segment] = []
+        self.turns: list[_Turn] = []  # in the order they were recorded
+        self.recorded_requests = 0
         self.reward = None
         self.error = None
         self.stats = {"requests": 0, "completion_tokens": 0, "tool_calls": 0, "tool_call_parse_failures": 0,
@@ -268,21 +285,34 @@ class OpenAIProxy:
         API key: `http://127.0.0.1:PORT/s/<key>/v1`."""
         return f"http://{self.host}:{self.port}/s/{key}/v1"
 
-    def end_session(self, key: str) -> dict:
+    def end_session(self, key: str, train_discarded: bool = False) -> dict:
         """The episode: `segments` (trajectory dicts of [1, T] tensors: input_ids, loss_mask,
-        logprobs, versions, attention_mask; segments without a sampled token are left out), the
-        `reward` posted to /agentrl/reward (None if none was) and the session's counts. Raises
-        SessionFailed if a generation of the session failed."""
+        logprobs, versions, attention_mask; segments without a trained token are left out), the
+        `reward` posted to /agentrl/reward (None if none was) and the session's counts, among them
+        `discarded_turns`, how many replies the agent did not go on from (a retry's superseded reply,
+        the unused choices of an `n` > 1 request: `discarded_turns()`). Those are not trained on
+        (a segment ends before its first one) unless `train_discarded`. Raises SessionFailed if a
+        generation of the session failed."""
         session = self.sessions.pop(key)
         self.client.end_trajectory(key)
         if session.error is not None:
             raise SessionFailed(f"a generation of session {key} failed: {session.error}")
+        discarded = discarded_turns(session.turns)
+        ends = {}  # per segment: where its kept part ends (discarded turns of a segment are its last ones)
+        for turn in discarded if not train_discarded else []:
+            ends[id(turn.segment)] = min(ends.get(id(turn.segment), turn.start), turn.start)
         t = lambda xs, dtype: torch.tensor([xs], dtype=dtype)  # noqa: E731
-        segments = [{"input_ids": t(s.ids, torch.long), "loss_mask": t(s.mask, torch.long),
-                     "logprobs": t(s.logprobs, torch.float32), "versions": t(s.versions, torch.long),
-                     "attention_mask": torch.ones(1, len(s.ids), dtype=torch.long)}
-                    for s in session.segments if any(s.mask)]
-        return {"segments": segments, "reward": session.reward, **session.stats}
+        segments = []
+        for s in session.segments:
+            n = ends.get(id(s), len(s.ids))
+            while n < len(s.ids) and n and not s.mask[n - 1]:  # cut: the prompt of its first discarded reply goes too
+                n -= 1
+            if any(s.mask[:n]):
+                segments.append({"input_ids": t(s.ids[:n], torch.long), "loss_mask": t(s.mask[:n], torch.long),
+                                 "logprobs": t(s.logprobs[:n], torch.float32),
+                                 "versions": t(s.versions[:n], torch.long),
+                                 "attention_mask": torch.ones(1, n, dtype=torch.long)})
+        return {"segments": segments, "reward": session.reward, **session.stats, "discarded_turns": len(discarded)}
 
     # --- handlers: an answer is (status, a JSON object | server-sent events as bytes, record), whichever transport ---
     def _session_of(self, authorization: str) -> _Session:
@@ -486,8 +516,8 @@ class OpenAIProxy:
             raise
         if first is None and task.exception() is not None:
             raise task.exception()
-        thinking = None if "prompt_text" in params else self._opens_thinking(plan["prompt"])
-        texts = [ReplyText(self.tokenizer, stop=params["stop"], parse_tools=params["parse_tools"], thinking=thinking)
+        texts = [ReplyText(self.tokenizer, stop=params["stop"], parse_tools=params["parse_tools"],
+                           thinking=self._opens_thinking(params, plan))
                  for _ in range(params["n"])]
         return _Events(self._events(session, params, plan, api, task, runs, first, texts), task)
 
@@ -513,7 +543,7 @@ class OpenAIProxy:
                     yield _sse(events), None
                 run = await runs.get()
             try:
-                turns = [self._reply(params, gen) for gen in task.result()]
+                turns = [self._reply(params, plan, gen) for gen in task.result()]
             except _Refused as e:  # OpenAI's error event; the SDKs raise it as an APIError
                 yield _sse([_error(e.status, str(e))[1]]), None
                 return
@@ -526,9 +556,12 @@ class OpenAIProxy:
         finally:
             task.cancel()
 
-    def _opens_thinking(self, prompt: list[int]) -> bool:
-        """Did the chat template open `<think>` at the end of the prompt (the reply starts inside it)?"""
-        return self.tokenizer.decode(prompt[-4:]).rstrip().endswith(_THINK_START)
+    def _opens_thinking(self, params: dict, plan: dict) -> bool | None:
+        """Did the chat template open `<think>` at the end of the prompt (the reply starts inside it)?
+        None for a text completion (its reply is never split into reasoning and content)."""
+        if "prompt_text" in params:
+            return None
+        return self.tokenizer.decode(plan["prompt"][-4:]).rstrip().endswith(THINK_START)
 
     # --- the request's fields ---
     def _read_params(self, session: _Session, body, fields: dict) -> dict:
@@ -653,7 +686,7 @@ class OpenAIProxy:
             gens = await self._sample(session, params, plan)
         finally:
             release()
-        return plan, [self._reply(params, gen) for gen in gens]
+        return plan, [self._reply(params, plan, gen) for gen in gens]
 
     async def _sample(self, session: _Session, params: dict, plan: dict, on_tokens=None) -> list:
         """The request's `n` generations; `on_tokens(i, ids, logprobs, tops)` streams sample i's
@@ -807,17 +840,15 @@ class OpenAIProxy:
                              f"{self.max_prompt_chars} with this tokenizer", param="messages",
                         code="context_length_exceeded")
 
-    def _reply(self, params: dict, gen) -> dict:
+    def _reply(self, params: dict, plan: dict, gen) -> dict:
         """A generation read as a turn: the assistant `message` (and `text`, for /v1/completions), its
         `finish` reason and `logprobs` entries for the answer, and what _record keeps. Changes nothing."""
         out = gen.output_ids
         text = self.tokenizer.decode(out, skip_special_tokens=True)
         if gen.finish_reason == "stop" and isinstance(gen.matched, str) and gen.matched in text:
             text = text[:text.find(gen.matched)]  # OpenAI leaves the stop sequence out of the content
-        reasoning, answer = None, text
-        if "prompt_text" not in params and _THINK_END in text:  # a model that thinks in <think> tags
-            reasoning, _, answer = text.partition(_THINK_END)
-            reasoning, answer = reasoning.removeprefix(_THINK_START).strip(), answer.lstrip()
+        # A model that thinks in <think> tags: the rule the stream follows too (lib/reply_stream.py)
+        reasoning, answer = split_reasoning(text, self._opens_thinking(params, plan))
         content, calls = parse_tool_calls(answer) if params["parse_tools"] else (answer, None)
         parse_failed = params["parse_tools"] and calls is None and "<tool_call>" in answer
         closed = bool(out) and out[-1] in self.stop_token_ids
@@ -845,14 +876,16 @@ class OpenAIProxy:
                 for t, lp, top in zip(ids, logprobs, tops if tops is not None else itertools.repeat(None))]
 
     def _record_all(self, session: _Session, plan: dict, turns: list[dict]):
-        for turn in turns:  # the first continues the record in place (when it can); the others fork
-            self._record(session, plan, turn)
+        session.recorded_requests += 1
+        for choice, turn in enumerate(turns):  # the first continues the record in place (when it can); the others fork
+            self._record(session, plan, turn, choice)
 
-    def _record(self, session: _Session, plan: dict, turn: dict):
+    def _record(self, session: _Session, plan: dict, turn: dict, choice: int = 0):
         """Keep a turn whose answer was sent: its tokens, the session's counts, the state it leaves."""
         gen = turn["gen"]
         out = list(gen.output_ids)
         segment = plan["segment"]
+        parent = segment.turn_ends.get(plan["prefix"]) if segment is not None else None
         if segment is not None and plan["in_place"] and len(segment.ids) == plan["prefix"]:
             n = len(plan["delta"])
             segment.ids += plan["delta"]
@@ -866,6 +899,7 @@ class OpenAIProxy:
             segment = _Segment(list(prompt), [0] * len(prompt), [0.0] * len(prompt), [-1] * len(prompt))
             session.segments.append(segment)
             session.stats["new_segments"] += 1
+        start = len(segment.ids)
         segment.ids += out
         segment.mask += [1] * len(out)
         segment.logprobs += list(gen.logprobs)
@@ -875,11 +909,43 @@ class OpenAIProxy:
         session.stats["tool_calls"] += len(turn["message"].get("tool_calls", []))
         session.stats["tool_call_parse_failures"] += turn["parse_failed"]
         session.stats["length_cut"] += turn["finish"] == "length"
+        context = plan["text"] if plan["text"] is not None else (plan["keys"], plan["tools_key"])
+        recorded = _Turn(segment, start, len(segment.ids), parent, context, session.recorded_requests, choice)
+        session.turns.append(recorded)
+        segment.turn_ends[len(segment.ids)] = recorded
         if plan["text"] is not None:
             segment.text_states.append((plan["text"] + turn["text"], len(segment.ids)))
         else:
             segment.states.append((plan["keys"] + (turn["key"],), plan["tools_key"], len(segment.ids), turn["closed"]))
             segment.rendered = plan["rendered"] if self.end_of_turn in (plan["rendered"] or "") else None
+
+
+def discarded_turns(turns: list[_Turn]) -> list[_Turn]:
+    """The replies of a session the agent did not go on from (docs/openai_proxy.md, "What is
+    trained"). Replies sampled for the same prompt (the same messages and tools, or the same text
+    prompt, continuing the same reply) are alternatives: the `n` choices of one request, or a request
+    sent again. Of each set the agent kept the one it went on from last (whose later requests
+    continue it most recently); if it went on from none, the latest request's first choice (what an
+    SDK's `choices[0]` reads). The others are discarded, and with them every reply whose
+    conversation continued one of them. Replies to different prompts (another question, a sub-agent,
+    a rewritten history) are never alternatives: each is kept."""
+    latest = {id(t): t.request for t in turns}  # the latest request in each turn's subtree
+    for t in reversed(turns):  # a reply is always recorded after the one it continues
+        if t.parent is not None:
+            latest[id(t.parent)] = max(latest[id(t.parent)], latest[id(t)])
+    alternatives: dict = collections.defaultdict(list)
+    for t in turns:
+        alternatives[(id(t.parent), t.context)].append(t)
+    superseded = set()
+    for group in alternatives.values():
+        if len(group) > 1:
+            kept = max(group, key=lambda t: (latest[id(t)], -t.choice))
+            superseded.update(id(t) for t in group if t is not kept)
+    gone = set()
+    for t in turns:
+        if id(t) in superseded or (t.parent is not None and id(t.parent) in gone):
+            gone.add(id(t))
+    return [t for t in turns if id(t) in gone]
 
 
 # --- what each API reads; helpers of the three APIs ---
@@ -917,7 +983,6 @@ _RESPONSES_FIELDS = {
                 "prompt_cache_retention": ()},
     "max_tokens": ("max_output_tokens",), "flat_tools": True}
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_THINK_START, _THINK_END = "<think>", "</think>"
 
 
 def _read_tools(tools, flat: bool) -> list[dict] | None:

@@ -2,7 +2,7 @@
 choice of lib/openai_proxy.py, so that its deltas, joined, are the text the finished reply gives.
 
 The finished reply is read by rules that look ahead (a stop string is left out, `</think>` splits
-reasoning from content, a `<tool_call>` block becomes a tool call and the content around it is
+the reasoning of a reply that thinks from its content, `split_reasoning`, a `<tool_call>` block becomes a tool call and the content around it is
 stripped). So the text of the tokens so far is sent only up to where no later token can change
 it: a tail that may begin a stop string or a tag, an incomplete UTF-8 character, whitespace that
 a strip may drop, and everything after a `<tool_call>` wait for more tokens, or for the end,
@@ -17,6 +17,24 @@ where `finish` sends what the finished reply has beyond what was sent.
 """
 THINK_START, THINK_END = "<think>", "</think>"
 TOOL_CALL_START = "<tool_call>"
+
+
+def thinks(text: str, thinking: bool | None) -> bool:
+    """Does this reply think: the prompt opened `<think>` (`thinking`), or the reply begins with it?
+    None: a text completion, which never does."""
+    return thinking is not None and (thinking or text.startswith(THINK_START))
+
+
+def split_reasoning(text: str, thinking: bool | None) -> tuple[str | None, str]:
+    """(reasoning, content) of a finished reply's text, the one rule a plain answer and a stream
+    (ReplyText, whose deltas join into these) both follow. A reply that thinks (`thinks`) has as
+    reasoning its text before `</think>`, stripped, and as content what follows it; cut before
+    `</think>` (by max_tokens or a stop string), all of it is reasoning and the content is empty. A
+    reply that does not think has no reasoning (None): a `</think>` in it is text of its content."""
+    if not thinks(text, thinking):
+        return None, text
+    reasoning, _, answer = text.partition(THINK_END)
+    return reasoning.removeprefix(THINK_START).strip(), answer.lstrip()
 
 
 def until(text: str, tag: str) -> str:
@@ -87,14 +105,13 @@ class ReplyText:
         return self._deltas(reasoning or "", content or "")
 
     def _sendable(self, text: str) -> tuple[str, str]:
-        """(reasoning, content) of the finished reply that `text` already fixes."""
+        """(reasoning, content) of the finished reply that `text` already fixes (split_reasoning's rule)."""
         if self.thinking is None:
             return "", text
         if not self.thinking and THINK_START.startswith(text[:len(THINK_START)]):
             if len(text) < len(THINK_START):
                 return "", ""  # may yet be "<think>": wait
-        thinking = self.thinking or text.startswith(THINK_START)
-        if thinking:
+        if thinks(text, self.thinking):
             reasoning, closed, answer = text.partition(THINK_END)
             if not closed:  # stripped at the end: leading whitespace goes now, trailing waits
                 return until(reasoning.removeprefix(THINK_START), THINK_END).strip(), ""

@@ -540,6 +540,9 @@ def rollout_step(run: Run, episode_metrics: Callable[[list], dict],
         row_episode = torch.tensor([i for i, _ in rows], dtype=torch.long)
         full = concat_padded_tensors([{k: row[k] for k in TRAJECTORY_KEYS} for _, row in rows])
         full["rewards"], full["advantages"], row_keep = rewards[row_episode], advantages[row_episode], keep[row_episode]
+        # Each row's weight in the per-sequence loss_aggs (lib.grpo.ppo_loss): an agent's episode of k
+        # segments gives each 1/k by default, so that it counts once (lib/agent_episode.py); 1 otherwise.
+        full["row_weights"] = torch.tensor([float(row.get("row_weight", 1.0)) for _, row in rows])
         batch = {k: v[row_keep] for k, v in full.items()} if rows else {}
         # a token's staleness: the version this step trains at minus the version that sampled it
         token_staleness = (run.version - full["versions"])[full["loss_mask"].bool()].float() if rows else torch.zeros(0)

@@ -135,22 +135,25 @@ def test_entropy_is_that_of_the_next_token_distribution(model):
     assert entropy[0, 1:].tolist() == pytest.approx(expected.tolist(), abs=1e-5)
 
 
+@pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
-def test_micro_batch_gradients_accumulate_to_the_full_batch_gradient(model_dir, agg):
+def test_micro_batch_gradients_accumulate_to_the_full_batch_gradient(model_dir, agg, weighted):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     batch = make_batch([6, 3, 5, 4], advantages=[1.0, -0.5, 0.25, -1.0])
     proximal = batch["logprobs"] + 0.01
+    weights = torch.tensor([1 / 3, 1 / 3, 1.0, 1 / 3]) if weighted else None  # rows 0, 1, 3: one episode's
 
     def loss_of(rows, **totals):
         lp = compute_logprobs(model, batch["input_ids"][rows], batch["attention_mask"][rows])
         return ppo_loss(lp, proximal[rows], batch["logprobs"][rows], batch["advantages"][rows],
-                        batch["loss_mask"][rows], agg=agg, norm_tokens=16, **totals)[0]
+                        batch["loss_mask"][rows], agg=agg, norm_tokens=16,
+                        row_weights=weights[rows] if weighted else None, **totals)[0]
 
     model.zero_grad()
     loss_of([0, 1, 2, 3]).backward()
     full = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    totals = {"total_loss_tokens": float(batch["loss_mask"].sum()), "total_loss_seqs": 4.0}
+    totals = {"total_loss_tokens": float(batch["loss_mask"].sum()), "total_loss_seqs": 2.0 if weighted else 4.0}
     for rows in ([0, 2], [1], [3]):
         loss_of(rows, **totals).backward()
     for g_full, p in zip(full, model.parameters()):
@@ -169,6 +172,21 @@ def test_actor_updates_on_a_fixed_batch_lower_the_loss_and_move_logprobs_with_th
     assert (change[:2] > 0).all() and (change[2:] < 0).all()
     assert losses[0] == pytest.approx(-(2 * 4 - 2 * 3) / 14)  # ratio 1 at the start: -mean(A) per token
     assert losses[2] < losses[1] < losses[0]
+
+
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_row_weights_reach_the_loss_and_the_sequence_count_is_their_sum(model_dir, agg):
+    # rows 0 and 1: one episode's two segments (A = 1), row 2 another episode (A = -1); at ratio 1 the
+    # loss is minus each row's A (its token mean, or sum / 16) times its weight, over the weights' sum
+    batch = make_batch([6, 4, 5], advantages=[1.0, 1.0, -1.0])
+    actor = Actor(model_dir, lr=0.0, loss_agg=agg, loss_norm_tokens=16)
+    batch["logprobs"] = actor.compute_logprobs(batch)
+    per_row = [1.0, 1.0, 1.0] if agg == "seq-mean-token-mean" else [4 / 16, 2 / 16, 3 / 16]  # 6, 4, 5 - 2 prompt
+    assert actor.update(batch)["loss"] == pytest.approx(-(per_row[0] + per_row[1] - per_row[2]) / 3, abs=1e-6)
+    weighted = actor.update({**batch, "row_weights": torch.tensor([0.5, 0.5, 1.0])})["loss"]
+    assert weighted == pytest.approx(-(0.5 * per_row[0] + 0.5 * per_row[1] - per_row[2]) / 2, abs=1e-6)
+    with pytest.raises(ValueError, match="row_weights"):
+        actor.update({**batch, "row_weights": torch.tensor([0.5, 0.0, 1.0])})
 
 
 @pytest.mark.parametrize("offload", [False, True])

@@ -230,6 +230,34 @@ def test_seq_mean_token_mean_weights_each_sequence_equally():
     assert seq_mean.item() == pytest.approx((-1 + 1) / 2)
 
 
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_row_weights_of_one_over_k_make_an_episode_of_k_rows_count_once_in_the_per_sequence_losses(agg):
+    # rows 0 and 1: one episode's two segments (A = 1); row 2: another episode's one row (A = -1)
+    lp = torch.zeros(3, 4)
+    mask = torch.tensor([[0, 1, 0, 0], [0, 1, 1, 0], [0, 1, 1, 1]])
+    adv = torch.tensor([1.0, 1.0, -1.0])
+    kw = {"agg": agg, "norm_tokens": 8}
+    unweighted, _ = ppo_loss(lp, lp, lp, adv, mask, **kw)
+    weighted, _ = ppo_loss(lp, lp, lp, adv, mask, row_weights=torch.tensor([0.5, 0.5, 1.0]), **kw)
+    if agg == "seq-mean-token-mean":  # per row its token mean of -A; sequences counted by their weights
+        assert unweighted.item() == pytest.approx((-1 - 1 + 1) / 3)  # the two-segment episode weighs twice
+        assert weighted.item() == pytest.approx((0.5 * -1 + 0.5 * -1 + 1) / 2)  # each episode once: 0
+    else:  # per row its token sum of -A over the constant 8
+        assert unweighted.item() == pytest.approx((-1 - 2 + 3) / (3 * 8))
+        assert weighted.item() == pytest.approx((0.5 * -1 + 0.5 * -2 + 3) / (2 * 8))
+    ones, _ = ppo_loss(lp, lp, lp, adv, mask, row_weights=torch.ones(3), **kw)
+    assert ones.item() == pytest.approx(unweighted.item())  # weights of 1 change nothing
+
+
+def test_token_mean_ignores_row_weights_every_token_weighs_alike():
+    lp = torch.zeros(3, 4)
+    mask = torch.tensor([[0, 1, 0, 0], [0, 1, 1, 0], [0, 1, 1, 1]])
+    adv = torch.tensor([1.0, 1.0, -1.0])
+    plain, _ = ppo_loss(lp, lp, lp, adv, mask, agg="token-mean")
+    weighted, _ = ppo_loss(lp, lp, lp, adv, mask, agg="token-mean", row_weights=torch.tensor([0.5, 0.5, 1.0]))
+    assert weighted.item() == plain.item() == pytest.approx((-3 + 3) / 6)
+
+
 def test_a_mismatch_past_the_documented_thresholds_gives_a_warning_and_bf16_noise_does_not():
     assert mismatch_warning({"mismatch_kl_k3": 0.0018, "behaviour_capped_fraction": 0.0002}) is None
     assert mismatch_warning({}) is None

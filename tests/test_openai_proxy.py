@@ -187,7 +187,7 @@ def test_asking_twice_from_the_same_point_forks_a_segment_that_trains_only_its_n
             history = [user("Q"), {"role": "assistant", "content": a.choices[0].message.content}, user("Again")]
             await llm.chat.completions.create(model="policy", messages=history)
             await llm.chat.completions.create(model="policy", messages=history)  # a second sample, same context
-        return proxy.end_session(key)
+        return proxy.end_session(key, train_discarded=True)  # B, which C replaces, is trained too
 
     script = [Reply("A.", eos=True), Reply("B.", eos=True), Reply("C.", eos=True)]
     episode, server = run_agent(tokenizer, script, agent)
@@ -204,12 +204,92 @@ def test_concurrent_requests_on_one_conversation_fork_instead_of_interleaving(to
             a = await llm.chat.completions.create(model="policy", messages=[user("Q")])
             history = [user("Q"), {"role": "assistant", "content": a.choices[0].message.content}, user("Next")]
             await asyncio.gather(*[llm.chat.completions.create(model="policy", messages=history) for _ in range(2)])
-        return proxy.end_session(key)
+        return proxy.end_session(key, train_discarded=True)  # two samples of one prompt: both trained
 
     script = [Reply("A.", eos=True), Reply("B.", eos=True, delay_s=0.2), Reply("C.", eos=True, delay_s=0.2)]
     episode, server = run_agent(tokenizer, script, agent)
     assert len(episode["segments"]) == 2
     assert sorted(sampled(episode["segments"])[0]) == sorted(served(server)[0])
+
+
+# --- what is trained: the replies the agent went on from ---
+def assistant(reply):
+    return {"role": "assistant", "content": reply.choices[0].message.content}
+
+
+def answers(server, *indices):
+    return [t for i in indices for t in server.answers[i]["output_ids"]]
+
+
+def test_a_reply_asked_for_again_is_not_trained_and_the_one_the_agent_went_on_from_is(tokenizer):
+    async def agent(proxy):
+        key = proxy.new_session()
+        async with sdk(proxy, key) as llm:
+            a = await llm.chat.completions.create(model="policy", messages=[user("Q")])
+            history = [user("Q"), assistant(a), user("Again")]
+            await llm.chat.completions.create(model="policy", messages=history)  # B: the agent throws it away
+            c = await llm.chat.completions.create(model="policy", messages=history)  # and asks again
+            await llm.chat.completions.create(model="policy", messages=history + [assistant(c), user("Thanks")])
+        return proxy.end_session(key)
+
+    script = [Reply("A.", eos=True), Reply("B.", eos=True), Reply("C.", eos=True), Reply("D.", eos=True)]
+    episode, server = run_agent(tokenizer, script, agent)
+    assert sampled(episode["segments"])[0] == answers(server, 0, 2, 3)  # A, then C and D: B is not trained
+    assert episode["discarded_turns"] == 1 and episode["requests"] == 4
+    first, fork = episode["segments"]
+    # the first segment ends with A (B and the prompt it was sampled for are cut); the fork goes on from C
+    assert first["input_ids"][0].tolist() == server.requests[0]["input_ids"] + answers(server, 0)
+    assert fork["input_ids"][0].tolist()[:len(server.requests[3]["input_ids"])] == server.requests[3]["input_ids"]
+    assert first["loss_mask"][0].tolist()[-1] == 1
+
+
+def test_a_branch_the_agent_went_back_from_is_not_trained_with_every_reply_that_continued_it(tokenizer):
+    async def agent(proxy):
+        key = proxy.new_session()
+        async with sdk(proxy, key) as llm:
+            a = await llm.chat.completions.create(model="policy", messages=[user("Q")])
+            history = [user("Q"), assistant(a), user("Go on")]
+            b = await llm.chat.completions.create(model="policy", messages=history)
+            await llm.chat.completions.create(model="policy", messages=history + [assistant(b), user("More")])  # C
+            b2 = await llm.chat.completions.create(model="policy", messages=history)  # back to before B
+            await llm.chat.completions.create(model="policy", messages=history + [assistant(b2), user("Done?")])
+        return proxy.end_session(key)
+
+    script = [Reply(f"{x}.", eos=True) for x in ("A", "B", "C", "B2", "D")]
+    episode, server = run_agent(tokenizer, script, agent)
+    assert sampled(episode["segments"])[0] == answers(server, 0, 3, 4)  # A, B2, D: B and C (which continued B) not
+    assert episode["discarded_turns"] == 2
+
+
+def test_replies_to_different_prompts_are_all_trained_and_the_alternatives_can_be_kept(tokenizer):
+    async def agent(proxy, train_discarded):
+        key = proxy.new_session()
+        async with sdk(proxy, key) as llm:
+            a = await llm.chat.completions.create(model="policy", messages=[user("Q")])
+            for follow_up in ("Why?", "When?", "When?"):  # two questions from one point, the second asked twice
+                await llm.chat.completions.create(model="policy", messages=[user("Q"), assistant(a), user(follow_up)])
+            await llm.chat.completions.create(model="policy", messages=[user("A sub-agent's own question")])
+        return proxy.end_session(key, train_discarded=train_discarded)
+
+    script = [Reply(f"{x}.", eos=True) for x in ("A", "B", "C", "C2", "E")]
+    for train_discarded, trained in ((False, (0, 1, 3, 4)), (True, (0, 1, 2, 3, 4))):
+        episode, server = run_agent(tokenizer, script, lambda proxy: agent(proxy, train_discarded))
+        assert sorted(sampled(episode["segments"])[0]) == sorted(answers(server, *trained))
+        assert episode["discarded_turns"] == 1  # C, asked for again: counted whether it is trained or not
+
+
+def test_a_text_completion_asked_for_again_is_not_trained(tokenizer):
+    async def agent(proxy):
+        key = proxy.new_session()
+        async with sdk(proxy, key) as llm:
+            await llm.completions.create(model="policy", prompt="Q:")
+            b = await llm.completions.create(model="policy", prompt="Q:")
+            await llm.completions.create(model="policy", prompt="Q:" + b.choices[0].text + " And?")
+        return proxy.end_session(key)
+
+    script = [Reply(" A.", eos=True), Reply(" B.", eos=True), Reply(" C.", eos=True)]
+    episode, server = run_agent(tokenizer, script, agent)
+    assert sampled(episode["segments"])[0] == answers(server, 1, 2) and episode["discarded_turns"] == 1
 
 
 def test_concurrent_sessions_are_recorded_apart(tokenizer):

@@ -242,8 +242,9 @@ def test_a_streamed_reply_that_is_only_a_tool_call_carries_its_logprobs(tokenize
 
 
 # --- 4. n samples, errors on every route, tool validation ---
+@pytest.mark.parametrize("train_discarded", [False, True])
 @pytest.mark.parametrize("stream", [False, True])
-def test_n_samples_are_n_choices_each_recorded_as_its_own_segment(tokenizer, stream):
+def test_n_samples_are_n_choices_each_recorded_as_its_own_segment(tokenizer, stream, train_discarded):
     async def agent(proxy):
         key = proxy.new_session()
         async with openai.AsyncOpenAI(base_url=proxy.url, api_key=key, max_retries=0) as llm:
@@ -259,17 +260,35 @@ def test_n_samples_are_n_choices_each_recorded_as_its_own_segment(tokenizer, str
             # the agent goes on with the second sample: that segment continues
             follow = await llm.chat.completions.create(model="policy", messages=[
                 user("Q"), {"role": "assistant", "content": texts[1]}, user("More")])
-        return texts, follow.choices[0].message.content, proxy.end_session(key)
+        return texts, follow.choices[0].message.content, proxy.end_session(key, train_discarded=train_discarded)
 
     script = [Reply("one", eos=True), Reply("two", eos=True), Reply("three", eos=True), Reply("four", eos=True)]
     (texts, follow, episode), server = scripted(tokenizer, script, agent)
     assert sorted(texts) == ["one", "three", "two"] and follow == "four"
     assert sorted(b["sampling_params"]["sampling_seed"] for b in server.requests[:3]) == [7, 8, 9]
-    assert len(episode["segments"]) == 3 and episode["requests"] == 4
+    assert episode["requests"] == 4 and episode["discarded_turns"] == 2  # the choices the agent did not go on from
     ids, _ = trained(episode)
-    assert sorted(ids) == sorted(t for a in server.answers for t in a["output_ids"])  # each sampled token once
     continued = [s for s in episode["segments"] if tokenizer.decode(s["input_ids"][0]).endswith("four<|im_end|>")]
     assert len(continued) == 1 and f"{texts[1]}<|im_end|>" in tokenizer.decode(continued[0]["input_ids"][0])
+    if train_discarded:
+        assert len(episode["segments"]) == 3
+        assert sorted(ids) == sorted(t for a in server.answers for t in a["output_ids"])  # each sampled token once
+    else:  # only the conversation the agent went on with: its choice, then the follow-up
+        assert len(episode["segments"]) == 1
+        assert tokenizer.decode(ids) == f"{texts[1]}<|im_end|>four<|im_end|>"
+
+
+def test_of_n_samples_the_agent_goes_on_from_none_of_the_first_choice_alone_is_trained(tokenizer):
+    async def agent(proxy):
+        key = proxy.new_session()
+        async with openai.AsyncOpenAI(base_url=proxy.url, api_key=key, max_retries=0) as llm:
+            reply = await llm.chat.completions.create(model="policy", messages=[user("Q")], n=3, seed=7)
+        return reply.choices[0].message.content, proxy.end_session(key)
+
+    script = [Reply("one", eos=True), Reply("two", eos=True), Reply("three", eos=True)]
+    (first, episode), _ = scripted(tokenizer, script, agent)
+    [segment] = episode["segments"]  # what an SDK's `choices[0]` reads: the choice an agent takes
+    assert tokenizer.decode(trained(episode)[0]) == f"{first}<|im_end|>" and episode["discarded_turns"] == 2
 
 
 def test_every_path_and_method_answers_in_openais_error_shape(tokenizer):

@@ -63,7 +63,7 @@ def test_a_streamed_chat_reply_joins_into_the_plain_reply(tokenizer, name, incre
             stream = await llm.chat.completions.create(model="policy", messages=[user("Q")], logprobs=True,
                                                        stream=True, **fields)
             chunks = [c async for c in stream]
-        return whole, chunks, proxy.end_session(key)
+        return whole, chunks, proxy.end_session(key, train_discarded=True)  # the same prompt twice: both trained
 
     (whole, chunks, episode), server = run(tokenizer, [Reply(text, eos=True)] * 2, agent, incremental)
     assert joined(chunks) == {**plain(whole), "logprobs": joined(chunks)["logprobs"]}
@@ -73,6 +73,42 @@ def test_a_streamed_chat_reply_joins_into_the_plain_reply(tokenizer, name, incre
         [row[0] for row in server.answers[1]["meta_info"]["output_token_logprobs"]])
     ids, _ = sampled(episode["segments"])
     assert ids == server.answers[0]["output_ids"] + server.answers[1]["output_ids"]  # both recorded, once each
+
+
+@pytest.mark.parametrize("case", ["cut inside its thinking", "a </think> in a reply that does not think"])
+def test_a_plain_and_a_streamed_reply_split_reasoning_from_content_by_one_rule(tokenizer, case):
+    """Chat and Responses, plain and streamed: a reply that thinks, cut before `</think>`, is all
+    reasoning (streamed once, as reasoning); a reply that does not think keeps a `</think>` in its content."""
+    if case == "cut inside its thinking":
+        text = "<think>The founder is named in the text.</think>Pem Varo."
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        cut = next(k for k in range(len(ids)) if tokenizer.decode(ids[:k]).startswith("<think>The founder is"))
+        fields, want = {"max_tokens": cut}, (tokenizer.decode(ids[:cut]).removeprefix("<think>").strip(), "")
+        assert want[0].startswith("The founder is") and "</think>" not in tokenizer.decode(ids[:cut])
+    else:
+        text = "Pem Varo.</think> He founded the guild."
+        fields, want = {}, ("", text)
+
+    async def agent(proxy):
+        key = proxy.new_session()
+        async with openai.AsyncOpenAI(base_url=proxy.url, api_key=key, max_retries=0) as llm:
+            whole = plain(await llm.chat.completions.create(model="policy", messages=[user("Q")], logprobs=True,
+                                                            **fields))
+            streamed = joined([c async for c in await llm.chat.completions.create(
+                model="policy", messages=[user("Q")], stream=True, **fields)])
+            fields_r = {"max_output_tokens": fields["max_tokens"]} if fields else {}
+            response = await llm.responses.create(model="policy", input="Q", **fields_r)
+            events = [e async for e in await llm.responses.create(model="policy", input="Q", stream=True, **fields_r)]
+        reasoning = "".join(c.text for o in response.output if o.type == "reasoning" for c in o.content)
+        final = events[-1].response
+        return ((whole["reasoning"], whole["content"]), (streamed["reasoning"], streamed["content"]),
+                (reasoning, response.output_text),
+                ("".join(e.delta for e in events if e.type == "response.reasoning_text.delta"),
+                 "".join(e.delta for e in events if e.type == "response.output_text.delta")),
+                ("".join(c.text for o in final.output if o.type == "reasoning" for c in o.content), final.output_text))
+
+    splits, _ = run(tokenizer, [Reply(text, eos=True)], agent)
+    assert list(splits) == [want] * 5  # chat plain, chat streamed, responses plain, its deltas, its final response
 
 
 def test_chunks_arrive_while_the_model_generates(tokenizer):
@@ -205,7 +241,7 @@ def test_concurrent_streams_on_one_conversation_fork_and_train_each_token_once(t
             async def streamed():
                 return [c async for c in await llm.chat.completions.create(model="policy", messages=history, stream=True)]
             await asyncio.gather(streamed(), streamed())
-        return proxy.end_session(key)
+        return proxy.end_session(key, train_discarded=True)  # two samples of one prompt: both trained
 
     script = [Reply("A.", eos=True), Reply("B b b.", eos=True, token_delay_s=0.05),
               Reply("C c c.", eos=True, token_delay_s=0.05)]

@@ -86,7 +86,8 @@ def train_rows(episodes, group_size=2, **config):
 def recorded(reward, segments):
     """An episode as lib/agent_episode.py makes it, of these recorded segments."""
     return {"reward": reward, "rewards": torch.tensor([reward]), "segments": segments, "stats": {}, "requests": 1,
-            "length_cut": False, "tool_calls": 0, "tool_call_parse_failures": 0, "num_turns": 1, "finish_reason": "done"}
+            "length_cut": False, "tool_calls": 0, "tool_call_parse_failures": 0, "num_turns": 1, "finish_reason": "done",
+            "discarded_turns": 0}
 
 
 # --- (a) the default agent's reward ---
@@ -177,6 +178,48 @@ def test_every_segment_of_an_episode_trains_with_its_episodes_advantage_and_none
     assert torch.equal(batch["advantages"], advantages[[0, 0]]) and batch["rewards"].tolist() == [1.0, 1.0]
     trained = [batch["input_ids"][r][batch["loss_mask"][r].bool()].tolist() for r in range(2)]
     assert trained == [a["output_ids"] for a in server.answers]  # each segment trains its own reply
+
+
+async def retrying_agent(base_url, api_key, item, temperature):
+    llm = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    first = [{"role": "user", "content": item["question"]}]
+    await llm.chat.completions.create(model="policy", messages=first)  # thrown away: the agent asks again
+    reply = await llm.chat.completions.create(model="policy", messages=first)
+    summary = [{"role": "user", "content": "Summary: " + (reply.choices[0].message.content or "")}]
+    await llm.chat.completions.create(model="policy", messages=summary)  # a new conversation: a second segment
+    await llm.close()
+    return 1.0
+
+
+@pytest.mark.parametrize("credit", [{}, {"train_discarded_turns": True}, {"segment_weight": "segment"}])
+def test_an_episode_trains_the_replies_its_agent_went_on_from_and_its_k_rows_weigh_one_over_k(tokenizer, credit):
+    cfg = ta.Config(**credit)
+    options = {"train_discarded": cfg.train_discarded_turns, "segment_weight": cfg.segment_weight}
+
+    async def group(proxy):
+        return [await ae.arun_episode(proxy, agent, ITEM, 1.0, True, **options)
+                for agent in (retrying_agent, two_segment_agent(0.0))]
+    script = [Reply(x, eos=True) for x in ("abc", "de", "fgh", "ij", "kl")]
+    episodes, server = with_proxy(tokenizer, script, group)
+    retried = [a["output_ids"] for a in server.answers[:3]]
+    batch, episodes, metrics = train_rows(episodes, **credit)
+    trained = [batch["input_ids"][r][batch["loss_mask"][r].bool()].tolist() for r in range(len(batch["rewards"]))]
+    assert metrics["rollout/discarded_turns"] == 1 and episodes[0]["discarded_turns"] == 1
+    if credit.get("train_discarded_turns"):  # the reply asked for again is trained too
+        assert trained[:3] == retried and batch["row_weights"].tolist() == pytest.approx([1 / 3] * 3 + [1 / 2] * 2)
+    else:  # the one the agent went on from, and the summary's
+        assert trained[:2] == retried[1:]
+        weights = [1.0] * 4 if credit.get("segment_weight") == "segment" else [1 / 2] * 4
+        assert batch["row_weights"].tolist() == pytest.approx(weights)
+    assert [r["row_weight"] for e in episodes for r in e["segments"]] == pytest.approx(batch["row_weights"].tolist())
+
+
+def test_a_segment_weight_other_than_episode_or_segment_is_refused_before_anything_starts(tokenizer):
+    with pytest.raises(ValueError, match="segment_weight must be one of"):
+        ae.attach_agent(lib.run.Run(ta.Config(segment_weight="1/k")), ta.run_agent)  # no proxy, no client yet
+    with pytest.raises(ValueError, match="segment_weight must be one of"):
+        with_proxy(tokenizer, [Reply("#### 7", eos=True)], lambda proxy: ae.arun_episode(
+            proxy, ta.run_agent, ITEM, 1.0, True, segment_weight="1/k"))
 
 
 def test_a_step_whose_episodes_recorded_nothing_has_nothing_to_train():
