@@ -30,6 +30,10 @@ again, the unused choices of `n` > 1) are cut out of them by end_session (`disca
 is recorded only as its answer is handed to the client: a client that disconnects cancels its
 generation, and a reply that fails to build is a 500 that records nothing (docs/reliability.md has
 the limits on hostile requests).
+
+This module is the server and the three API dialects' reading of requests; what a session records
+(the invariant above, in one place) is lib/proxy_record.py, the streamed events' shapes
+lib/proxy_events.py, a reply's text as it streams lib/reply_stream.py.
 """
 import array
 import asyncio
@@ -44,7 +48,6 @@ import sys
 import time
 import uuid
 
-import torch
 from aiohttp import web
 
 from lib.chat_format import (LONE_SURROGATE, LONG_TEXT_CHARS, ChatFormatError, PromptTooLong, continuation_ids, encode,
@@ -53,6 +56,8 @@ from lib.chat_format import (LONE_SURROGATE, LONG_TEXT_CHARS, ChatFormatError, P
 from lib.client import GenerationAborted, InferenceServerError
 from lib.cpu_engine import MAX_STOP_CHARS
 from lib.http_body import BadRequest, body_too_large, lone_surrogate, parse_json_body, read_body
+from lib.proxy_events import ChatChunks, CompletionChunks, ResponseEvents, legacy_logprobs, usage_of
+from lib.proxy_record import Session, episode_of, record_all
 from lib.reply_stream import THINK_START, ReplyText, split_reasoning
 
 # Request fields accepted and ignored (they do not change sampling), in every API.
@@ -62,43 +67,6 @@ _IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", 
 class SessionFailed(RuntimeError):
     """A generation of the session failed (an abort that was not a pause, a server error): its
     episode is not what the policy would have written, so it must not be trained on."""
-
-
-class _Segment:
-    def __init__(self, ids, mask, logprobs, versions):
-        self.ids, self.mask, self.logprobs, self.versions = ids, mask, logprobs, versions
-        # After each reply: (message keys through the reply, tools key, token count, closed by a stop token)
-        self.states: list[tuple[tuple, str, int, bool]] = []
-        self.text_states: list[tuple[str, int]] = []  # /v1/completions: (prompt + completion text, token count)
-        self.busy = False  # a request is generating on it: a concurrent one forks instead
-        # The template's text of the conversation before its latest state's reply, through the last end
-        # of turn (None if unknown): a request that continues that state renders only its own messages.
-        self.rendered: str | None = None
-        self.turn_ends: dict[int, _Turn] = {}  # token count after each recorded turn -> that turn
-
-
-class _Turn:
-    """One recorded reply: where its sampled tokens are (`segment.ids[start:end]`), the turn whose
-    state its request continued (`parent`, None for a fresh rendering), its request's prompt as the
-    template saw it (`context`), the request's order among the session's recorded ones and its choice
-    index. What end_session needs to tell the replies the agent went on from from those it discarded."""
-    __slots__ = ("segment", "start", "end", "parent", "context", "request", "choice")
-
-    def __init__(self, segment, start, end, parent, context, request, choice):
-        self.segment, self.start, self.end, self.parent = segment, start, end, parent
-        self.context, self.request, self.choice = context, request, choice
-
-
-class _Session:
-    def __init__(self, key: str, train: bool):
-        self.key, self.train = key, train
-        self.segments: list[_Segment] = []
-        self.turns: list[_Turn] = []  # in the order they were recorded
-        self.recorded_requests = 0
-        self.reward = None
-        self.error = None
-        self.stats = {"requests": 0, "completion_tokens": 0, "tool_calls": 0, "tool_call_parse_failures": 0,
-                      "length_cut": 0, "new_segments": 0}
 
 
 def _error(status: int, message: str, *, param: str | None = None, code: str | None = None) -> tuple[int, dict]:
@@ -232,7 +200,7 @@ class OpenAIProxy:
                                  2 * self.char_budget_tokens * max(map(len, tokenizer.get_vocab())))
         self.host, self.port = host, port
         self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
-        self.sessions: dict[str, _Session] = {}
+        self.sessions: dict[str, Session] = {}
         self._prompt_cache: collections.OrderedDict = collections.OrderedDict()  # (message keys, tools) -> ids
         self.url = ""
         self._runner = None
@@ -277,7 +245,7 @@ class OpenAIProxy:
         `session_url(key)`). `train=False`: an episode that is not trained on (evaluation), free to
         sample as it asks whatever `train_sampling` says."""
         key = "agentrl-" + uuid.uuid4().hex
-        self.sessions[key] = _Session(key, train)
+        self.sessions[key] = Session(key, train)
         return key
 
     def session_url(self, key: str) -> str:
@@ -297,25 +265,10 @@ class OpenAIProxy:
         self.client.end_trajectory(key)
         if session.error is not None:
             raise SessionFailed(f"a generation of session {key} failed: {session.error}")
-        discarded = discarded_turns(session.turns)
-        ends = {}  # per segment: where its kept part ends (discarded turns of a segment are its last ones)
-        for turn in discarded if not train_discarded else []:
-            ends[id(turn.segment)] = min(ends.get(id(turn.segment), turn.start), turn.start)
-        t = lambda xs, dtype: torch.tensor([xs], dtype=dtype)  # noqa: E731
-        segments = []
-        for s in session.segments:
-            n = ends.get(id(s), len(s.ids))
-            while n < len(s.ids) and n and not s.mask[n - 1]:  # cut: the prompt of its first discarded reply goes too
-                n -= 1
-            if any(s.mask[:n]):
-                segments.append({"input_ids": t(s.ids[:n], torch.long), "loss_mask": t(s.mask[:n], torch.long),
-                                 "logprobs": t(s.logprobs[:n], torch.float32),
-                                 "versions": t(s.versions[:n], torch.long),
-                                 "attention_mask": torch.ones(1, n, dtype=torch.long)})
-        return {"segments": segments, "reward": session.reward, **session.stats, "discarded_turns": len(discarded)}
+        return episode_of(session, train_discarded)
 
     # --- handlers: an answer is (status, a JSON object | server-sent events as bytes, record), whichever transport ---
-    def _session_of(self, authorization: str) -> _Session:
+    def _session_of(self, authorization: str) -> Session:
         key = authorization[7:].strip() if authorization[:7].lower() == "bearer " else ""
         session = self.sessions.get(key)
         if session is None:
@@ -428,7 +381,7 @@ class OpenAIProxy:
     def _model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "agentrl"}
 
-    def _reward(self, session: _Session, raw: bytes):
+    def _reward(self, session: Session, raw: bytes):
         body = parse_json_body(raw)
         reward = body.get("reward") if isinstance(body, dict) else None
         try:  # an int of hundreds of digits overflows float(); Infinity, NaN and 1e999 parse to non-finite floats
@@ -444,21 +397,21 @@ class OpenAIProxy:
         return 200, {"status": "ok"}
 
     # --- the three APIs: each reads its request into the same fields, _generate samples, each writes its answer ---
-    async def _chat(self, session: _Session, body):
+    async def _chat(self, session: Session, body):
         params = self._read_params(session, body, _CHAT_FIELDS)
         params["messages"] = self._messages(body.get("messages"))
         completion_id, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
         if params["stream"]:
-            return 200, await self._stream(session, params, _ChatChunks(self.model_name, completion_id, created, params)), None
+            return 200, await self._stream(session, params, ChatChunks(self.model_name, completion_id, created, params)), None
         plan, turns = await self._generate(session, params)
         payload = {"id": completion_id, "object": "chat.completion", "created": created, "model": self.model_name,
                    "choices": [{"index": i, "message": t["message"], "finish_reason": t["finish"],
                                 "logprobs": {"content": t["logprobs"]} if params["logprobs"] else None}
                                for i, t in enumerate(turns)],
-                   "usage": _usage(plan, turns)}
-        return 200, payload, lambda: self._record_all(session, plan, turns)
+                   "usage": usage_of(plan, turns)}
+        return 200, payload, lambda: record_all(session, plan, turns, self.end_of_turn)
 
-    async def _completion(self, session: _Session, body):
+    async def _completion(self, session: Session, body):
         params = self._read_params(session, body, _COMPLETION_FIELDS)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -475,31 +428,31 @@ class OpenAIProxy:
         params["prompt_text"], params["parse_tools"] = prompt, False
         completion_id, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
         if params["stream"]:
-            chunks = _CompletionChunks(self.model_name, completion_id, created, params, len(prompt))
+            chunks = CompletionChunks(self.model_name, completion_id, created, params, len(prompt))
             return 200, await self._stream(session, params, chunks), None
         plan, turns = await self._generate(session, params)
         choices = [{"index": i, "text": t["text"], "finish_reason": t["finish"],
-                    "logprobs": _legacy_logprobs(t["logprobs"], len(prompt)) if params["logprobs"] else None}
+                    "logprobs": legacy_logprobs(t["logprobs"], len(prompt)) if params["logprobs"] else None}
                    for i, t in enumerate(turns)]
         payload = {"id": completion_id, "object": "text_completion", "created": created, "model": self.model_name,
-                   "choices": choices, "usage": _usage(plan, turns)}
-        return 200, payload, lambda: self._record_all(session, plan, turns)
+                   "choices": choices, "usage": usage_of(plan, turns)}
+        return 200, payload, lambda: record_all(session, plan, turns, self.end_of_turn)
 
-    async def _responses(self, session: _Session, body):
+    async def _responses(self, session: Session, body):
         """OpenAI's Responses API, as the OpenAI Agents SDK calls it: `input` items (messages,
         function calls and their outputs) and `instructions` read as chat messages, function tools
         as chat tools; the answer is one `message` item and/or `function_call` items."""
         params = self._read_params(session, body, _RESPONSES_FIELDS)
         params["messages"] = self._messages(_response_input_as_messages(body.get("input"), body.get("instructions")))
-        response = _ResponseEvents(self.model_name, body, params)
+        response = ResponseEvents(self.model_name, body, params)
         if params["stream"]:
             return 200, await self._stream(session, params, response), None
         plan, turns = await self._generate(session, params)
-        return 200, response.finished(plan, turns), lambda: self._record_all(session, plan, turns)
+        return 200, response.finished(plan, turns), lambda: record_all(session, plan, turns, self.end_of_turn)
 
-    async def _stream(self, session: _Session, params: dict, api):
-        """A reply streamed as it is generated: server-sent events of `api` (_ChatChunks,
-        _CompletionChunks, _ResponseEvents), an async iterator of (bytes, record or None) whose last
+    async def _stream(self, session: Session, params: dict, api):
+        """A reply streamed as it is generated: server-sent events of `api` (ChatChunks,
+        CompletionChunks, ResponseEvents), an async iterator of (bytes, record or None) whose last
         item carries `record`, which the transport calls as it hands that item over (the turns are
         recorded only if the client got the whole reply). A request refused, or a generation that
         fails, before its first token gets its error status as a plain request does; a failure
@@ -552,7 +505,7 @@ class OpenAIProxy:
                 content = turn["text"] if "prompt_text" in params else turn["message"]["content"]
                 events += send(i, text.finish(turn["message"].get("reasoning_content"), content))
                 events += api.end_choice(i, turn, pending[i])
-            yield _sse(events + api.end(plan, turns), done=api.done), lambda: self._record_all(session, plan, turns)
+            yield _sse(events + api.end(plan, turns), done=api.done), lambda: record_all(session, plan, turns, self.end_of_turn)
         finally:
             task.cancel()
 
@@ -564,7 +517,7 @@ class OpenAIProxy:
         return self.tokenizer.decode(plan["prompt"][-4:]).rstrip().endswith(THINK_START)
 
     # --- the request's fields ---
-    def _read_params(self, session: _Session, body, fields: dict) -> dict:
+    def _read_params(self, session: Session, body, fields: dict) -> dict:
         """The fields every API shares, read from `body` by their names in `fields` (the API's own
         names: max_tokens, max_output_tokens...), checked as OpenAI checks them."""
         if not isinstance(body, dict):
@@ -635,7 +588,7 @@ class OpenAIProxy:
             "top_logprobs": top_logprobs or 0,
         }
 
-    def _sampling(self, session: _Session, body: dict, constrained) -> dict:
+    def _sampling(self, session: Session, body: dict, constrained) -> dict:
         """The sampling settings of a request. In a training session of a proxy given `train_sampling`,
         every setting is the trainer's: a request may leave it out or repeat it; another value is a
         400 naming it (the trainer recomputes log-probs with its own, so a reply sampled otherwise
@@ -676,7 +629,7 @@ class OpenAIProxy:
         return messages
 
     # --- generation ---
-    async def _generate(self, session: _Session, params: dict) -> tuple[dict, list[dict]]:
+    async def _generate(self, session: Session, params: dict) -> tuple[dict, list[dict]]:
         """The request's prompt (planned against the session's record), its `n` samples, and each
         read as a turn. Nothing is recorded here: the transport records the turns as it hands the
         answer over."""
@@ -688,7 +641,7 @@ class OpenAIProxy:
             release()
         return plan, [self._reply(params, plan, gen) for gen in gens]
 
-    async def _sample(self, session: _Session, params: dict, plan: dict, on_tokens=None) -> list:
+    async def _sample(self, session: Session, params: dict, plan: dict, on_tokens=None) -> list:
         """The request's `n` generations; `on_tokens(i, ids, logprobs, tops)` streams sample i's
         tokens as they come. A failed generation is a 4xx or 503 _Refused (and fails the session)."""
         sampling = params["sampling"]
@@ -726,7 +679,7 @@ class OpenAIProxy:
                 task.cancel()
         return gens
     # --- recording ---
-    async def _plan(self, session: _Session, params: dict) -> dict:
+    async def _plan(self, session: Session, params: dict) -> dict:
         """The prompt of this request: the longest earlier state of the session that it extends, or a
         fresh rendering (docstring at the top)."""
         if "prompt_text" in params:
@@ -800,7 +753,7 @@ class OpenAIProxy:
                         prefix=length, delta=closing + delta, prompt=segment.ids[:length] + closing + delta)
         return self._budget(plan, params)
 
-    async def _plan_text(self, session: _Session, params: dict) -> dict:
+    async def _plan_text(self, session: Session, params: dict) -> dict:
         """/v1/completions: a prompt that begins with an earlier prompt + completion of the session
         continues that record (the sampled tokens kept, only the new text tokenized); any other is
         tokenized whole into a new segment."""
@@ -874,79 +827,6 @@ class OpenAIProxy:
             return {"token": token, "logprob": logprob, "bytes": raw}
         return [{**entry(t, lp), "top_logprobs": [entry(i, v) for v, i in top] if top is not None else []}
                 for t, lp, top in zip(ids, logprobs, tops if tops is not None else itertools.repeat(None))]
-
-    def _record_all(self, session: _Session, plan: dict, turns: list[dict]):
-        session.recorded_requests += 1
-        for choice, turn in enumerate(turns):  # the first continues the record in place (when it can); the others fork
-            self._record(session, plan, turn, choice)
-
-    def _record(self, session: _Session, plan: dict, turn: dict, choice: int = 0):
-        """Keep a turn whose answer was sent: its tokens, the session's counts, the state it leaves."""
-        gen = turn["gen"]
-        out = list(gen.output_ids)
-        segment = plan["segment"]
-        parent = segment.turn_ends.get(plan["prefix"]) if segment is not None else None
-        if segment is not None and plan["in_place"] and len(segment.ids) == plan["prefix"]:
-            n = len(plan["delta"])
-            segment.ids += plan["delta"]
-            segment.mask += [0] * n
-            segment.logprobs += [0.0] * n
-            segment.versions += [-1] * n
-        else:
-            # A new segment: the prompt as context only. Tokens sampled earlier keep their single
-            # trained copy in the segment they were recorded in.
-            prompt = plan["prompt"]
-            segment = _Segment(list(prompt), [0] * len(prompt), [0.0] * len(prompt), [-1] * len(prompt))
-            session.segments.append(segment)
-            session.stats["new_segments"] += 1
-        start = len(segment.ids)
-        segment.ids += out
-        segment.mask += [1] * len(out)
-        segment.logprobs += list(gen.logprobs)
-        segment.versions += list(gen.versions)
-        session.stats["requests"] += 1
-        session.stats["completion_tokens"] += len(out)
-        session.stats["tool_calls"] += len(turn["message"].get("tool_calls", []))
-        session.stats["tool_call_parse_failures"] += turn["parse_failed"]
-        session.stats["length_cut"] += turn["finish"] == "length"
-        context = plan["text"] if plan["text"] is not None else (plan["keys"], plan["tools_key"])
-        recorded = _Turn(segment, start, len(segment.ids), parent, context, session.recorded_requests, choice)
-        session.turns.append(recorded)
-        segment.turn_ends[len(segment.ids)] = recorded
-        if plan["text"] is not None:
-            segment.text_states.append((plan["text"] + turn["text"], len(segment.ids)))
-        else:
-            segment.states.append((plan["keys"] + (turn["key"],), plan["tools_key"], len(segment.ids), turn["closed"]))
-            segment.rendered = plan["rendered"] if self.end_of_turn in (plan["rendered"] or "") else None
-
-
-def discarded_turns(turns: list[_Turn]) -> list[_Turn]:
-    """The replies of a session the agent did not go on from (docs/openai_proxy.md, "What is
-    trained"). Replies sampled for the same prompt (the same messages and tools, or the same text
-    prompt, continuing the same reply) are alternatives: the `n` choices of one request, or a request
-    sent again. Of each set the agent kept the one it went on from last (whose later requests
-    continue it most recently); if it went on from none, the latest request's first choice (what an
-    SDK's `choices[0]` reads). The others are discarded, and with them every reply whose
-    conversation continued one of them. Replies to different prompts (another question, a sub-agent,
-    a rewritten history) are never alternatives: each is kept."""
-    latest = {id(t): t.request for t in turns}  # the latest request in each turn's subtree
-    for t in reversed(turns):  # a reply is always recorded after the one it continues
-        if t.parent is not None:
-            latest[id(t.parent)] = max(latest[id(t.parent)], latest[id(t)])
-    alternatives: dict = collections.defaultdict(list)
-    for t in turns:
-        alternatives[(id(t.parent), t.context)].append(t)
-    superseded = set()
-    for group in alternatives.values():
-        if len(group) > 1:
-            kept = max(group, key=lambda t: (latest[id(t)], -t.choice))
-            superseded.update(id(t) for t in group if t is not kept)
-    gone = set()
-    for t in turns:
-        if id(t) in superseded or (t.parent is not None and id(t.parent) in gone):
-            gone.add(id(t))
-    return [t for t in turns if id(t) in gone]
-
 
 # --- what each API reads; helpers of the three APIs ---
 # The sampling settings a request may set: (low, high, type, the server's default). top_k, min_p and
@@ -1083,12 +963,6 @@ def constrained_field(body: dict) -> str:
     return "regex" if body.get("regex") is not None else "text.format" if "text" in body else "response_format"
 
 
-def _usage(plan: dict, turns: list[dict]) -> dict:
-    completion = sum(len(t["gen"].output_ids) for t in turns)
-    return {"prompt_tokens": len(plan["prompt"]), "completion_tokens": completion,
-            "total_tokens": len(plan["prompt"]) + completion}
-
-
 def _sse(events, done: bool = False) -> bytes:
     """Server-sent events: each object as a `data:` line (with its `event:` name when it has a type,
     as the Responses API sends them), then `data: [DONE]` for the chat and completions APIs."""
@@ -1157,14 +1031,6 @@ def _hold(plan: dict):
     return release
 
 
-def _legacy_logprobs(entries: list[dict], offset: int) -> dict:
-    """/v1/completions' logprobs of these entries, the first token's text at character `offset`."""
-    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries]
-            if any(e["top_logprobs"] for e in entries) else None,
-            "text_offset": list(itertools.accumulate((len(e["token"]) for e in entries[:-1]), initial=offset))[:len(entries)]}
-
-
 class _Events:
     """A reply being streamed: iterates (bytes, record | None) as lib's transports send them;
     `aclose()` also stops its generation (a client that left)."""
@@ -1183,197 +1049,3 @@ class _Events:
 # How each API streams a reply: start() before the first token, delta() for each run of text
 # (ReplyText's kinds, with the log-prob entries of the tokens since the last delta sent; an
 # empty answer keeps them for the next), end_choice() once its turn is read, end() last.
-class _ChatChunks:
-    done = True  # then `data: [DONE]`
-
-    def __init__(self, model: str, completion_id: str, created: int, params: dict):
-        self.base = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model}
-        self.params = params
-
-    def chunk(self, i: int, delta: dict, finish=None, logprobs=None) -> dict:
-        return {**self.base, "choices": [{"index": i, "delta": delta, "finish_reason": finish,
-                                          "logprobs": {"content": logprobs} if logprobs is not None else None}]}
-
-    def start(self) -> list[dict]:
-        return [self.chunk(i, {"role": "assistant", "content": ""}) for i in range(self.params["n"])]
-
-    def delta(self, i: int, kind: str, text: str, logprobs: list) -> list[dict]:
-        return [self.chunk(i, {"reasoning_content" if kind == "reasoning" else "content": text},
-                           logprobs=logprobs if self.params["logprobs"] else None)]
-
-    def end_choice(self, i: int, turn: dict, logprobs: list) -> list[dict]:
-        calls, logprobs = turn["message"].get("tool_calls"), logprobs if self.params["logprobs"] else None
-        chunks = [self.chunk(i, {"tool_calls": [{"index": j, **call} for j, call in enumerate(calls)]},
-                             logprobs=logprobs)] if calls else []
-        return chunks + [self.chunk(i, {}, turn["finish"], logprobs=None if calls else logprobs)]
-
-    def end(self, plan: dict, turns: list[dict]) -> list[dict]:
-        return [{**self.base, "choices": [], "usage": _usage(plan, turns)}] if self.params["include_usage"] else []
-
-
-class _CompletionChunks:
-    done = True
-
-    def __init__(self, model: str, completion_id: str, created: int, params: dict, prompt_chars: int):
-        self.base = {"id": completion_id, "object": "text_completion", "created": created, "model": model}
-        self.params = params
-        self.offsets = [prompt_chars] * params["n"]  # per choice: where its next token's text starts
-
-    def chunk(self, i: int, text: str, logprobs: list, finish=None) -> dict:
-        legacy = None
-        if self.params["logprobs"]:
-            legacy = _legacy_logprobs(logprobs, self.offsets[i])
-            self.offsets[i] += sum(len(e["token"]) for e in logprobs)
-        return {**self.base, "choices": [{"index": i, "text": text, "finish_reason": finish, "logprobs": legacy}]}
-
-    def start(self) -> list[dict]:
-        return []
-
-    def delta(self, i: int, kind: str, text: str, logprobs: list) -> list[dict]:
-        return [self.chunk(i, text, logprobs)]
-
-    def end_choice(self, i: int, turn: dict, logprobs: list) -> list[dict]:
-        return [self.chunk(i, "", logprobs, turn["finish"])]
-
-    def end(self, plan: dict, turns: list[dict]) -> list[dict]:
-        return [{**self.base, "choices": [], "usage": _usage(plan, turns)}] if self.params["include_usage"] else []
-
-
-class _ResponseEvents:
-    """A Responses API answer, whole (`finished`) or as the events the SDKs parse: created, then
-    each output item (a reasoning item, its text delta by delta; the message, its text delta by
-    delta; function calls), then completed."""
-    done = False
-
-    def __init__(self, model: str, body: dict, params: dict):
-        self.model, self.body, self.params = model, body, params
-        self.response_id, self.created = "resp_" + uuid.uuid4().hex, int(time.time())
-        self.item_ids = {"reasoning": "rs_" + uuid.uuid4().hex, "message": "msg_" + uuid.uuid4().hex}
-        self.sequence, self.index = 0, 0  # events sent; output items opened
-        self.reasoning, self.message = "", None  # thinking so far; the message's output index once opened
-        self.thinking, self.thought = None, False  # the reasoning item's output index once opened; closed yet
-        self.logprobs = []
-
-    def finished(self, plan: dict, turns: list[dict]) -> dict:
-        [turn] = turns
-        message, output = turn["message"], []
-        if message.get("reasoning_content"):
-            output.append({"type": "reasoning", "id": self.item_ids["reasoning"], "status": "completed", "summary": [],
-                           "content": [{"type": "reasoning_text", "text": message["reasoning_content"]}]})
-        if message["content"] or not message.get("tool_calls"):  # an empty reply is an empty message, as OpenAI's
-            output.append({"type": "message", "id": self.item_ids["message"], "role": "assistant", "status": "completed",
-                           "content": [{"type": "output_text", "text": message["content"] or "", "annotations": [],
-                                        "logprobs": turn["logprobs"] if self.params["logprobs"] else []}]})
-        for call in message.get("tool_calls", []):
-            output.append({"type": "function_call", "id": "fc_" + call["id"], "call_id": call["id"],
-                           "name": call["function"]["name"], "arguments": call["function"]["arguments"],
-                           "status": "completed"})
-        usage = _usage(plan, turns)
-        incomplete = turn["finish"] == "length"
-        return {**self.skeleton(), "status": "incomplete" if incomplete else "completed", "output": output,
-                "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-                "usage": {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
-                          "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
-                          "total_tokens": usage["total_tokens"]}}
-
-    def skeleton(self) -> dict:
-        body, sampling = self.body, self.params["sampling"]
-        return {"id": self.response_id, "object": "response", "created_at": self.created, "model": self.model,
-                "status": "in_progress", "output": [], "error": None, "incomplete_details": None,
-                "instructions": body.get("instructions"), "metadata": body.get("metadata") or {},
-                "parallel_tool_calls": True, "temperature": sampling["temperature"], "top_p": sampling["top_p"],
-                "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
-                "max_output_tokens": body.get("max_output_tokens"), "text": {"format": {"type": "text"}},
-                "truncation": "disabled", "usage": None}
-
-    def event(self, kind: str, **fields) -> dict:
-        self.sequence += 1
-        return {"type": kind, "sequence_number": self.sequence - 1, **fields}
-
-    def start(self) -> list[dict]:
-        return [self.event("response.created", response=self.skeleton()),
-                self.event("response.in_progress", response=self.skeleton())]
-
-    def item(self, item: dict) -> list[dict]:
-        """A whole output item, added and done."""
-        self.index += 1
-        return [self.event("response.output_item.added", output_index=self.index - 1, item=item),
-                self.event("response.output_item.done", output_index=self.index - 1, item=item)]
-
-    def open_reasoning(self) -> list[dict]:
-        self.thinking, self.index = self.index, self.index + 1
-        item = {"type": "reasoning", "id": self.item_ids["reasoning"], "status": "in_progress", "summary": [],
-                "content": []}
-        return [self.event("response.output_item.added", output_index=self.thinking, item=item),
-                self.event("response.content_part.added", item_id=item["id"], output_index=self.thinking,
-                           content_index=0, part={"type": "reasoning_text", "text": ""})]
-
-    def close_reasoning(self) -> list[dict]:
-        """The reasoning item's done events, once: its thinking is over (the message begins, or the reply ends)."""
-        if self.thinking is None or self.thought:
-            return []
-        self.thought = True
-        part = {"type": "reasoning_text", "text": self.reasoning}
-        ids = {"item_id": self.item_ids["reasoning"], "output_index": self.thinking, "content_index": 0}
-        item = {"type": "reasoning", "id": self.item_ids["reasoning"], "status": "completed", "summary": [],
-                "content": [part]}
-        return [self.event("response.reasoning_text.done", **ids, text=self.reasoning),
-                self.event("response.content_part.done", **ids, part=part),
-                self.event("response.output_item.done", output_index=self.thinking, item=item)]
-
-    def open_message(self) -> list[dict]:
-        events = self.close_reasoning()
-        self.message, self.index = self.index, self.index + 1
-        item = {"type": "message", "id": self.item_ids["message"], "role": "assistant", "status": "in_progress",
-                "content": []}
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        return events + [self.event("response.output_item.added", output_index=self.message, item=item),
-                         self.event("response.content_part.added", item_id=item["id"], output_index=self.message,
-                                    content_index=0, part=part)]
-
-    def delta(self, i: int, kind: str, text: str, logprobs: list) -> list[dict]:
-        if kind == "reasoning":
-            if self.thought or not text:
-                return []  # no thinking after the message began (ReplyText sends it all before)
-            events = self.open_reasoning() if self.thinking is None else []
-            self.reasoning += text
-            return events + [self.event("response.reasoning_text.delta", item_id=self.item_ids["reasoning"],
-                                        output_index=self.thinking, content_index=0, delta=text)]
-        events = self.open_message() if self.message is None else []
-        return events + [self.event("response.output_text.delta", item_id=self.item_ids["message"],
-                                    output_index=self.message, content_index=0, delta=text, logprobs=logprobs)]
-
-    def end_choice(self, i: int, turn: dict, logprobs: list) -> list[dict]:
-        self.logprobs = logprobs  # sent with the message's last delta, in end()
-        return []
-
-    def end(self, plan: dict, turns: list[dict]) -> list[dict]:
-        response = self.finished(plan, turns)
-        events, logprobs = [], self.logprobs
-        for item in response["output"]:
-            if item["type"] == "reasoning":
-                if self.thinking is None:  # none of it was streamed: the whole item
-                    events += self.item(item)
-                    self.thinking, self.thought = self.index - 1, True
-                events += self.close_reasoning()
-            elif item["type"] == "message":
-                if self.message is None:
-                    events += self.open_message()
-                part, ids = item["content"][0], {"item_id": item["id"], "output_index": self.message, "content_index": 0}
-                if logprobs:  # tokens whose text sent nothing new (an end of turn): their log-probs still go out
-                    events.append(self.event("response.output_text.delta", **ids, delta="", logprobs=logprobs))
-                events += [self.event("response.output_text.done", **ids, text=part["text"], logprobs=part["logprobs"]),
-                           self.event("response.content_part.done", **ids, part=part),
-                           self.event("response.output_item.done", output_index=self.message, item=item)]
-            elif item["type"] == "function_call":
-                self.index += 1
-                at = self.index - 1
-                events += [self.event("response.output_item.added", output_index=at,
-                                      item={**item, "status": "in_progress", "arguments": ""}),
-                           self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=at,
-                                      delta=item["arguments"]),
-                           self.event("response.function_call_arguments.done", item_id=item["id"], output_index=at,
-                                      name=item["name"], arguments=item["arguments"]),
-                           self.event("response.output_item.done", output_index=at, item=item)]
-        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-        return events + [self.event(kind, response=response)]
