@@ -15,7 +15,11 @@ or a module: the workers are spawned, not forked (the trainer has threads and CU
 them. `init(*init_args)` runs once in each worker before its first episode (what `run_agent` reads
 besides its arguments: settings, a tool server's address). Arguments and results go through pickle. An episode cancelled here (its deadline) is cancelled in
 its worker; an exception in the agent is raised here as AgentFailed with the worker's traceback;
-a worker that dies fails its episodes and is replaced.
+a worker that dies fails its episodes and is replaced. A worker whose cancelled episode has not
+ended `cancel_grace_s` later (an agent that blocks its worker's event loop, swallows the
+cancellation, or a stopped process) is killed, failing its other episodes, and replaced; no episode
+is sent to a worker while one of its cancellations is pending. `close()` takes at most about
+`close_timeout_s`. Worker processes are waited for in threads, never on the event loop.
 """
 import asyncio
 import itertools
@@ -94,7 +98,7 @@ async def _serve_episodes(conn, agent, close):
         try:
             reply = ("done", await agent(*pickle.loads(payload)))
         except asyncio.CancelledError:
-            return  # the trainer cancelled it and expects nothing
+            reply = ("cancelled", None)  # the trainer waits for this, or kills the worker
         except BaseException as e:  # noqa: BLE001 - every failure of the agent goes back to its episode
             reply = ("error", _describe(e))
         finally:
@@ -138,17 +142,20 @@ class _Worker:
         self.process, self.conn, self.ready = process, conn, ready
         self.sender = _Sender(conn)
         self.jobs: dict[int, asyncio.Future] = {}  # episodes sent and not answered
+        self.cancelling: dict[int, asyncio.TimerHandle] = {}  # episodes cancelled, not yet ended there -> its kill
         self.exit_fd = None  # readable once the process has exited
         self.alive = True
 
 
 class AgentWorkers:
     def __init__(self, agent, num_workers: int, *, init=None, init_args: tuple = (), close=None,
-                 startup_timeout_s: float = 300.0):
+                 startup_timeout_s: float = 300.0, cancel_grace_s: float = 10.0, close_timeout_s: float = 5.0):
         """`agent(*args)`: an async function importable by name, run by `run(*args)`; `init(*init_args)`:
         a function each worker calls once at its start; `close()`: an async function each worker
         awaits once at its end (to close what the agent keeps open: SDK clients). Use from one
-        event loop; the workers start at the first `run`."""
+        event loop; the workers start at the first `run`. A worker whose cancelled episode has not
+        ended `cancel_grace_s` later is killed and replaced; `close()` kills the workers that have
+        not exited `close_timeout_s` after it asked them to stop."""
         if num_workers < 1:
             raise ValueError(f"num_workers must be at least 1, got {num_workers}")
         try:  # what each worker is started with: refused here rather than at the first episode
@@ -157,6 +164,7 @@ class AgentWorkers:
             raise ValueError(f"the agent, init, init_args and close must pickle (module-level functions): {e}") from e
         self.agent, self.init, self.init_args, self.close_fn = agent, init, tuple(init_args), close
         self.num_workers, self.startup_timeout_s = num_workers, startup_timeout_s
+        self.cancel_grace_s, self.close_timeout_s = cancel_grace_s, close_timeout_s
         self._context = multiprocessing.get_context("spawn")
         self._job_ids = itertools.count()
         self._loop = None
@@ -172,9 +180,12 @@ class AgentWorkers:
         if self._closed:
             raise RuntimeError("AgentWorkers is closed")
         self._bind_loop()
+        # not to a worker with a cancelled episode still running: it may be about to be killed for it
+        while self._workers and all(w.cancelling for w in self._workers):
+            await asyncio.sleep(0.05)
         if not self._workers:  # workers that fail to start are not replaced: each would fail the same way
             raise AgentFailed(self._failure)
-        worker = min(self._workers, key=lambda w: len(w.jobs))
+        worker = min((w for w in self._workers if not w.cancelling), key=lambda w: len(w.jobs))
         job = next(self._job_ids)
         future = self._loop.create_future()
         worker.jobs[job] = future  # counted now, so the episodes started while workers start spread over them
@@ -189,6 +200,7 @@ class AgentWorkers:
         except asyncio.CancelledError:
             if worker.jobs.pop(job, None) is not None and worker.alive and worker.ready.done():
                 worker.sender.send("cancel", job)
+                worker.cancelling[job] = self._loop.call_later(self.cancel_grace_s, self._kill_stuck, worker)
             raise
         finally:
             worker.jobs.pop(job, None)
@@ -201,7 +213,7 @@ class AgentWorkers:
         workers = list(self._workers)
         for worker in workers:
             worker.sender.send("stop")
-        deadline = self._loop.time() + 30.0 if self._loop is not None else None
+        deadline = self._loop.time() + self.close_timeout_s if self._loop is not None else None
         for worker in workers:
             while worker.alive and worker.process.is_alive() and deadline is not None and self._loop.time() < deadline:
                 await asyncio.sleep(0.05)
@@ -238,13 +250,15 @@ class AgentWorkers:
     def _on_message(self, worker: _Worker):
         try:
             kind, job, payload = _receive(worker.conn)
-        except (EOFError, OSError):  # the worker died (or failed to start)
-            self._on_exit(worker)
+        except (EOFError, OSError):  # the worker is exiting (or failed to start): _on_exit follows at its exit
+            self._loop.remove_reader(worker.conn.fileno())
             return
         if kind == "ready":
             if not worker.ready.done():
                 worker.ready.set_result(None)
             return
+        if (kill := worker.cancelling.pop(job, None)) is not None:  # a cancelled episode ended (or ended first)
+            kill.cancel()
         future = worker.jobs.pop(job, None)
         if future is None or future.done():
             return  # cancelled here meanwhile
@@ -258,10 +272,20 @@ class AgentWorkers:
         else:
             future.set_exception(AgentFailed(f"run_agent raised in its worker process:\n{result}"))
 
+    def _kill_stuck(self, worker: _Worker):
+        """A cancelled episode of `worker` did not end within cancel_grace_s: kill the worker, replace it."""
+        if not worker.alive or self._closed:
+            return
+        self._forget(worker, AgentFailed(
+            f"an agent worker (pid {worker.process.pid}) was killed: an episode cancelled {self.cancel_grace_s:g} s "
+            "ago (its deadline) had not ended in it. The agent blocks its worker's event loop (time.sleep, a "
+            "blocking call: run it in a thread, `await asyncio.to_thread(...)`), swallows asyncio.CancelledError "
+            "(re-raise it), or the process was stopped; the worker's other episodes fail with it"))
+        self._start_worker()
+
     def _on_exit(self, worker: _Worker):
         if not worker.alive:
             return
-        worker.process.join(1.0)
         if self._closed:
             self._forget(worker, AgentFailed("AgentWorkers closed"))
             return
@@ -292,11 +316,22 @@ class AgentWorkers:
                 future.set_exception(error)
                 future.exception()  # retrieved: a worker that failed with no episode waiting is not an "unretrieved" error
         worker.jobs.clear()
+        for kill in worker.cancelling.values():
+            kill.cancel()
+        worker.cancelling.clear()
         if worker.process.is_alive():
             worker.process.kill()
-        worker.process.join(5.0)
-        worker.conn.close()
-        worker.process.close()  # its start-up pipes go with it
+        # waiting for it (milliseconds, or seconds for a process the kernel is slow to tear down) is a
+        # blocking call: not on this event loop, which serves the proxy and every other episode
+        threading.Thread(target=_reap, args=(worker.process, worker.conn), daemon=True,
+                         name="agent-worker-reap").start()
+
+
+def _reap(process, conn):
+    process.join(5.0)
+    conn.close()
+    if process.exitcode is not None:
+        process.close()  # its start-up pipes go with it
 
 
 def _stop_processes(workers: list):

@@ -20,6 +20,12 @@ So every group is trained on within `max_staleness` versions of its start, and w
 the producer runs exactly sync mode's schedule: a step's groups start after the previous update.
 A group found stale anyway (without `batch_groups`, or a resumed run) is dropped and counted.
 
+As in sync mode (`gather_groups`), the groups the trainer takes come back in item order, whatever
+order they finished in (which rows each PPO mini-batch trains depends on it), and a group that fails
+keeps its place: it is taken like a finished one, dropped and counted (`num_failed`), not replaced
+by the next item, so a step trains the same items in both modes; if every group it takes failed,
+the first error is raised. So async mode at max_staleness 0 trains exactly what sync mode does.
+
 Deadlines (lib/deadlines.py): every episode has one, and so has every rollout: a stuck event loop
 stops the run with `RolloutTimeout`, naming the episodes still running and where each is.
 """
@@ -184,12 +190,12 @@ class RolloutProducer:
         self._taken_now, self._wanted_now = 0, batch_groups or 0
         self.num_dropped_stale = 0
         self.num_wasted_tokens = 0  # sampled tokens of groups dropped as stale
-        self.num_failed = 0
+        self.num_failed = 0  # failed groups the trainer has taken
         self._num_ended = 0  # groups finished or failed: the progress a get_groups deadline waits for
-        self._failed_in_a_row = 0
         self._next_index = start_index
-        self._started: dict[int, int] = {}  # index running or finished, not consumed -> version at its start
-        self._ready: collections.deque = collections.deque()  # (index, group, its oldest_version)
+        self._started: dict[int, int] = {}  # index running or ended, not taken -> version at its start
+        # (index, group, its oldest_version), or (index, the exception, -1) for a group that failed
+        self._ready: collections.deque = collections.deque()
         self._cond = threading.Condition()
         self._stopped = False
         self._wakeup: asyncio.Event | None = None
@@ -221,13 +227,15 @@ class RolloutProducer:
         return {i for i, start in self._started.items() if self.version + 1 - start > self.max_staleness}
 
     def get_groups(self, num_groups: int, timeout_s: float | None = None) -> list[list[dict]]:
-        """Block until `num_groups` groups are ready, taken in the order they started (the oldest
+        """Block until `num_groups` groups have ended, taken in the order they started (the oldest
         start version, then the lowest item), and every group that would be too stale at the next
-        version is among them (more than `num_groups` come back only without admission control).
-        A group already too stale is dropped and counted. With `timeout_s` (`rollout_deadline_s`):
-        RolloutTimeout, naming what is running, when no group finished or failed for that long (each
-        episode has its own deadline: the loop is stuck)."""
-        out, stuck = [], False
+        version is among them (more are taken only without admission control); return those that
+        did not fail, in item order. A failed group is counted in `num_failed` (if every group taken
+        failed: RuntimeError from the first error); one already too stale is dropped, counted and
+        replaced. With `timeout_s` (`rollout_deadline_s`): RolloutTimeout, naming what is running,
+        when no group finished or failed for that long (each episode has its own deadline: the loop
+        is stuck)."""
+        out, failed, stuck = [], [], False
         with self._cond:
             ended, since = self._num_ended, time.monotonic()
             must_take = self._must_take()
@@ -236,7 +244,7 @@ class RolloutProducer:
                 # the producer, which found none once the batch was taken, sleeps until it is woken
                 self._wanted_now = self._taken_now + num_groups
                 self.bg_loop.loop.call_soon_threadsafe(self._wake)
-            while len(out) < num_groups or must_take & self._started.keys():
+            while len(out) + len(failed) < num_groups or must_take & self._started.keys():
                 if self._error is not None:
                     raise RuntimeError("the rollout producer failed") from self._error
                 # the oldest ready group (by its start version, then its item), but never one younger
@@ -258,20 +266,26 @@ class RolloutProducer:
                 del self._started[index]
                 self._taken_now += 1
                 self.bg_loop.loop.call_soon_threadsafe(self._wake)  # a slot is free: start the next group
+                if isinstance(group, Exception):  # its place in the batch stays empty, as in sync mode
+                    self.num_failed += 1
+                    failed.append(group)
                 # With batch_groups, admission and the order of taking make this never true (the module's
                 # docstring); without them, or after a resume, it may be. A comparison of two ints either way.
-                if is_stale(oldest, self.version, self.max_staleness):
+                elif is_stale(oldest, self.version, self.max_staleness):
                     self.num_dropped_stale += 1
                     self.num_wasted_tokens += sum(int((ep["versions"] >= 0).sum()) for ep in group)
                 else:
-                    out.append(group)
+                    out.append((index, group))
             in_flight = sorted(self._started.keys() - {index for index, _, _ in self._ready})
         if stuck:  # described outside the lock: the loop's tasks take it
             raise RolloutTimeout(
                 f"the rollout producer gave {len(out)} of {num_groups} groups and no group finished or failed "
                 f"for {timeout_s:g} s (its episodes' deadline, episode_timeout_s, and time to cancel them); items "
                 f"in flight: {in_flight[:16]}; {self.bg_loop.describe_running()}")
-        return out
+        if failed and not out:
+            raise RuntimeError(f"all {len(failed)} groups of the step failed; the first error is the cause") \
+                from failed[0]
+        return [group for _, group in sorted(out, key=lambda taken: taken[0])]
 
     def data_position(self) -> int:
         """The first item index not yet consumed: resuming from it loses no item (items after it
@@ -309,6 +323,11 @@ class RolloutProducer:
                     task.add_done_callback(tasks.discard)
                 self._wakeup.clear()
                 await self._wakeup.wait()
+        except Exception as e:  # a bug here must reach the trainer, not leave it waiting for groups
+            with self._cond:
+                self._error = e
+                self._cond.notify_all()
+            raise
         finally:
             for task in tasks:
                 task.cancel()
@@ -320,20 +339,10 @@ class RolloutProducer:
             oldest = oldest_version(group)  # once, here: the trainer takes groups under the lock the loop needs
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # an episode must never crash training, but a bug must not loop silently
+        except Exception as e:  # an episode must never crash training: the trainer takes it as a failed group
             report(e)
-            with self._cond:
-                self.num_failed += 1
-                self._num_ended += 1
-                self._failed_in_a_row += 1
-                self._started.pop(index, None)
-                if self._failed_in_a_row >= 10:
-                    self._error = e
-                self._cond.notify_all()
-            self._wake()
-            return
+            group, oldest = e, -1
         with self._cond:
-            self._failed_in_a_row = 0
             self._num_ended += 1
             self._ready.append((index, group, oldest))
             self._cond.notify_all()

@@ -460,15 +460,16 @@ def run_rollout(run: Run, rollout, what: str):
 
 
 def take_groups(run: Run, num_groups: int, what: str) -> tuple[list, int]:
-    """(groups, how many failed): sync mode rolls out the next items now; async mode takes the
-    oldest groups the producer has been generating."""
-    if run.producer is not None:
-        failed_before = run.producer.num_failed
-        groups = run.producer.get_groups(num_groups, timeout_s=rollout_deadline_s(run.cfg.episode_timeout_s))
-        run.data_position = run.producer.data_position()
-        return groups, run.producer.num_failed - failed_before
-    items = [item_at(run, run.data_position + i) for i in range(num_groups)]
+    """(groups, how many failed), in item order: sync mode rolls out the next items now; async mode
+    takes the oldest groups the producer has been generating. Either way a failed group is dropped
+    and counted, not replaced, and if all of them failed the first error is raised."""
     try:
+        if run.producer is not None:
+            failed_before = run.producer.num_failed
+            groups = run.producer.get_groups(num_groups, timeout_s=rollout_deadline_s(run.cfg.episode_timeout_s))
+            run.data_position = run.producer.data_position()
+            return groups, run.producer.num_failed - failed_before
+        items = [item_at(run, run.data_position + i) for i in range(num_groups)]
         groups, failed = run_rollout(run, rollout_groups(run, items), what)
     except RuntimeError:
         for s in run.supervisors:

@@ -1,6 +1,8 @@
 """lib/agent_workers.py: agent episodes in spawned worker processes, each with its own event loop."""
 import asyncio
+import multiprocessing
 import os
+import signal
 import time
 
 import pytest
@@ -81,6 +83,21 @@ async def forks_then_dies_agent(base_url, api_key, item, temperature):
         with open(item["child_pid_file"], "w") as f:
             f.write(str(child.pid))
         os._exit(3)
+    return os.getpid()
+
+
+async def blocking_agent(base_url, api_key, item, temperature):
+    """Its worker's pid; or, as item["block"] says, it never ends and never lets a cancellation end it."""
+    if item.get("block") == "sleep":
+        time.sleep(3600)  # blocks the worker's event loop: the cancellation is never even read
+    elif item.get("block") == "swallow":
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                pass
+    elif item.get("block") == "sigstop":
+        os.kill(os.getpid(), signal.SIGSTOP)
     return os.getpid()
 
 
@@ -269,3 +286,63 @@ def test_a_worker_that_dies_leaving_a_forked_child_holding_its_pipe_is_still_see
             if pid_file.exists():
                 os.kill(int(pid_file.read_text()), 9)
     run_with(workers, go)
+
+
+@pytest.mark.parametrize("block", ["sleep", "swallow", "sigstop"])
+def test_a_worker_whose_cancelled_episode_does_not_end_is_killed_and_the_next_episode_runs_in_its_replacement(block):
+    workers = AgentWorkers(blocking_agent, 1, cancel_grace_s=1.0)
+
+    async def go():
+        first = await asyncio.wait_for(workers.run("u", "k", {}, 1.0), 60)
+        with pytest.raises(asyncio.TimeoutError):  # its deadline
+            await asyncio.wait_for(workers.run("u", "k", {"block": block}, 1.0), 1.0)
+        second = await asyncio.wait_for(workers.run("u", "k", {}, 1.0), 60)
+        assert second != first
+        deadline = time.monotonic() + 10
+        while _running_process(first) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not _running_process(first)
+    run_with(workers, go)
+
+
+def test_close_takes_seconds_not_minutes_when_a_worker_is_blocked():
+    workers = AgentWorkers(blocking_agent, 1)
+
+    async def go():
+        await asyncio.wait_for(workers.run("u", "k", {}, 1.0), 60)  # started
+        episode = asyncio.ensure_future(workers.run("u", "k", {"block": "sleep"}, 1.0))
+        await asyncio.sleep(0.5)
+        t0 = time.monotonic()
+        await workers.close()
+        assert time.monotonic() - t0 < 15
+        with pytest.raises(AgentFailed, match="closed"):
+            await episode
+    run_with(workers, go)
+
+
+def test_no_worker_process_is_waited_for_on_the_event_loop_and_every_one_is_reaped(monkeypatch):
+    # join() blocks its thread: on the trainer's event loop it would stop every episode and the proxy
+    joined_on_loop, join = [], multiprocessing.process.BaseProcess.join
+
+    def recording_join(self, timeout=None):
+        try:
+            asyncio.get_running_loop()
+            joined_on_loop.append(self.pid)
+        except RuntimeError:
+            pass
+        return join(self, timeout)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "join", recording_join)
+    workers = AgentWorkers(dying_agent, 1)
+
+    async def go():
+        pids = [await asyncio.wait_for(workers.run("u", "k", {}, 1.0), 60)]
+        with pytest.raises(AgentFailed, match="died"):
+            await asyncio.wait_for(workers.run("u", "k", {"die": True}, 1.0), 60)
+        pids.append(await asyncio.wait_for(workers.run("u", "k", {}, 1.0), 60))  # its replacement
+        return pids
+    pids = run_with(workers, go)
+    assert joined_on_loop == []
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(os.path.exists(f"/proc/{p}") for p in pids)  # not left as zombies

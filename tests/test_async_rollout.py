@@ -114,7 +114,7 @@ def test_data_position_is_the_first_item_not_yet_consumed(bg_loop):
         producer.stop()
 
 
-def test_a_failing_group_is_counted_and_production_goes_on(bg_loop, capsys):
+def test_a_failing_group_is_counted_in_its_place_and_production_goes_on(bg_loop, capsys):
     async def rollout_group(item):
         if item["i"] == 1:
             raise ValueError("malformed episode")
@@ -122,9 +122,9 @@ def test_a_failing_group_is_counted_and_production_goes_on(bg_loop, capsys):
 
     producer = RolloutProducer(bg_loop, rollout_group, lambda i: {"i": i}, capacity=2, max_staleness=0).start()
     try:
-        groups = producer.get_groups(3, timeout_s=10)
-        assert [g[0]["index"] for g in groups] == [0, 2, 3]
+        assert [g[0]["index"] for g in producer.get_groups(3, timeout_s=10)] == [0, 2]
         assert producer.num_failed == 1
+        assert [g[0]["index"] for g in producer.get_groups(2, timeout_s=10)] == [3, 4]
     finally:
         producer.stop()
 
@@ -284,5 +284,62 @@ def test_a_taken_group_is_judged_by_its_oldest_sampled_token_wherever_it_is_in_t
         producer.set_version(6)
         assert [g[0]["index"] for g in producer.get_groups(1, timeout_s=10)] == [2]  # 6 - 3 = 3: item 1 dropped
         assert producer.num_dropped_stale == 1 and producer.num_wasted_tokens == 5
+    finally:
+        producer.stop()
+
+
+def test_at_max_staleness_0_a_steps_groups_come_in_item_order_when_they_finish_in_reverse(bg_loop):
+    # Sync mode's order (the rows each PPO mini-batch gets depend on it), not the order they finish.
+    version = [0]
+
+    async def rollout_group(item):
+        await asyncio.sleep(0.05 * (3 - item["i"] % 4))  # in each step, item 3 first, item 0 last
+        return [dict(episode([-1, version[0]]), index=item["i"])]
+
+    producer = RolloutProducer(bg_loop, rollout_group, lambda i: {"i": i}, capacity=4, max_staleness=0,
+                               batch_groups=4).start()
+    try:
+        assert [g[0]["index"] for g in producer.get_groups(4, timeout_s=10)] == [0, 1, 2, 3]
+        version[0] = 1
+        producer.set_version(1)
+        assert [g[0]["index"] for g in producer.get_groups(4, timeout_s=10)] == [4, 5, 6, 7]
+    finally:
+        producer.stop()
+
+
+def test_at_max_staleness_0_a_failed_group_is_dropped_and_counted_not_replaced_as_in_sync_mode(bg_loop):
+    started, version = [], [0]
+
+    async def rollout_group(item):
+        started.append(item["i"])
+        if item["i"] == 1:
+            raise ValueError("malformed episode")
+        return [dict(episode([-1, version[0]]), index=item["i"])]
+
+    producer = RolloutProducer(bg_loop, rollout_group, lambda i: {"i": i}, capacity=4, max_staleness=0,
+                               batch_groups=3).start()
+    try:
+        assert [g[0]["index"] for g in producer.get_groups(3, timeout_s=10)] == [0, 2]
+        assert producer.num_failed == 1
+        settle(bg_loop)
+        assert started == [0, 1, 2]  # item 3 is the next step's, not item 1's stand-in
+        version[0] = 1
+        producer.set_version(1)
+        assert [g[0]["index"] for g in producer.get_groups(3, timeout_s=10)] == [3, 4, 5]
+    finally:
+        producer.stop()
+
+
+def test_when_every_group_the_trainer_takes_failed_the_first_error_is_raised_as_in_sync_mode(bg_loop):
+    async def rollout_group(item):
+        raise ValueError(f"broken episode {item['i']}")
+
+    producer = RolloutProducer(bg_loop, rollout_group, lambda i: {"i": i}, capacity=2, max_staleness=0,
+                               batch_groups=2).start()
+    try:
+        with pytest.raises(RuntimeError, match="all 2 groups") as error:
+            producer.get_groups(2, timeout_s=10)
+        assert isinstance(error.value.__cause__, ValueError) and "broken episode 0" in str(error.value.__cause__)
+        assert producer.num_failed == 2
     finally:
         producer.stop()

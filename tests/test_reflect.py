@@ -561,13 +561,24 @@ def test_two_grpo_steps_run_end_to_end_and_resume(mode, weight_sync, pause_mode,
 
 
 @pytest.mark.slow
-def test_async_at_max_staleness_0_reproduces_sync_exactly(tmp_path):
-    # Same seeds, seeded sampling: the same trajectories each step and the same weights at the end.
+def test_async_at_max_staleness_0_reproduces_sync_exactly(tmp_path, monkeypatch):
+    # Same seeds, seeded sampling: the same trajectories each step, in the same order (two PPO mini-batches:
+    # which rows each one trains depends on it), and the same weights at the end. A step's groups finish
+    # in reverse item order here, so async mode must put them back in item order, as sync mode has them.
+    rollout_group = tr.rollout_group
+
+    async def finishing_in_reverse(client, tokenizer, reflection_ids, reward_pool, cfg, item, *args):
+        group = await rollout_group(client, tokenizer, reflection_ids, reward_pool, cfg, item, *args)
+        if "index" in item:  # a training item
+            await asyncio.sleep(0.3 * (cfg.batch_size - 1 - item["index"] % cfg.batch_size))
+        return group
+    monkeypatch.setattr(tr, "rollout_group", finishing_in_reverse)
     runs = {}
     for mode in ("sync", "async"):
         run_dir = str(tmp_path / mode)
         tr.main(config="configs/reflect_tiny.yaml", run_dir=run_dir, mode=mode, max_staleness=0, seeded_sampling=True,
-                **{**E2E, "max_steps": 3, "checkpoint_every": 0, "test_size": 2})
+                **{**E2E, "max_steps": 3, "checkpoint_every": 0, "test_size": 2, "ppo_minibatches": 2,
+                   "trace_groups": E2E["batch_size"]})
         rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
         traces = [json.loads(line) for line in open(os.path.join(run_dir, "traces.jsonl"))]
         weights = safetensors.torch.load_file(os.path.join(run_dir, "final", "model.safetensors"))
@@ -578,8 +589,10 @@ def test_async_at_max_staleness_0_reproduces_sync_exactly(tmp_path):
         assert a["rollout/reward"] == b["rollout/reward"] and a["rollout/gen_tokens"] == b["rollout/gen_tokens"] > 0
         assert b["rollout/staleness_max"] == 0 and a["loss/loss"] == pytest.approx(b["loss/loss"], abs=1e-6)
     assert sum(r["loss/grad_norm"] for r in sync_rows) > 0  # the weights moved
-    step_tokens = lambda traces: sorted((t["step"], t["tokens"]["id"], t["tokens"]["ver"]) for t in traces)  # noqa: E731
-    assert sync_traces and step_tokens(sync_traces) == step_tokens(async_traces)
+    in_order = lambda traces: [(t["step"], t["group"], t["index"], t["tokens"]["id"], t["tokens"]["ver"])  # noqa: E731
+                               for t in traces]
+    assert len(sync_traces) == 3 * E2E["batch_size"] * E2E["group_size"]
+    assert in_order(sync_traces) == in_order(async_traces)
     for name, w in sync_weights.items():
         torch.testing.assert_close(async_weights[name], w, rtol=0, atol=1e-6)
 
