@@ -183,6 +183,8 @@ class AgentWorkers:
         # not to a worker with a cancelled episode still running: it may be about to be killed for it
         while self._workers and all(w.cancelling for w in self._workers):
             await asyncio.sleep(0.05)
+        if self._closed:
+            raise AgentFailed("AgentWorkers closed")
         if not self._workers:  # workers that fail to start are not replaced: each would fail the same way
             raise AgentFailed(self._failure)
         worker = min((w for w in self._workers if not w.cancelling), key=lambda w: len(w.jobs))

@@ -28,6 +28,7 @@ keeps that within `max_staleness`). `version_cache_key=False` leaves the key out
 do not know it.
 """
 import asyncio
+import collections
 import dataclasses
 import functools
 import hashlib
@@ -95,6 +96,9 @@ class InferenceClient:
         self._routes: dict = {}  # trajectory_id -> address
         self._live_trajectories = {a: 0 for a in self.addresses}
         self._in_flight = {a: 0 for a in self.addresses}
+        # control calls sent to a server and not answered: "POST http://host:port/path" -> how many
+        # (a weight sync past its deadline names them: lib/weight_sync.py)
+        self.calls_in_flight: collections.Counter = collections.Counter()
         self._paused = False
         # Bumped by every pause: an abort answer to a request sent before the latest pause began is
         # a pause-abort even if the client has been continued by the time the answer is read.
@@ -488,8 +492,17 @@ class InferenceClient:
         bodies = body if isinstance(body, list) else [body] * len(self.addresses)
         if send is None:
             send = functools.partial(self._request, retry=retry, expect_json=expect_json)
+
+        async def tracked(address, body):
+            call = f"{method} {address}{path}"
+            self.calls_in_flight[call] += 1
+            try:
+                return await send(method, address, path, body)
+            finally:
+                self.calls_in_flight[call] -= 1
+                self.calls_in_flight += collections.Counter()  # drops the calls answered
         # Every server gets the call even if one fails, so none is left e.g. paused alone.
-        results = await asyncio.gather(*(send(method, a, path, b) for a, b in zip(self.addresses, bodies)),
+        results = await asyncio.gather(*(tracked(a, b) for a, b in zip(self.addresses, bodies)),
                                        return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):

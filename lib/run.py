@@ -129,6 +129,7 @@ class RunConfig:
     weight_sync: str = "disk"  # "disk" (safetensors), "nccl" (broadcast; gloo on CPUs) or "tensor" (colocated, same GPU)
     weight_sync_bucket_mb: float = 512  # nccl: tensors per update call, one flattened broadcast each
     weight_sync_master_address: str = "127.0.0.1"  # nccl: the trainer's address as the servers reach it
+    weight_sync_timeout_s: float = 600.0  # a sync (or the group's set-up) past this stops the run, naming what it waited on
     colocate_sleep: bool = False  # sync mode, SGLang on the trainer's GPU: the server lends its memory during the update
     # == async mode ==
     # a group starts only if a step within max_staleness versions will train it (nothing generated
@@ -345,7 +346,8 @@ def _open(run: Run, build_model, load_splits, tokenizer_texts):
     run.weight_sync = ServerWeightSync(cfg.weight_sync, run.actor, run.client, run.bg.run, num_servers=len(addrs),
                                        tp_size=cfg.tp_size, disk_dir=os.path.join(cfg.run_dir, "weights"),
                                        bucket_mb=cfg.weight_sync_bucket_mb,
-                                       master_address=cfg.weight_sync_master_address)
+                                       master_address=cfg.weight_sync_master_address,
+                                       timeout_s=cfg.weight_sync_timeout_s)
 
     if cfg.resume and resume_extra is None:
         print(f"--resume True: no checkpoint in {run.ckpt_dir}; starting from step 0")

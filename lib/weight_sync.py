@@ -16,6 +16,10 @@ Three paths, all speaking SGLang's protocol (lib's CPU server implements the sam
 None pauses generation: the training loop pauses, syncs, continues (docs/trajectory.md, step order).
 Under FSDP every trainer rank calls these (gathering full tensors is collective); only rank 0
 talks to the servers and broadcasts.
+
+`ServerWeightSync` bounds every sync (and the group's set-up) by `timeout_s` (`weight_sync_timeout_s`):
+past it the run stops with WeightSyncTimeout, naming what the sync was still waiting on: the
+trainer's own steps (writing the weights, a broadcast) and the server calls not yet answered.
 """
 import asyncio
 import os
@@ -26,18 +30,37 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from lib.async_rollout import in_thread
 from lib.process_group import destroy_custom_process_group, init_custom_process_group
 from lib.ranks import trainer_rank, trainer_world_size
 
 
+class WeightSyncTimeout(TimeoutError):
+    """A weight sync did not finish within its bound; the message says what it was waiting on."""
+
+
+_waiting: dict[int, str] = {}  # what the trainer's side of a sync is waiting on now (id of its wait -> what)
+
+
+async def _waiting_on(what: str, awaitable):
+    """Await `awaitable`, named `what` meanwhile in a timed-out sync's error."""
+    key = id(awaitable)
+    _waiting[key] = what
+    try:
+        return await awaitable
+    finally:
+        _waiting.pop(key, None)
+
+
 async def _to_thread_on(device: torch.device, fn, *args, **kwargs):
-    """asyncio.to_thread with the CUDA current device of `device` (a new thread starts on GPU 0,
-    where a rank on another GPU would allocate and build NCCL communicators)."""
+    """`fn` in a thread with the CUDA current device of `device` (a new thread starts on GPU 0,
+    where a rank on another GPU would allocate and build NCCL communicators). A daemon thread: one
+    stuck in a collective does not keep the process from exiting once its sync has timed out."""
     def run():
         if device.type == "cuda":
             torch.cuda.set_device(device)
         return fn(*args, **kwargs)
-    return await asyncio.to_thread(run)
+    return await in_thread(run)
 
 
 async def sync_weights_from_disk(actor, client, path: str, version, flush_cache: bool = True) -> float:
@@ -47,7 +70,8 @@ async def sync_weights_from_disk(actor, client, path: str, version, flush_cache:
     when requests are held by an `in_place` pause (SGLang can only flush an idle server)."""
     start = time.perf_counter()
     # In a thread: writing a large model takes seconds and the event loop may be serving rollouts.
-    await _to_thread_on(actor.device, actor.save_hf, os.path.abspath(path))
+    await _waiting_on(f"the trainer writing the weights to {os.path.abspath(path)}",
+                      _to_thread_on(actor.device, actor.save_hf, os.path.abspath(path)))
     if trainer_rank() == 0:
         await client.update_weights_from_disk(os.path.abspath(path), weight_version=str(version),
                                               flush_cache=flush_cache)
@@ -116,9 +140,12 @@ class DistributedWeightSync:
         os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
         servers_join = self.client.init_weights_update_group(
             self.master_address, self.master_port, self.rank_offsets, self.world_size, self.group_name, self.backend)
-        trainer_joins = _to_thread_on(
-            self.device, init_custom_process_group, self.backend, f"tcp://{self.master_address}:{self.master_port}",
-            self.world_size, 0, self.group_name, timeout_s=self.timeout_s)
+        trainer_joins = _waiting_on(
+            f"the trainer joining the {self.backend} group {self.group_name!r} at {self.master_address}:"
+            f"{self.master_port} with the servers' ranks {self.rank_offsets} (world size {self.world_size})",
+            _to_thread_on(self.device, init_custom_process_group, self.backend,
+                          f"tcp://{self.master_address}:{self.master_port}", self.world_size, 0, self.group_name,
+                          timeout_s=self.timeout_s))
         _, self.group = await _first_error_or_all(servers_join, trainer_joins)
 
     async def update(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version, bucket_mb: float = 512,
@@ -160,7 +187,12 @@ class DistributedWeightSync:
             names, [str(t.dtype).removeprefix("torch.") for t in tensors], [list(t.shape) for t in tensors],
             group_name=self.group_name, flush_cache=flush_cache, weight_version=str(version) if last else None,
             load_format="flattened_bucket" if flattened else None)
-        await _first_error_or_all(post, _to_thread_on(self.device, self._broadcast, tensors, flattened))
+        megabytes = sum(t.numel() * t.element_size() for t in tensors) / 2**20
+        broadcast = _waiting_on(
+            f"the trainer's {self.backend} broadcast of {len(tensors)} tensors ({megabytes:.1f} MB, {names[0]} ...) "
+            f"in group {self.group_name!r} to the servers' ranks",
+            _to_thread_on(self.device, self._broadcast, tensors, flattened))
+        await _first_error_or_all(post, broadcast)
 
     def _broadcast(self, tensors: list[torch.Tensor], flattened: bool) -> None:
         if flattened:  # SGLang's FlattenedTensorBucket layout: each tensor's bytes, in order
@@ -186,10 +218,11 @@ class ServerWeightSync:
     here once (gloo when the actor is on CPUs), rooted at `master_address` (this machine's address
     as the servers reach it: 127.0.0.1 unless they run on other machines). `run` runs a coroutine on the event loop that owns
     `client` (`lib.async_rollout.BackgroundLoop.run`). Every trainer rank makes every call; ranks > 0
-    pass `client=None` and `num_servers=0`."""
+    pass `client=None` and `num_servers=0`. A sync, or the group's set-up, that takes longer than
+    `timeout_s` raises WeightSyncTimeout, naming what it was still waiting on."""
 
     def __init__(self, method: str, actor, client, run, *, num_servers: int, tp_size: int = 1,
-                 disk_dir: str, bucket_mb: float = 512, master_address: str = "127.0.0.1"):
+                 disk_dir: str, bucket_mb: float = 512, master_address: str = "127.0.0.1", timeout_s: float = 600.0):
         if method not in ("disk", "nccl", "tensor"):
             raise ValueError(f"weight sync method must be 'disk', 'nccl' or 'tensor', got {method!r}")
         if method == "tensor" and actor.world_size > 1:
@@ -198,27 +231,50 @@ class ServerWeightSync:
 
         self.method, self.tp_size = method, tp_size
         self.actor, self.client, self.run, self.disk_dir, self.bucket_mb = actor, client, run, disk_dir, bucket_mb
+        self.timeout_s = timeout_s
         self.broadcaster = None
         if method == "nccl":
             self.broadcaster = DistributedWeightSync(
                 client, master_address=master_address, master_port=free_port() if trainer_rank() == 0 else 0,
                 world_size=1 + num_servers * tp_size,
                 rank_offsets=[1 + i * tp_size for i in range(num_servers)],
-                backend="nccl" if actor.device.type == "cuda" else "gloo")
-            run(self.broadcaster.init())
+                backend="nccl" if actor.device.type == "cuda" else "gloo", timeout_s=timeout_s)
+            self._bounded(self.broadcaster.init(), "setting up the weight-update group")
 
     def sync(self, version, flush_cache: bool = True) -> float:
         """Push the actor's weights as `version`. `flush_cache=False` while an `in_place` pause
         holds requests on the servers (SGLang can flush only an idle server's prefix cache)."""
+        what = f"the weight sync of version {version} ({self.method})"
         if self.method == "tensor":
-            return self.run(sync_weights_from_tensor(self.actor, self.client, version, self.tp_size, flush_cache))
+            return self._bounded(sync_weights_from_tensor(self.actor, self.client, version, self.tp_size, flush_cache),
+                                 what)
         if self.broadcaster is None:
-            return self.run(sync_weights_from_disk(self.actor, self.client, self.disk_dir, version, flush_cache))
+            return self._bounded(sync_weights_from_disk(self.actor, self.client, self.disk_dir, version, flush_cache),
+                                 what)
         named = self.actor.named_full_parameters()  # under FSDP each tensor is gathered: every rank takes part
         if trainer_world_size() > 1:
             named = list(named)  # gather here, on the thread that owns this rank's GPU
-        return self.run(self.broadcaster.update(named, version, bucket_mb=self.bucket_mb, flattened=True,
-                                                flush_cache=flush_cache))
+        return self._bounded(self.broadcaster.update(named, version, bucket_mb=self.bucket_mb, flattened=True,
+                                                     flush_cache=flush_cache), what)
+
+    def _bounded(self, coro, what: str):
+        """Run `coro` on the client's loop; past timeout_s, WeightSyncTimeout naming what it waits on."""
+        async def bounded():
+            task = asyncio.ensure_future(coro)
+            done, _ = await asyncio.wait({task}, timeout=self.timeout_s)
+            if done:
+                return task.result()
+            calls = sorted(self.client.calls_in_flight.elements()) if self.client is not None else []
+            waits = [*_waiting.values(), *(f"{call} (no answer yet)" for call in calls)]
+            task.cancel()
+            raise WeightSyncTimeout(
+                f"{what} did not finish within {self.timeout_s:g} s (weight_sync_timeout_s); still waiting on: "
+                f"{'; '.join(waits) or 'nothing known (the event loop may be blocked)'}. A server call with no "
+                f"answer: that server is stuck or dead (see its log); a broadcast or join that does not end: a "
+                f"rank of the group is not taking part (a server restarted or left it). If the model is just slow "
+                f"to write and load, raise weight_sync_timeout_s.")
+        # the loop-side bound fires first; this one only if the loop itself is blocked
+        return self.run(bounded(), timeout_s=self.timeout_s + 60)
 
     def close(self) -> None:
         """Leave the NCCL group (a server that outlives this run can join a new one). Best effort: it

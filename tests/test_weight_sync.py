@@ -227,3 +227,40 @@ def test_closing_the_broadcast_group_after_the_server_died_warns_instead_of_rais
         own_server.terminate()
         bg.run(client.close(), timeout_s=30)
         bg.close()
+
+
+def test_a_server_that_never_answers_the_disk_update_fails_the_sync_within_its_bound_naming_server_and_call(tmp_path):
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from types import SimpleNamespace
+
+    from lib.async_rollout import BackgroundLoop
+    from lib.weight_sync import ServerWeightSync, WeightSyncTimeout
+
+    never = threading.Event()
+
+    class NeverAnswers(BaseHTTPRequestHandler):
+        def do_POST(self):
+            never.wait()
+
+    stub = ThreadingHTTPServer(("127.0.0.1", 0), NeverAnswers)
+    stub.daemon_threads = True
+    threading.Thread(target=stub.serve_forever, daemon=True).start()
+    address = f"http://127.0.0.1:{stub.server_port}"
+    actor = SimpleNamespace(device=torch.device("cpu"), world_size=1, save_hf=lambda path: None)
+    bg = BackgroundLoop()
+    client = InferenceClient([address], max_retries=0)
+    try:
+        sync = ServerWeightSync("disk", actor, client, bg.run, num_servers=1, disk_dir=str(tmp_path), timeout_s=1.0)
+        t0 = time.monotonic()
+        with pytest.raises(WeightSyncTimeout) as error:
+            sync.sync(3)
+        assert time.monotonic() - t0 < 1.0 + 10
+    finally:
+        never.set()
+        stub.shutdown()
+        bg.run(client.close(), timeout_s=30)
+        bg.close()
+    assert f"POST {address}/update_weights_from_disk" in str(error.value)
+    assert "weight_sync_timeout_s" in str(error.value)
