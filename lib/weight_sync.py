@@ -30,7 +30,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from lib.async_rollout import in_thread
+from lib.deadlines import in_thread
 from lib.process_group import destroy_custom_process_group, init_custom_process_group
 from lib.ranks import trainer_rank, trainer_world_size
 
