@@ -24,7 +24,6 @@ from lib.cache import build_once, cache_root
 GENERATOR_VERSION = 2
 
 SPLITS = ("test", "dev", "warmstart", "train")
-NUMBER_SIZES = ("small", "large")
 
 NAMES = [("Tom", "He"), ("Anna", "She"), ("Ben", "He"), ("Mia", "She"), ("Sam", "He"), ("Lily", "She"),
          ("Max", "He"), ("Emma", "She"), ("Leo", "He"), ("Zoe", "She"), ("Jack", "He"), ("Ella", "She")]
@@ -32,95 +31,70 @@ OBJECTS = ["apples", "books", "pens", "cards", "eggs", "stamps", "shells", "coin
 CONTAINERS = ["boxes", "bags", "baskets", "jars"]
 
 
-def _start(rng: random.Random, name: str, obj: str):
-    """The first sentence, its worked line and the starting count."""
-    if rng.random() < 0.25:
-        groups, per_group = rng.randint(2, 5), rng.randint(2, 10)
+# The two sizes of problem: the same kinds of sentences over other ranges of numbers.
+RANGES = {
+    "small": {"containers_p": 0.25, "groups": (2, 5), "per_group": (2, 10), "count": (2, 20), "steps": ([1, 2, 3], [5, 3, 2]),
+              "mul_below": 31, "sub_from": 2, "n": (1, 10), "k": (2, 3), "spelled": True},
+    "large": {"containers_p": 0.4, "groups": (12, 48), "per_group": (15, 99), "count": (100, 999),
+              "steps": ([2, 3, 4], [4, 4, 2]), "mul_below": 2000, "sub_from": 200, "n": (100, 999), "k": (3, 9),
+              "spelled": False},
+}
+NUMBER_SIZES = tuple(RANGES)
+SPELLED = {2: "twice", 3: "three times", 4: "four times"}
+
+
+def _start(rng: random.Random, name: str, obj: str, r: dict):
+    """The first sentence, its worked line and the starting count (`r`: the size's RANGES)."""
+    if rng.random() < r["containers_p"]:
+        groups, per_group = rng.randint(*r["groups"]), rng.randint(*r["per_group"])
         container = rng.choice(CONTAINERS)
         total = groups * per_group
         text = f"{name} has {groups} {container} with {per_group} {obj} in each."
         work = f"{name} has {groups} * {per_group} = {total} {obj}."
         return text, work, total
-    count = rng.randint(2, 20)
+    count = rng.randint(*r["count"])
     return f"{name} has {count} {obj}.", None, count
 
 
-def _step(rng: random.Random, pronoun: str, obj: str, count: int, friend: str):
+def _step(rng: random.Random, pronoun: str, obj: str, count: int, friend: str, r: dict):
     """One follow-up sentence that changes the count, its worked line and the new count."""
-    ops = ["add", "sub"] + (["mul"] if count <= 30 else [])
+    ops = ["add", "sub"] + (["mul"] if count < r["mul_below"] else [])
     op = rng.choice(ops)
-    if op == "sub" and count < 2:
+    if op == "sub" and count < r["sub_from"]:
         op = "add"
     if op == "add":
-        n = rng.randint(1, 10)
+        n = rng.randint(*r["n"])
         object_pronoun = "him" if pronoun == "He" else "her"
         text = rng.choice([f"{pronoun} buys {n} more {obj}.", f"{pronoun} finds {n} more {obj}.",
                            f"{friend} gives {object_pronoun} {n} {obj}."])
         return text, f"{count} + {n} = {count + n}.", count + n
     if op == "sub":
-        n = rng.randint(1, min(count - 1, 10))
+        n = rng.randint(r["n"][0], min(count - 1, r["n"][1]))
         text = rng.choice([f"{pronoun} gives {n} {obj} to {friend}.", f"{pronoun} loses {n} {obj}.",
                            f"{pronoun} sells {n} {obj}."])
         return text, f"{count} - {n} = {count - n}.", count - n
-    k = rng.randint(2, 3)
-    word = {2: "twice", 3: "three times", 4: "four times"}[k]
+    k = rng.randint(*r["k"])
+    word = SPELLED[k] if r["spelled"] else f"{k} times"
     text = f"Then {pronoun.lower()} ends up with {word} as many {obj}."
-    return text, f"{count} * {k} = {count * k}.", count * k
-
-
-def _start_large(rng: random.Random, name: str, obj: str):
-    """`_start` over larger numbers: 100-999 items, or 12-48 containers of 15-99."""
-    if rng.random() < 0.4:
-        groups, per_group = rng.randint(12, 48), rng.randint(15, 99)
-        container = rng.choice(CONTAINERS)
-        total = groups * per_group
-        text = f"{name} has {groups} {container} with {per_group} {obj} in each."
-        return text, f"{name} has {groups} * {per_group} = {total} {obj}.", total
-    count = rng.randint(100, 999)
-    return f"{name} has {count} {obj}.", None, count
-
-
-def _step_large(rng: random.Random, pronoun: str, obj: str, count: int, friend: str):
-    """`_step` over larger numbers: adds and removes 100-999, multiplies by 3-9 while below 2,000."""
-    ops = ["add", "sub"] + (["mul"] if count < 2000 else [])
-    op = rng.choice(ops)
-    if op == "sub" and count < 200:
-        op = "add"
-    if op == "add":
-        n = rng.randint(100, 999)
-        object_pronoun = "him" if pronoun == "He" else "her"
-        text = rng.choice([f"{pronoun} buys {n} more {obj}.", f"{pronoun} finds {n} more {obj}.",
-                           f"{friend} gives {object_pronoun} {n} {obj}."])
-        return text, f"{count} + {n} = {count + n}.", count + n
-    if op == "sub":
-        n = rng.randint(100, min(count - 1, 999))
-        text = rng.choice([f"{pronoun} gives {n} {obj} to {friend}.", f"{pronoun} loses {n} {obj}.",
-                           f"{pronoun} sells {n} {obj}."])
-        return text, f"{count} - {n} = {count - n}.", count - n
-    k = rng.randint(3, 9)
-    text = f"Then {pronoun.lower()} ends up with {k} times as many {obj}."
     return text, f"{count} * {k} = {count * k}.", count * k
 
 
 def make_problem(rng: random.Random, numbers: str = "small") -> dict:
     """One word problem with its worked solution: 1-3 arithmetic steps over small numbers, or 2-4
     over large ones."""
+    r = RANGES[numbers]
     (name, pronoun), obj = rng.choice(NAMES), rng.choice(OBJECTS)
     friend = rng.choice([n for n, _ in NAMES if n != name])
-    start, step = (_start, _step) if numbers == "small" else (_start_large, _step_large)
     sentences, work = [], []
-    text, line, count = start(rng, name, obj)
+    text, line, count = _start(rng, name, obj, r)
     sentences.append(text)
     if line:
         work.append(line)
-    # Mostly one or two steps: a model of a few million parameters learns those within minutes,
-    # and the three-step problems leave headroom for RL.
-    if numbers == "small":
-        num_steps = rng.choices([1, 2, 3], weights=[5, 3, 2])[0] - (1 if line else 0)
-    else:
-        num_steps = rng.choices([2, 3, 4], weights=[4, 4, 2])[0] - (1 if line else 0)
+    # Small: mostly one or two steps (a model of a few million parameters learns those within
+    # minutes, and the three-step problems leave headroom for RL). Large: two to four.
+    num_steps = rng.choices(*r["steps"])[0] - (1 if line else 0)
     for _ in range(num_steps):
-        text, line, count = step(rng, pronoun, obj, count, friend)
+        text, line, count = _step(rng, pronoun, obj, count, friend, r)
         sentences.append(text)
         work.append(line)
     question = " ".join(sentences) + f" How many {obj} does {name} have now?"
