@@ -9,7 +9,7 @@ each with the episode's reward and advantage (lib.run.episode_rows).
 
 What a row is credited with (docs/train_agent.md, "What is trained"): by default only the replies
 the agent went on from are trained (a reply it asked for again and the unused choices of an `n` > 1
-request are cut out: lib.openai_proxy.discarded_turns), and each of an episode's k rows weighs 1/k
+request are cut out: lib.proxy_record.discarded_turns), and each of an episode's k rows weighs 1/k
 in the per-sequence loss_aggs, so that an episode counts once whatever its number of segments. The
 agent Config's `train_discarded_turns` and `segment_weight` ("segment": 1 a row) choose otherwise.
 """
@@ -33,6 +33,11 @@ RESERVED_STATS = {"reward", "rewards", "item", "segments", "stats", "advantage",
 # How an episode's k rows weigh in the per-sequence loss_aggs: "episode", 1/k each (the episode counts
 # once, as a one-row episode does); "segment", 1 each (an episode of k segments counts k times).
 SEGMENT_WEIGHTS = ("episode", "segment")
+
+
+def check_segment_weight(segment_weight: str):
+    if segment_weight not in SEGMENT_WEIGHTS:
+        raise ValueError(f"segment_weight must be one of {SEGMENT_WEIGHTS}, got {segment_weight!r}")
 
 
 def agent_result(result) -> tuple:
@@ -59,8 +64,7 @@ async def arun_episode(proxy: OpenAIProxy, run_agent, item, temperature: float, 
     which drops the group. `run_agent`: the agent, or AgentWorkers.run (the same in a worker process).
     `train_discarded`: also train the replies the agent did not go on from; `segment_weight`: one of
     SEGMENT_WEIGHTS."""
-    if segment_weight not in SEGMENT_WEIGHTS:
-        raise ValueError(f"segment_weight must be one of {SEGMENT_WEIGHTS}, got {segment_weight!r}")
+    check_segment_weight(segment_weight)
     key = proxy.new_session(train=train)  # evaluation sessions are not trained on and sample as they ask
     try:
         result = await run_agent(proxy.session_url(key), key, item, temperature)
@@ -140,8 +144,7 @@ def attach_agent(run, run_agent, start_agent=None, close_agent=None, start_args:
     cfg = run.cfg
     credit = {"train_discarded": bool(getattr(cfg, "train_discarded_turns", False)),
               "segment_weight": getattr(cfg, "segment_weight", "episode")}
-    if credit["segment_weight"] not in SEGMENT_WEIGHTS:  # before anything starts
-        raise ValueError(f"segment_weight must be one of {SEGMENT_WEIGHTS}, got {credit['segment_weight']!r}")
+    check_segment_weight(credit["segment_weight"])  # before anything starts
     workers = num_workers(cfg.agent_workers, beside_cpu_server=cfg.server == "cpu")
     proxy = OpenAIProxy(run.client, run.tokenizer, stop_token_ids=cfg.stop_token_ids,
                         max_context_tokens=cfg.max_tokens, default_max_tokens=cfg.max_new_tokens_per_turn,
@@ -160,7 +163,6 @@ def attach_agent(run, run_agent, start_agent=None, close_agent=None, start_args:
     if workers:  # run_agent in processes of its own, each with its own event loop
         pool = AgentWorkers(run_agent, workers, init=start_agent, init_args=start_args, close=close_agent)
     agent = pool.run if pool else run_agent
-    run.task["proxy"] = proxy
     run.rollout_group = lambda item, temperature, group_size: rollout_group(
         proxy, agent, item, temperature, group_size, True, run.cfg.episode_timeout_s, **credit)
     run.evaluate = lambda items: evaluate(proxy, agent, items, run.cfg.eval_temperature, run.cfg.episode_timeout_s)

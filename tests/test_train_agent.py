@@ -18,6 +18,7 @@ from lib.async_rollout import gather_groups  # noqa: E402
 from lib.client import InferenceClient  # noqa: E402
 from lib.openai_proxy import OpenAIProxy  # noqa: E402
 from lib.scripted_server import Reply, ScriptedServer  # noqa: E402
+from tests.test_reflect import FixedProducer  # noqa: E402
 
 ITEM = {"question": "Tom has 3 apples. He buys 4 more apples. How many apples does Tom have now?",
         "answer": "3 + 4 = 7.\n#### 7"}
@@ -61,25 +62,10 @@ async def rollout_groups(proxy, items, group_size, cfg=None, agent=None):
                                                  cfg.episode_timeout_s) for item in items])
 
 
-class FixedRollouts:
-    """Stands in for the async producer: hands lib.run the groups it was given."""
-    num_failed = num_wasted_tokens = num_dropped_stale = 0
-
-    def __init__(self, groups):
-        self.groups = groups
-
-    def get_groups(self, num_groups, timeout_s=None):
-        out, self.groups = self.groups[:num_groups], self.groups[num_groups:]
-        return out
-
-    def data_position(self):
-        return 0
-
-
 def train_rows(episodes, group_size=2, **config):
     """lib.run's steps 1-2 over these episodes of train_agent.py: (batch, episodes, metrics)."""
     groups = [episodes[i:i + group_size] for i in range(0, len(episodes), group_size)]
-    run = lib.run.Run(ta.Config(batch_size=len(groups), group_size=group_size, **config), producer=FixedRollouts(groups))
+    run = lib.run.Run(ta.Config(batch_size=len(groups), group_size=group_size, **config), producer=FixedProducer(groups))
     return lib.run.rollout_step(run, ae.episode_metrics)
 
 
