@@ -13,6 +13,10 @@
 #   large    (after kit and part, instead of learn) join + build, then the tasks where the tool has headroom:
 #            calc/TIR on the large-number problems (--bundled_numbers large) from light warm starts, the
 #            no-tool baseline there, and search from a lighter warm start with groups of 16; 2 seeds each
+#   hard     (after kit and part, instead of learn) join + build, then search where one search cannot answer:
+#            the bundled questions of 2-4 hops (--bundled_hops 2,3,4) from a light warm start (WS, default
+#            40 SFT steps), $HSTEPS GRPO steps, and the no-tool baseline there; a lane per seed (with 4
+#            GPUs, lanes 2-3 run the same from WS2 steps, default 20)
 #   async    (after kit and part, instead of learn) join + build as learn does, then: agentrl vs TRL
 #            single turn ($STEPS), bench/check_prefix_cache.py, and train_reflect async vs sync on
 #            SmolLM2 ($ASTEPS steps each, stale drops and steps/s), each lane on its own GPU
@@ -68,14 +72,26 @@ kit)
 part)
   mkdir -p /tmp/parts && cp .gp1/part_* /tmp/parts/ && ls -la /tmp/parts && ts "part kept"
   ;;
-learn|async|tools|large)
+learn|async|tools|large|hard)
   [ -f /tmp/parts/part_aa ] || { echo "no /tmp/parts/part_aa: the machine went back; carry .kit+.whl, then .gp1 again"; exit 1; }
   cp .gp2/part_* /tmp/parts/ && cat /tmp/parts/part_* > /tmp/model.gguf && ls -la /tmp/model.gguf
   env_kit
   ts "build the model by name from the carried GGUF"
   python3 -m lib.model_names $MODEL --from /tmp/model.gguf 2>&1 | grep -v "it/s\]" | tail -3
   ts "bundled data"
-  python3 -c "from lib.math_data import default_math_dir; from lib.wiki_data import default_wiki_dir; print(default_math_dir(seed=0), default_math_dir(seed=0, numbers='large'), default_wiki_dir(seed=0))"
+  python3 -c "from lib.math_data import default_math_dir; from lib.wiki_data import default_wiki_dir; print(default_math_dir(seed=0), default_math_dir(seed=0, numbers='large'), default_wiki_dir(seed=0), default_wiki_dir(seed=0, hops=(2, 3, 4)))"
+  if [ "$1" = hard ]; then  # search with no one-search answers, light warm starts, and its no-tool baseline
+    H="--config configs/search_smollm2.yaml --bundled_hops 2,3,4 --max_steps ${HSTEPS:-40} --learnability_probe True"
+    for seed in 0 1; do
+      eval "hard$seed=(\"\$(run searchH_ws${WS:-40}_s$seed train_search.py $H --seed $seed --warm_start_steps ${WS:-40})\"
+        \"\$(run searchH_notool_s$seed train_search.py $H --seed $seed --use_tool False --warm_start_steps 200)\")"
+      eval "light$seed=\"\$(run searchH_ws${WS2:-20}_s$seed train_search.py $H --seed $seed --warm_start_steps ${WS2:-20})\""
+    done
+    if [ "$(ngpu)" -ge 4 ]; then lane 0 "${hard0[@]}"; lane 1 "${hard1[@]}"; lane 2 "$light0"; lane 3 "$light1"
+    elif [ "$(ngpu)" -ge 2 ]; then lane 0 "${hard0[@]}"; lane 1 "${hard1[@]}"
+    else lane 0 "${hard0[0]}" "${hard1[0]}" "${hard0[1]}" "${hard1[1]}"; fi
+    exit 0
+  fi
   if [ "$1" = tools ]; then  # longest first on each GPU; with fewer GPUs than 4 a GPU's runs go one after another
     S="--config configs/search_smollm2.yaml"; C="--config configs/calc_smollm2.yaml --bundled_numbers small --warm_start_steps 100 --max_steps 30"; T="--config configs/tir_smollm2.yaml --bundled_numbers small --warm_start_steps 100 --max_steps 30"
     l0=("$(run search_s0 train_search.py $S --seed 0)" "$(run calc_notool_s0 train_calc.py $C --seed 0 --use_tool False)")
@@ -161,5 +177,5 @@ collect)
   ls -la "$OUT"; cat $R/done.txt 2>/dev/null
   ;;
 *)
-  echo "usage: bash bench/gpu_smollm2.sh kit|part|learn|tools|large|async|compare|wait SECONDS|collect"; exit 2;;
+  echo "usage: bash bench/gpu_smollm2.sh kit|part|learn|tools|large|hard|async|compare|wait SECONDS|collect"; exit 2;;
 esac

@@ -255,13 +255,14 @@ def _make_question(rng: random.Random, ents: dict, hops: int, passage_ids: dict)
             "support": support, "hop_queries": hop_queries, "hop_answers": hop_answers}
 
 
-def _draw_questions(rng: random.Random, ents: dict, count: int, passage_ids: dict, seen: set[str]) -> list[dict]:
+def _draw_questions(rng: random.Random, ents: dict, count: int, passage_ids: dict, seen: set[str],
+                    hop_weights: dict[int, float]) -> list[dict]:
     out, attempts = [], 0
     while len(out) < count:
         attempts += 1
         if attempts > 100 * count + 1000:
             raise ValueError(f"could not draw {count} distinct questions; raise num_passages or lower num_questions")
-        hops = rng.choices(list(HOP_WEIGHTS), weights=list(HOP_WEIGHTS.values()))[0]
+        hops = rng.choices(list(hop_weights), weights=list(hop_weights.values()))[0]
         q = None
         # Long chains fail more often (dead ends); retrying at the same length keeps the hop mix.
         for _ in range(100):
@@ -299,14 +300,19 @@ def _world_names(seed: int, num_passages: int) -> dict[str, dict[str, list[str]]
 
 
 def build_wiki_data(out_dir: str, seed: int = 0, num_passages: int = 20000,
-                    num_questions: int = 10000, names_seed: int | None = None) -> dict[str, str]:
+                    num_questions: int = 10000, names_seed: int | None = None,
+                    hops: tuple[int, ...] = ()) -> dict[str, str]:
     """Write `corpus.jsonl` (exactly `num_passages` passages) and the four question splits into
     `out_dir`; returns {"corpus": path, split: path, ...}.
 
     `names_seed`: a counterfactual world: the entity names of the world of `names_seed`, with new
     facts, passages and questions drawn from `seed`. Demonstrations over such a world teach the
     embedded model to read answers from search results (the facts differ from the real world's, so
-    they cannot be memorised) on exactly the names, hence the tokens, it will meet in training."""
+    they cannot be memorised) on exactly the names, hence the tokens, it will meet in training.
+
+    `hops`: the questions' hop counts, drawn uniformly from these (e.g. (2, 3, 4): no question is
+    answered by one search); () = the default mix `HOP_WEIGHTS`. The corpus is the same either way."""
+    hop_weights = _hop_weights(hops)
     if num_passages < 300:
         raise ValueError(f"num_passages={num_passages} is too small for a world with distractors; use >= 300")
     rng = random.Random(seed)
@@ -339,10 +345,10 @@ def build_wiki_data(out_dir: str, seed: int = 0, num_passages: int = 20000,
 
     sizes = split_sizes(num_questions)
     seen: set[str] = set()
-    records = {"warmstart": _draw_questions(rng, worlds["warmstart"], sizes["warmstart"], passage_ids, seen)}
+    records = {"warmstart": _draw_questions(rng, worlds["warmstart"], sizes["warmstart"], passage_ids, seen, hop_weights)}
     # test and dev first, so they stay the same when only the train size changes
     for split in ("test", "dev", "train"):
-        records[split] = _draw_questions(rng, worlds["main"], sizes[split], passage_ids, seen)
+        records[split] = _draw_questions(rng, worlds["main"], sizes[split], passage_ids, seen, hop_weights)
     for split in SPLITS:
         paths[split] = os.path.join(out_dir, f"{split}.jsonl")
         with open(paths[split], "w", encoding="utf-8", newline="\n") as f:
@@ -352,13 +358,34 @@ def build_wiki_data(out_dir: str, seed: int = 0, num_passages: int = 20000,
 
 
 def default_wiki_dir(seed: int = 0, cache_dir: str | None = None, num_passages: int = 20000,
-                     num_questions: int = 10000, names_seed: int | None = None) -> str:
+                     num_questions: int = 10000, names_seed: int | None = None, hops: tuple[int, ...] = ()) -> str:
     """The data set under the cache (`$AGENTRL_CACHE`, default ~/.cache/agentrl), built on first use."""
     root = cache_dir or cache_root()
+    _hop_weights(hops)  # a bad hop count is refused before anything is built
     names = "" if names_seed is None else f"-names{names_seed}"
-    out_dir = os.path.join(root, f"wiki-data-v{GENERATOR_VERSION}-seed{seed}{names}-p{num_passages}-q{num_questions}")
+    hop_mix = "" if not hops else "-hops" + "".join(str(h) for h in sorted(set(hops)))
+    out_dir = os.path.join(root, f"wiki-data-v{GENERATOR_VERSION}-seed{seed}{names}-p{num_passages}-q{num_questions}{hop_mix}")
     return build_once(out_dir, lambda tmp: build_wiki_data(tmp, seed=seed, num_passages=num_passages,
-                                                           num_questions=num_questions, names_seed=names_seed))
+                                                           num_questions=num_questions, names_seed=names_seed, hops=hops))
+
+
+def parse_hops(text) -> tuple[int, ...]:
+    """`"2,3,4"` (or the tuple a command line makes of it) -> (2, 3, 4); `""` -> () (the default mix)."""
+    if isinstance(text, (tuple, list, int)):
+        text = ",".join(str(h) for h in (text if isinstance(text, (tuple, list)) else [text]))
+    try:
+        return tuple(int(h) for h in str(text).replace(" ", "").strip("()[]").split(",") if h)
+    except ValueError:
+        raise ValueError(f"hops must be comma-separated hop counts such as '2,3,4', got {text!r}") from None
+
+
+def _hop_weights(hops: tuple[int, ...]) -> dict[int, float]:
+    if not hops:
+        return HOP_WEIGHTS
+    bad = [h for h in hops if h not in HOP_WEIGHTS]
+    if bad:
+        raise ValueError(f"hop counts must be among {sorted(HOP_WEIGHTS)}, got {list(hops)}")
+    return {h: 1.0 for h in sorted(set(hops))}
 
 
 def read_jsonl(path: str) -> list[dict]:

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from lib.wiki_data import SYLLABLES, build_wiki_data, default_wiki_dir, iter_wiki_texts, read_jsonl, split_sizes
+from lib.wiki_data import SYLLABLES, build_wiki_data, default_wiki_dir, iter_wiki_texts, parse_hops, read_jsonl, split_sizes
 
 SMALL = dict(num_passages=2000, num_questions=1000)
 
@@ -150,6 +150,27 @@ def test_hop_mix_is_mostly_one_and_two_hops(questions):
     assert abs(hops[1] / total - 0.50) < 0.05
     assert abs(hops[2] / total - 0.35) < 0.05
     assert abs((hops[3] + hops[4]) / total - 0.15) < 0.04
+
+
+def test_hops_option_draws_only_those_chain_lengths_over_the_same_corpus(tmp_path, small):
+    paths = build_wiki_data(str(tmp_path), seed=0, hops=(2, 3, 4), **SMALL)
+    hops = Counter(q["hops"] for s in ("warmstart", "train", "dev", "test") for q in read_jsonl(paths[s]))
+    assert set(hops) == {2, 3, 4}
+    assert min(hops.values()) / max(hops.values()) > 0.8  # uniform over the three
+    assert open(paths["corpus"]).read() == open(small["corpus"]).read()  # only the questions change
+
+
+def test_hops_option_is_cached_apart_and_bad_counts_are_refused(tmp_path):
+    mix = default_wiki_dir(seed=3, cache_dir=str(tmp_path), num_passages=500, num_questions=100)
+    hard = default_wiki_dir(seed=3, cache_dir=str(tmp_path), num_passages=500, num_questions=100, hops=(3, 4))
+    assert hard != mix and hard.endswith("-hops34")
+    assert {q["hops"] for q in read_jsonl(os.path.join(hard, "test.jsonl"))} <= {3, 4}
+    with pytest.raises(ValueError, match="hop counts must be among"):
+        default_wiki_dir(seed=3, cache_dir=str(tmp_path), hops=(5,))
+    assert parse_hops("2,3,4") == parse_hops((2, 3, 4)) == parse_hops("(2, 3, 4)") == (2, 3, 4)  # fire makes tuples
+    assert parse_hops("") == ()
+    with pytest.raises(ValueError, match="comma-separated"):
+        parse_hops("two")
 
 
 def test_question_records_carry_answers_and_per_hop_fields(questions):
