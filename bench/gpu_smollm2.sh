@@ -93,7 +93,7 @@ learn|async|tools|large|hard)
     exit 0
   fi
   if [ "$1" = tools ]; then  # longest first on each GPU; with fewer GPUs than 4 a GPU's runs go one after another
-    S="--config configs/search_smollm2.yaml"; C="--config configs/calc_smollm2.yaml --bundled_numbers small --warm_start_steps 100 --max_steps 30"; T="--config configs/tir_smollm2.yaml --bundled_numbers small --warm_start_steps 100 --max_steps 30"
+    S="--config configs/search_smollm2.yaml --bundled_hops '' --warm_start_steps 200 --max_steps 30"; C="--config configs/calc_smollm2.yaml --bundled_numbers small --warm_start_steps 100 --max_steps 30"; T="--config configs/tir_smollm2.yaml --bundled_numbers small --warm_start_steps 100 --max_steps 30"
     l0=("$(run search_s0 train_search.py $S --seed 0)" "$(run calc_notool_s0 train_calc.py $C --seed 0 --use_tool False)")
     l1=("$(run search_s1 train_search.py $S --seed 1)" "$(run calc_notool_s1 train_calc.py $C --seed 1 --use_tool False)")
     l2=("$(run calc_s0 train_calc.py $C --seed 0)" "$(run tir_s0 train_tir.py $T --seed 0)"
@@ -109,7 +109,7 @@ learn|async|tools|large|hard)
     # more GRPO steps; search from a lighter warm start with larger groups; each with 2 seeds
     C="--config configs/calc_smollm2.yaml --bundled_numbers large --max_steps ${LSTEPS:-40} --learnability_probe True"
     T="--config configs/tir_smollm2.yaml --bundled_numbers large --max_steps ${LSTEPS:-40} --learnability_probe True"
-    S="--config configs/search_smollm2.yaml --warm_start_steps 40 --group_size 16 --learnability_probe True"
+    S="--config configs/search_smollm2.yaml --bundled_hops '' --warm_start_steps 40 --group_size 16 --learnability_probe True"
     for seed in 0 1; do  # a lane per seed: the calculator, code, and the no-tool baseline
       eval "seed$seed=(\"\$(run calcL_ws20_s$seed train_calc.py $C --seed $seed --warm_start_steps 20)\"
         \"\$(run tirL_ws20_s$seed train_tir.py $T --seed $seed --warm_start_steps 20)\"
