@@ -33,6 +33,36 @@ def _lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) ->
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def _is_dropout_name(name: str) -> bool:
+    return "dropout" in name or name.endswith("pdrop")  # attention_dropout, hidden_dropout_prob; GPT-2's attn_pdrop
+
+
+def turn_dropout_off(model: nn.Module) -> list[str]:
+    """Sets every dropout probability of `model` to 0: its config's fields (read by some models at
+    each forward), its modules' float attributes copied from them at build (Qwen2's attention reads
+    `self.attention_dropout`) and its `nn.Dropout` modules. Returns the config fields it changed,
+    as `name=old value`.
+
+    Why: the proximal log-probs are computed in eval mode and the update's forward runs in train
+    mode (gradient checkpointing needs it); with dropout on, the first mini-batch would start
+    off-ratio and the clip would bite on noise. The server samples without dropout, so the trained
+    policy is the one without it."""
+    changed = []
+    configs = [model.config] + [v for v in vars(model.config).values() if hasattr(v, "to_dict")]  # text_config, ...
+    for config in configs:
+        for name, value in list(vars(config).items()):
+            if _is_dropout_name(name) and isinstance(value, (int, float)) and not isinstance(value, bool) and value:
+                changed.append(f"{name}={value}")
+                setattr(config, name, 0.0)
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if _is_dropout_name(name) and isinstance(value, float):
+                setattr(module, name, 0.0)
+    return changed
+
+
 class Actor:
     """Model + optimizer + LR schedule of the policy being trained.
 
@@ -115,6 +145,12 @@ class Actor:
         load_kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **load_kwargs)
         self.model.config.use_cache = False
+        dropout_fields = turn_dropout_off(self.model)
+        if dropout_fields and self.rank == 0:
+            print(f"warning: the model's dropout is turned off for training ({', '.join(dropout_fields)} -> 0): "
+                  f"PPO's ratio compares the update's forward with log-probs computed without dropout, and "
+                  f"the inference server samples without it; the exported config says 0 too",
+                  file=sys.stderr, flush=True)
         if freeze_embeddings:  # the input embeddings, and the LM head with them when the two are tied
             self.model.get_input_embeddings().weight.requires_grad_(False)
         # bf16 parameters run; an fp32 copy is what the optimizer steps (one process only: under
