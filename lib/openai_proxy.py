@@ -748,7 +748,7 @@ class OpenAIProxy:
         if delta is not None:
             # Decided after tokenizing: another request of the session may have moved on meanwhile.
             segment, index, (_, _, length, closed) = best
-            closing = [] if closed else [self.end_of_turn_id]  # a turn cut by length or a stop string
+            closing = [] if closed else [self.end_of_turn_id]  # not sampled, not trained (mask 0)
             plan.update(segment=segment, in_place=index == len(segment.states) - 1 and not segment.busy,
                         prefix=length, delta=closing + delta, prompt=segment.ids[:length] + closing + delta)
         return self._budget(plan, params)
@@ -804,8 +804,11 @@ class OpenAIProxy:
         reasoning, answer = split_reasoning(text, self._opens_thinking(params, plan))
         content, calls = parse_tool_calls(answer) if params["parse_tools"] else (answer, None)
         parse_failed = params["parse_tools"] and calls is None and "<tool_call>" in answer
-        closed = bool(out) and out[-1] in self.stop_token_ids
-        finish = "tool_calls" if calls else ("length" if gen.finish_reason == "length" and not closed else "stop")
+        stopped = bool(out) and out[-1] in self.stop_token_ids
+        finish = "tool_calls" if calls else ("length" if gen.finish_reason == "length" and not stopped else "stop")
+        # Closed as the template closes a turn: any other ending (a cut, a stop string, another stop id
+        # such as Qwen2.5's <|endoftext|>) gets the template's end of turn before the next turn.
+        closed = bool(out) and out[-1] == self.end_of_turn_id
         message = {"role": "assistant", "content": content}
         if reasoning is not None:
             message["reasoning_content"] = reasoning
