@@ -208,6 +208,20 @@ def end_of_turn_token(tokenizer, chat_template: str | None = None) -> tuple[str,
                      "(ChatML's <|im_end|>) to tell where a sampled turn ends")
 
 
+def closing_ids(tokenizer, output_ids: list[int], stop_token_ids) -> list[int]:
+    """What a token loop appends (loss mask 0) after a sampled turn before anything else follows it:
+    the chat template's end of turn when the turn ended at another of `stop_token_ids` (Qwen2.5 stops
+    on <|endoftext|> too, its template closes turns with <|im_end|>), so that later turns condition
+    on what the template renders; else nothing (the turn ended at the end of turn, or did not end at
+    a stop id: the caller's own rule for a cut)."""
+    if not output_ids or output_ids[-1] not in stop_token_ids:
+        return []
+    from lib.warm_start import end_of_turn_ids  # what the demonstrations close turns with; templated only here
+
+    end = end_of_turn_ids(tokenizer)
+    return [] if list(output_ids[-len(end):]) == end else end
+
+
 def continuation_ids(tokenizer, history: list[dict], messages: list[dict], tools=None, *, end_of_turn: str,
                      chat_template: str | None = None, tools_as_text: bool = False) -> list[int] | None:
     """The tokens of `messages` (with the generation prompt) that follow the end-of-turn token of
