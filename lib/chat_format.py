@@ -310,7 +310,8 @@ def parse_tool_calls(text: str):
     """(content, tool_calls) from a model turn in Qwen2.5's format, `<tool_call>{"name": ..,
     "arguments": {..}}</tool_call>` (one block per call). `tool_calls` is None, and `content` the
     whole text, when there is no block or any block does not parse (arguments nested deeper than
-    MAX_JSON_DEPTH included): the agent's code decides what a malformed call means. `content` is
+    MAX_JSON_DEPTH, or an escaped lone surrogate, included): the agent's code decides what a
+    malformed call means. `content` is
     None when nothing but tool calls was written (as OpenAI does). Never raises; linear time (a
     regex with a lazy `.*?` is quadratic on thousands of unclosed `<tool_call>`, one token each)."""
     calls, outside, pos = [], [], 0
@@ -341,6 +342,10 @@ def _read_call(block: str) -> dict | None:
         return None
     if (not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]
             or not isinstance(args, dict) or nesting(args) > MAX_JSON_DEPTH):
+        return None
+    # An escaped lone surrogate (`"\ud800"`) is no text: the call could be neither sent as UTF-8 nor
+    # rendered back into the next prompt. The model's text, which is valid, goes out as content instead.
+    if lone_surrogate(call) is not None or lone_surrogate(args) is not None:
         return None
     return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
             "function": {"name": call["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
