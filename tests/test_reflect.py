@@ -500,8 +500,8 @@ class FixedProducer:
         out, self.groups = self.groups[:num_groups], self.groups[num_groups:]
         return out
 
-    def data_position(self):
-        return 0
+    def data_ledger(self):
+        return 0, []
 
 
 def sdk_episode(reward, *segment_lengths):
