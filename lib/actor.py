@@ -90,6 +90,9 @@ class Actor:
 
     Under FSDP every rank calls every method (they hold collectives), each with its own shard of
     the batch (or all with the same batch: the result is the same either way).
+
+    Dropout is turned off when the model is loaded (`turn_dropout_off`, named in a warning), so the
+    proximal log-probs (eval mode) and the update's forward (train mode) see the same policy.
     """
 
     def __init__(self, model_path: str, *, lr: float = 1e-6, weight_decay: float = 0.0,
