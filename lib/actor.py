@@ -116,6 +116,10 @@ class Actor:
             raise ValueError("loss_agg 'seq-mean-token-sum-norm' (Dr. GRPO) divides by a constant: pass "
                              "loss_norm_tokens, e.g. the episode's context budget (the scripts pass max_tokens)")
         self.loss_norm_tokens = loss_norm_tokens
+        if not (math.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"temperature must be a finite number above 0, got {temperature}: the trainer's log-probs "
+                             f"are of logits / temperature, and a greedy policy (0) has none to train on "
+                             f"(evaluations are greedy on their own)")
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
         self.compute_dtype = getattr(torch, dtype)

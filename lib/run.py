@@ -21,6 +21,7 @@ lib/actor.py); rank 0 alone runs the servers, the rollouts, evaluation and loggi
 import dataclasses
 import functools
 import gc
+import math
 import os
 import random
 import sys
@@ -203,6 +204,10 @@ def check_config(cfg: RunConfig):
     for name, allowed in CHOICES.items():
         if getattr(cfg, name) not in allowed:
             raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {getattr(cfg, name)!r}")
+    if not (math.isfinite(cfg.temperature) and cfg.temperature > 0):  # before any server starts (the Actor checks too)
+        raise ValueError(f"temperature must be a finite number above 0, got {cfg.temperature}: training episodes are "
+                         f"sampled at it and the trainer's log-probs are of logits / temperature (evaluations are "
+                         f"greedy on their own)")
     if cfg.server == "external" and not cfg.server_addrs:
         raise ValueError("server 'external' needs server_addrs: --server_addrs '[\"http://host:port\"]'")
     if cfg.colocate_sleep and cfg.mode != "sync":

@@ -222,6 +222,13 @@ def test_an_actor_turns_its_models_dropout_off_and_says_which_fields(tmp_path, c
     assert "attention_dropout=0.5" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("temperature", [0.0, -1.0, float("inf"), float("nan")])
+def test_a_temperature_the_log_probs_cannot_be_computed_at_is_refused_naming_it(model_dir, temperature):
+    # log-probs are of logits / temperature: at 0 (greedy) there are none to train on, only NaN ratios
+    with pytest.raises(ValueError, match="temperature must be a finite number above 0"):
+        Actor(model_dir, temperature=temperature)
+
+
 def test_actor_update_gives_the_same_step_for_any_token_budget(model_dir):
     batch = make_batch([6, 3, 5, 4], advantages=[1.0, -0.5, 0.25, -1.0])
     one = Actor(model_dir, lr=1e-3, max_tokens_per_mb=10_000).update(batch)
