@@ -205,8 +205,10 @@ async def arun_episode(client: InferenceClient, tokenizer, reflection_ids: list[
                 stop_token_ids=end_ids, trajectory_id=trajectory_id)
             turns += 1
             append(gen.output_ids, gen.logprobs, gen.versions)
-            if not gen.output_ids or gen.output_ids[-1] not in end_ids:
-                append([eos])  # a turn cut by length: close it as the chat template would; not sampled, not trained on
+            if gen.output_ids[-1:] != [eos]:
+                # cut by length, or ended by another stop id (Qwen2.5's <|endoftext|>): closed as the chat
+                # template closes a turn, so the next one sees what it renders; not sampled, not trained on
+                append([eos])
             text = tokenizer.decode(gen.output_ids, skip_special_tokens=True)
             texts.append(text)
             score = await reward_pool.score(reward_fn, text, item["answer"])

@@ -30,6 +30,7 @@ import torch
 from tqdm import tqdm
 
 from lib.async_rollout import gather_groups
+from lib.chat_format import closing_ids
 from lib.deadlines import with_deadline
 from lib.client import InferenceClient
 from lib.config import load_config
@@ -256,6 +257,7 @@ async def arun_episode(client: InferenceClient, session, tokenizer, cfg: Config,
     trajectory_id = trajectory_id or uuid.uuid4().hex  # a training item's: "<item index>/<sample>"
     answer, finish, turns, tool_calls, tool_failures, texts = None, "max_turns", 0, 0, 0, []
     retrieved = []  # the text of every result the agent read
+    stop_ids = cfg.stop_token_ids or [tokenizer.eos_token_id]
     try:
         for _ in range(cfg.max_turns):
             budget = cfg.max_tokens - len(input_ids)
@@ -265,7 +267,7 @@ async def arun_episode(client: InferenceClient, session, tokenizer, cfg: Config,
             gen = await client.generate(
                 input_ids, max_new_tokens=budget, piece_tokens=cfg.max_new_tokens_per_turn, temperature=temperature,
                 stop=STOP_STRINGS if cfg.use_tool else ["</answer>"],
-                stop_token_ids=cfg.stop_token_ids or [tokenizer.eos_token_id], trajectory_id=trajectory_id)
+                stop_token_ids=stop_ids, trajectory_id=trajectory_id)
             turns += 1
             input_ids += gen.output_ids
             loss_mask += [1] * len(gen.output_ids)
@@ -283,6 +285,11 @@ async def arun_episode(client: InferenceClient, session, tokenizer, cfg: Config,
                 finish = "max_tokens" if gen.finish_reason == "length" else "no_action"
                 break
             tool_calls += 1
+            closing = closing_ids(tokenizer, gen.output_ids, stop_ids)  # a call that ended at <|endoftext|>, say
+            input_ids += closing
+            loss_mask += [0] * len(closing)
+            logprobs += [0.0] * len(closing)
+            versions += [-1] * len(closing)
             info, ok = await run_tool(session, retrieval_addr, "search" if query is not None else "access",
                                       query if query is not None else page, cfg)
             tool_failures += not ok

@@ -33,6 +33,36 @@ def _lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) ->
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def _is_dropout_name(name: str) -> bool:
+    return "dropout" in name or name.endswith("pdrop")  # attention_dropout, hidden_dropout_prob; GPT-2's attn_pdrop
+
+
+def turn_dropout_off(model: nn.Module) -> list[str]:
+    """Sets every dropout probability of `model` to 0: its config's fields (read by some models at
+    each forward), its modules' float attributes copied from them at build (Qwen2's attention reads
+    `self.attention_dropout`) and its `nn.Dropout` modules. Returns the config fields it changed,
+    as `name=old value`.
+
+    Why: the proximal log-probs are computed in eval mode and the update's forward runs in train
+    mode (gradient checkpointing needs it); with dropout on, the first mini-batch would start
+    off-ratio and the clip would bite on noise. The server samples without dropout, so the trained
+    policy is the one without it."""
+    changed = []
+    configs = [model.config] + [v for v in vars(model.config).values() if hasattr(v, "to_dict")]  # text_config, ...
+    for config in configs:
+        for name, value in list(vars(config).items()):
+            if _is_dropout_name(name) and isinstance(value, (int, float)) and not isinstance(value, bool) and value:
+                changed.append(f"{name}={value}")
+                setattr(config, name, 0.0)
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if _is_dropout_name(name) and isinstance(value, float):
+                setattr(module, name, 0.0)
+    return changed
+
+
 class Actor:
     """Model + optimizer + LR schedule of the policy being trained.
 
@@ -60,6 +90,9 @@ class Actor:
 
     Under FSDP every rank calls every method (they hold collectives), each with its own shard of
     the batch (or all with the same batch: the result is the same either way).
+
+    Dropout is turned off when the model is loaded (`turn_dropout_off`, named in a warning), so the
+    proximal log-probs (eval mode) and the update's forward (train mode) see the same policy.
     """
 
     def __init__(self, model_path: str, *, lr: float = 1e-6, weight_decay: float = 0.0,
@@ -83,6 +116,10 @@ class Actor:
             raise ValueError("loss_agg 'seq-mean-token-sum-norm' (Dr. GRPO) divides by a constant: pass "
                              "loss_norm_tokens, e.g. the episode's context budget (the scripts pass max_tokens)")
         self.loss_norm_tokens = loss_norm_tokens
+        if not (math.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"temperature must be a finite number above 0, got {temperature}: the trainer's log-probs "
+                             f"are of logits / temperature, and a greedy policy (0) has none to train on "
+                             f"(evaluations are greedy on their own)")
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
         self.compute_dtype = getattr(torch, dtype)
@@ -115,6 +152,12 @@ class Actor:
         load_kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **load_kwargs)
         self.model.config.use_cache = False
+        dropout_fields = turn_dropout_off(self.model)
+        if dropout_fields and self.rank == 0:
+            print(f"warning: the model's dropout is turned off for training ({', '.join(dropout_fields)} -> 0): "
+                  f"PPO's ratio compares the update's forward with log-probs computed without dropout, and "
+                  f"the inference server samples without it; the exported config says 0 too",
+                  file=sys.stderr, flush=True)
         if freeze_embeddings:  # the input embeddings, and the LM head with them when the two are tied
             self.model.get_input_embeddings().weight.requires_grad_(False)
         # bf16 parameters run; an fp32 copy is what the optimizer steps (one process only: under

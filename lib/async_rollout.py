@@ -26,6 +26,10 @@ keeps its place: it is taken like a finished one, dropped and counted (`num_fail
 by the next item, so a step trains the same items in both modes; if every group it takes failed,
 the first error is raised. So async mode at max_staleness 0 trains exactly what sync mode does.
 
+Exactly once across a kill: the trainer may take a later item's group while an earlier one still
+runs, so a checkpoint records `data_ledger()`: the first item not yet consumed and the items after
+it consumed already. A producer resumed from both starts the first again and skips the others.
+
 Deadlines (lib/deadlines.py): every episode has one, and so has every rollout: a stuck event loop
 stops the run with `RolloutTimeout`, naming the episodes still running and where each is.
 """
@@ -169,7 +173,7 @@ class RolloutProducer:
 
     def __init__(self, bg_loop: BackgroundLoop, rollout_group: Callable[[dict], Awaitable[list[dict]]],
                  item_at: Callable[[int], dict], *, capacity: int, max_staleness: int, start_index: int = 0,
-                 version: int = 0, batch_groups: int | None = None):
+                 consumed_ahead=(), version: int = 0, batch_groups: int | None = None):
         if capacity < 1:
             raise ValueError(f"capacity must be at least 1 group, got {capacity} (a script's async_capacity: "
                              f"0 = (max_staleness + 1) x batch_size, else a positive number of groups)")
@@ -193,6 +197,10 @@ class RolloutProducer:
         self.num_failed = 0  # failed groups the trainer has taken
         self._num_ended = 0  # groups finished or failed: the progress a get_groups deadline waits for
         self._next_index = start_index
+        # Items after the first one not yet consumed that the trainer took already (it takes a later
+        # item's group while an earlier one still runs): a resume (`consumed_ahead`, from data_ledger)
+        # starts them no more, or they would be trained twice.
+        self._consumed = {int(i) for i in consumed_ahead if int(i) >= start_index}
         self._started: dict[int, int] = {}  # index running or ended, not taken -> version at its start
         # (index, group, its oldest_version), or (index, the exception, -1) for a group that failed
         self._ready: collections.deque = collections.deque()
@@ -264,6 +272,7 @@ class RolloutProducer:
                 index, group, oldest = self._ready[pos]
                 del self._ready[pos]
                 del self._started[index]
+                self._consumed.add(index)
                 self._taken_now += 1
                 self.bg_loop.loop.call_soon_threadsafe(self._wake)  # a slot is free: start the next group
                 if isinstance(group, Exception):  # its place in the batch stays empty, as in sync mode
@@ -287,11 +296,13 @@ class RolloutProducer:
                 from failed[0]
         return [group for _, group in sorted(out, key=lambda taken: taken[0])]
 
-    def data_position(self) -> int:
-        """The first item index not yet consumed: resuming from it loses no item (items after it
-        that were already consumed are seen again)."""
+    def data_ledger(self) -> tuple[int, list[int]]:
+        """(the first item index not yet consumed, the indices after it already consumed): a producer
+        resumed from both (`start_index`, `consumed_ahead`) loses no item and starts none twice."""
         with self._cond:
-            return min(self._started) if self._started else self._next_index
+            position = min(self._started) if self._started else self._next_index
+            self._consumed = {i for i in self._consumed if i >= position}
+            return position, sorted(self._consumed)
 
     def stop(self):
         self._stopped = True
@@ -313,10 +324,12 @@ class RolloutProducer:
         try:
             while not self._stopped:
                 with self._cond:
-                    free = self._room() - len(self._started)
-                    new = list(range(self._next_index, self._next_index + max(free, 0)))
+                    free, new = self._room() - len(self._started), []
+                    while len(new) < free:
+                        if self._next_index not in self._consumed:  # taken before a resume: not again
+                            new.append(self._next_index)
+                        self._next_index += 1
                     self._started.update({index: self.version for index in new})
-                    self._next_index += len(new)
                 for index in new:
                     task = asyncio.ensure_future(self._run_one(index))
                     tasks.add(task)

@@ -208,6 +208,20 @@ def end_of_turn_token(tokenizer, chat_template: str | None = None) -> tuple[str,
                      "(ChatML's <|im_end|>) to tell where a sampled turn ends")
 
 
+def closing_ids(tokenizer, output_ids: list[int], stop_token_ids) -> list[int]:
+    """What a token loop appends (loss mask 0) after a sampled turn before anything else follows it:
+    the chat template's end of turn when the turn ended at another of `stop_token_ids` (Qwen2.5 stops
+    on <|endoftext|> too, its template closes turns with <|im_end|>), so that later turns condition
+    on what the template renders; else nothing (the turn ended at the end of turn, or did not end at
+    a stop id: the caller's own rule for a cut)."""
+    if not output_ids or output_ids[-1] not in stop_token_ids:
+        return []
+    from lib.warm_start import end_of_turn_ids  # what the demonstrations close turns with; templated only here
+
+    end = end_of_turn_ids(tokenizer)
+    return [] if list(output_ids[-len(end):]) == end else end
+
+
 def continuation_ids(tokenizer, history: list[dict], messages: list[dict], tools=None, *, end_of_turn: str,
                      chat_template: str | None = None, tools_as_text: bool = False) -> list[int] | None:
     """The tokens of `messages` (with the generation prompt) that follow the end-of-turn token of
@@ -296,7 +310,8 @@ def parse_tool_calls(text: str):
     """(content, tool_calls) from a model turn in Qwen2.5's format, `<tool_call>{"name": ..,
     "arguments": {..}}</tool_call>` (one block per call). `tool_calls` is None, and `content` the
     whole text, when there is no block or any block does not parse (arguments nested deeper than
-    MAX_JSON_DEPTH included): the agent's code decides what a malformed call means. `content` is
+    MAX_JSON_DEPTH, or an escaped lone surrogate, included): the agent's code decides what a
+    malformed call means. `content` is
     None when nothing but tool calls was written (as OpenAI does). Never raises; linear time (a
     regex with a lazy `.*?` is quadratic on thousands of unclosed `<tool_call>`, one token each)."""
     calls, outside, pos = [], [], 0
@@ -327,6 +342,10 @@ def _read_call(block: str) -> dict | None:
         return None
     if (not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]
             or not isinstance(args, dict) or nesting(args) > MAX_JSON_DEPTH):
+        return None
+    # An escaped lone surrogate (`"\ud800"`) is no text: the call could be neither sent as UTF-8 nor
+    # rendered back into the next prompt. The model's text, which is valid, goes out as content instead.
+    if lone_surrogate(call) is not None or lone_surrogate(args) is not None:
         return None
     return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
             "function": {"name": call["name"], "arguments": json.dumps(args, ensure_ascii=False)}}

@@ -180,6 +180,7 @@ class OpenAIProxy:
                 raise ValueError(f"train_sampling takes {', '.join(_SAMPLING)}; got {', '.join(sorted(unknown))}")
             self.train_sampling = {**{name: default for name, (*_, default) in _SAMPLING.items()},
                                    **{name: _SAMPLING[name][2](v) for name, v in train_sampling.items()}}
+            _check_train_sampling(self.train_sampling)
         self.client, self.tokenizer = client, tokenizer
         self.model_name = model_name
         self.max_context_tokens = max_context_tokens
@@ -748,7 +749,7 @@ class OpenAIProxy:
         if delta is not None:
             # Decided after tokenizing: another request of the session may have moved on meanwhile.
             segment, index, (_, _, length, closed) = best
-            closing = [] if closed else [self.end_of_turn_id]  # a turn cut by length or a stop string
+            closing = [] if closed else [self.end_of_turn_id]  # not sampled, not trained (mask 0)
             plan.update(segment=segment, in_place=index == len(segment.states) - 1 and not segment.busy,
                         prefix=length, delta=closing + delta, prompt=segment.ids[:length] + closing + delta)
         return self._budget(plan, params)
@@ -804,8 +805,11 @@ class OpenAIProxy:
         reasoning, answer = split_reasoning(text, self._opens_thinking(params, plan))
         content, calls = parse_tool_calls(answer) if params["parse_tools"] else (answer, None)
         parse_failed = params["parse_tools"] and calls is None and "<tool_call>" in answer
-        closed = bool(out) and out[-1] in self.stop_token_ids
-        finish = "tool_calls" if calls else ("length" if gen.finish_reason == "length" and not closed else "stop")
+        stopped = bool(out) and out[-1] in self.stop_token_ids
+        finish = "tool_calls" if calls else ("length" if gen.finish_reason == "length" and not stopped else "stop")
+        # Closed as the template closes a turn: any other ending (a cut, a stop string, another stop id
+        # such as Qwen2.5's <|endoftext|>) gets the template's end of turn before the next turn.
+        closed = bool(out) and out[-1] == self.end_of_turn_id
         message = {"role": "assistant", "content": content}
         if reasoning is not None:
             message["reasoning_content"] = reasoning
@@ -838,6 +842,19 @@ MAX_N = 16  # samples a request: each is a whole generation and a segment of its
 # Stop strings: fewer than the CPU server takes (64), and its bound on their characters in all, so a
 # request the proxy passes is one it serves; every streamed token's stop check reads them all.
 MAX_STOP_STRINGS = 16
+def _check_train_sampling(train_sampling: dict):
+    """Refuses a training setting other than the temperature at a value that is not neutral: the
+    trainer recomputes log-probs at its temperature over the whole vocabulary, with no cut and no
+    penalty, so replies sampled otherwise would get silently biased ratios (and lib's CPU server
+    reports the log-probs from before a top_p/top_k/min_p cut, so even the behaviour side is off)."""
+    for name, value in train_sampling.items():
+        if name != "temperature" and value != _SAMPLING[name][3]:
+            raise ValueError(f"train_sampling {name}={value}: the trainer's log-probs are recomputed at its temperature "
+                             f"over the whole vocabulary and the server's do not reflect {name}, so the importance "
+                             f"weights of replies sampled with it would be biased; leave {name} out (or at "
+                             f"{_SAMPLING[name][3]}) for training, and set it in evaluation sessions only")
+
+
 # Fresh prompts kept rendered (least recently used out): at most this many, each of at most this many
 # characters of messages and tools (as JSON), so at most ~16 MB of ids.
 _PROMPT_CACHE_SIZE, _PROMPT_CACHE_CHARS = 256, 8192

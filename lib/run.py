@@ -21,6 +21,7 @@ lib/actor.py); rank 0 alone runs the servers, the rollouts, evaluation and loggi
 import dataclasses
 import functools
 import gc
+import math
 import os
 import random
 import sys
@@ -203,6 +204,10 @@ def check_config(cfg: RunConfig):
     for name, allowed in CHOICES.items():
         if getattr(cfg, name) not in allowed:
             raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {getattr(cfg, name)!r}")
+    if not (math.isfinite(cfg.temperature) and cfg.temperature > 0):  # before any server starts (the Actor checks too)
+        raise ValueError(f"temperature must be a finite number above 0, got {cfg.temperature}: training episodes are "
+                         f"sampled at it and the trainer's log-probs are of logits / temperature (evaluations are "
+                         f"greedy on their own)")
     if cfg.server == "external" and not cfg.server_addrs:
         raise ValueError("server 'external' needs server_addrs: --server_addrs '[\"http://host:port\"]'")
     if cfg.colocate_sleep and cfg.mode != "sync":
@@ -238,7 +243,8 @@ class Run:
     resumed: bool = False
     step: int = 0
     version: int = 0  # policy version: weight syncs so far
-    data_position: int = 0  # index of the next train item
+    data_position: int = 0  # index of the first train item not yet consumed
+    data_consumed_ahead: list = field(default_factory=list)  # items after it consumed already (async mode)
     reward_counts: tuple = (0, 0)  # the reward pool's (timeouts, failures) when this step's rollout began
     # The task's, set by the script (rank 0): coroutine functions over the task's resources.
     rollout_group: Callable = None  # (item, temperature, group_size) -> list of episodes
@@ -355,6 +361,7 @@ def _open(run: Run, build_model, load_splits, tokenizer_texts):
         extra = run.actor.load_checkpoint(os.path.join(run.ckpt_dir, "latest"))
         run.step, run.version = extra["step"], extra["version"]
         run.data_position = extra.get("data_position", run.step * cfg.batch_size)
+        run.data_consumed_ahead = list(extra.get("data_consumed_ahead", []))
         random.setstate(extra["python_rng"])
         if "numpy_rng" in extra:  # checkpoints written before it was saved lack it
             np.random.set_state(extra["numpy_rng"])
@@ -419,7 +426,8 @@ def start_training(run: Run):
         run.producer = RolloutProducer(
             run.bg, lambda item: run.rollout_group(item, cfg.temperature, cfg.group_size), lambda i: item_at(run, i),
             capacity=cfg.async_capacity or (cfg.max_staleness + 1) * cfg.batch_size, max_staleness=cfg.max_staleness,
-            batch_groups=cfg.batch_size, start_index=run.data_position, version=run.version)
+            batch_groups=cfg.batch_size, start_index=run.data_position, consumed_ahead=run.data_consumed_ahead,
+            version=run.version)
         run.producer.start()
 
 
@@ -469,16 +477,28 @@ def take_groups(run: Run, num_groups: int, what: str) -> tuple[list, int]:
         if run.producer is not None:
             failed_before = run.producer.num_failed
             groups = run.producer.get_groups(num_groups, timeout_s=rollout_deadline_s(run.cfg.episode_timeout_s))
-            run.data_position = run.producer.data_position()
+            run.data_position, run.data_consumed_ahead = run.producer.data_ledger()
             return groups, run.producer.num_failed - failed_before
-        items = [item_at(run, run.data_position + i) for i in range(num_groups)]
-        groups, failed = run_rollout(run, rollout_groups(run, items), what)
+        indices = next_indices(run.data_position, run.data_consumed_ahead, num_groups)
+        groups, failed = run_rollout(run, rollout_groups(run, [item_at(run, i) for i in indices]), what)
     except RuntimeError:
         for s in run.supervisors:
             s.check()  # a dead server is the clearer cause
         raise
-    run.data_position += num_groups
+    run.data_position = indices[-1] + 1
+    run.data_consumed_ahead = [i for i in run.data_consumed_ahead if i > indices[-1]]
     return groups, failed
+
+
+def next_indices(position: int, consumed_ahead: list, count: int) -> list[int]:
+    """The next `count` item indices from `position` that were not consumed already (an async run's
+    checkpoint may name some ahead of its position; sync mode resumed from it skips them too)."""
+    skip, out = set(consumed_ahead), []
+    while len(out) < count:
+        if position not in skip:
+            out.append(position)
+        position += 1
+    return out
 
 
 def rewards_all_equal(group: list[dict]) -> bool:
@@ -683,6 +703,7 @@ def save_checkpoint(run: Run):
     """7. checkpoint: model, optimizer, scheduler (every rank writes its shard), the counters and the RNGs."""
     run.actor.save_checkpoint(os.path.join(run.ckpt_dir, "latest"), extra={
         "step": run.step, "version": run.version, "data_position": run.data_position,
+        "data_consumed_ahead": run.data_consumed_ahead,
         "python_rng": random.getstate(), "numpy_rng": np.random.get_state(), "torch_rng": torch.get_rng_state()})
 
 

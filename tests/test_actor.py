@@ -201,6 +201,34 @@ def test_an_update_with_non_finite_gradients_is_skipped_with_a_warning_and_count
     assert actor.update(make_batch([6, 4], advantages=[1.0, -1.0]))["nonfinite_grad_steps"] == 0.0
 
 
+def test_a_model_with_dropout_starts_each_update_at_ratio_one(tmp_path):
+    # proximal log-probs are taken before the update and the update's forward must see the same
+    # policy: with attention dropout 0.5 left on in train mode the first mini-batch starts off-ratio
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(**ARCH, attention_dropout=0.5)).save_pretrained(tmp_path / "dropout")
+    actor = Actor(str(tmp_path / "dropout"), lr=0.0)
+    batch = make_batch([6, 5, 4], advantages=[1.0, -1.0, 0.5])
+    batch["logprobs"] = batch["proximal_logprobs"] = actor.compute_logprobs(batch)
+    stats = actor.update(batch)
+    assert stats["approx_kl"] == 0.0 and stats["clip_fraction"] == 0.0
+    assert stats["loss"] == pytest.approx(-(1.0 * 4 - 1.0 * 3 + 0.5 * 2) / 9, abs=1e-6)  # -mean(A) at ratio 1
+
+
+def test_an_actor_turns_its_models_dropout_off_and_says_which_fields(tmp_path, capsys):
+    Qwen2ForCausalLM(Qwen2Config(**ARCH, attention_dropout=0.5)).save_pretrained(tmp_path / "dropout")
+    actor = Actor(str(tmp_path / "dropout"), lr=0.0)
+    assert actor.model.config.attention_dropout == 0.0
+    assert all(m.p == 0.0 for m in actor.model.modules() if isinstance(m, torch.nn.Dropout))
+    assert "attention_dropout=0.5" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("temperature", [0.0, -1.0, float("inf"), float("nan")])
+def test_a_temperature_the_log_probs_cannot_be_computed_at_is_refused_naming_it(model_dir, temperature):
+    # log-probs are of logits / temperature: at 0 (greedy) there are none to train on, only NaN ratios
+    with pytest.raises(ValueError, match="temperature must be a finite number above 0"):
+        Actor(model_dir, temperature=temperature)
+
+
 def test_actor_update_gives_the_same_step_for_any_token_budget(model_dir):
     batch = make_batch([6, 3, 5, 4], advantages=[1.0, -0.5, 0.25, -1.0])
     one = Actor(model_dir, lr=1e-3, max_tokens_per_mb=10_000).update(batch)

@@ -92,26 +92,53 @@ def test_stale_groups_are_dropped_counted_and_replaced(bg_loop):
         producer.stop()
 
 
-def test_data_position_is_the_first_item_not_yet_consumed(bg_loop):
-    gates = {i: threading.Event() for i in range(10)}
-
+def gated_rollout(gates: dict):
+    """A rollout_group whose item i finishes once gates[i] is set."""
     async def rollout_group(item):
         while not gates[item["i"]].is_set():
             await asyncio.sleep(0.005)
         return [dict(episode([-1, 0]), index=item["i"])]
+    return rollout_group
 
-    producer = RolloutProducer(bg_loop, rollout_group, lambda i: {"i": i}, capacity=3, max_staleness=0).start()
+
+def test_the_data_ledger_is_the_first_item_not_yet_consumed_and_those_after_it_consumed(bg_loop):
+    gates = {i: threading.Event() for i in range(10)}
+    producer = RolloutProducer(bg_loop, gated_rollout(gates), lambda i: {"i": i}, capacity=3, max_staleness=0).start()
     try:
         gates[1].set()
         assert producer.get_groups(1, timeout_s=10)[0][0]["index"] == 1
-        assert producer.data_position() == 0  # item 0 is still running: a resume must redo it
+        assert producer.data_ledger() == (0, [1])  # item 0 is still running: a resume must redo it, not item 1
         gates[0].set()
         producer.get_groups(1, timeout_s=10)
-        assert producer.data_position() == 2
+        assert producer.data_ledger() == (2, [])
     finally:
         for g in gates.values():
             g.set()
         producer.stop()
+
+
+def test_a_producer_resumed_from_the_ledger_redoes_what_was_in_flight_and_nothing_it_consumed(bg_loop):
+    gates = {i: threading.Event() for i in range(10)}
+    first = RolloutProducer(bg_loop, gated_rollout(gates), lambda i: {"i": i}, capacity=4, max_staleness=1,
+                            batch_groups=2).start()
+    try:
+        gates[1].set(), gates[2].set()
+        taken = [g[0]["index"] for g in first.get_groups(2, timeout_s=10)]
+        ledger = first.data_ledger()
+    finally:
+        first.stop()  # the kill: item 0 (and 3) were running
+    assert taken == [1, 2] and ledger == (0, [1, 2])
+    for g in gates.values():
+        g.set()
+    resumed = RolloutProducer(bg_loop, gated_rollout(gates), lambda i: {"i": i}, capacity=4, max_staleness=1,
+                              batch_groups=2, start_index=ledger[0], consumed_ahead=ledger[1]).start()
+    try:
+        again = [g[0]["index"] for g in resumed.get_groups(2, timeout_s=10)]
+        resumed.set_version(1)
+        again += [g[0]["index"] for g in resumed.get_groups(2, timeout_s=10)]
+    finally:
+        resumed.stop()
+    assert sorted(again) == [0, 3, 4, 5]  # with the first run's [1, 2]: every item once
 
 
 def test_a_failing_group_is_counted_in_its_place_and_production_goes_on(bg_loop, capsys):

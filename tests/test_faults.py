@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -230,3 +231,87 @@ def test_a_killed_inference_server_stops_the_run_with_a_clear_error(tmp_path):
     assert "the inference server at http://127.0.0.1:" in stderr and "exited with code -9" in stderr
     steps = [r["step"] for r in _rows(run_dir) if "rollout/reward" in r]
     assert steps and max(steps) < 50
+
+
+# --- exactly once across kills (async mode) ---
+# Turns that end at a newline as well as at the end of turn: turns of many lengths, as a trained
+# model's are, so that a later item's group often finishes before an earlier one's.
+ASYNC_SMALL = ["--mode", "async", "--batch_size", "2", "--group_size", "4", "--max_turns", "2",
+               "--max_new_tokens_per_turn", "64", "--eval_every", "0", "--test_size", "2", "--warm_start_steps", "40",
+               "--warm_start_batch_size", "8", "--warm_start_direct_steps", "0", "--warm_start_problems", "2000",
+               "--checkpoint_every", "1", "--trace_every", "1", "--trace_groups", "2", "--tensorboard", "False",
+               "--trainer_threads", "1"]
+ASYNC_STEPS = 6
+
+
+def _stop_at_end_of_turn_or_newline() -> list[str]:
+    from transformers import AutoTokenizer
+
+    from lib.tiny_model import default_tiny_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(default_tiny_model_dir())
+    [newline] = tokenizer("\n", add_special_tokens=False)["input_ids"]
+    return ["--stop_token_ids", json.dumps([tokenizer.eos_token_id, newline])]
+
+
+def _checkpoint_extra(run_dir: str) -> dict | None:
+    import torch
+
+    try:
+        return torch.load(os.path.join(run_dir, "checkpoints", "latest", "trainer_state.pt"), weights_only=False)["extra"]
+    except (OSError, EOFError, RuntimeError):  # none yet, or swapped while read
+        return None
+
+
+def _trained_items(run_dir: str) -> list[int]:
+    """The train item of every group the finished run trained, from its traces (every group is
+    traced: trace_groups = batch_size), each group's question read back to its item index."""
+    import train_reflect as tr
+    from lib.run import item_at
+
+    cfg = tr.Config(warm_start_problems=2000)
+    run = SimpleNamespace(train_items=tr.load_splits(cfg)["train"], cfg=SimpleNamespace(seed=0))
+    index_of = {}
+    for i in range(40 * ASYNC_STEPS):  # the producer is never more than its capacity ahead: far inside this
+        index_of.setdefault(item_at(run, i)["question"], []).append(i)
+    assert all(len(v) == 1 for v in index_of.values()), "a question twice in the window: its item is ambiguous"
+    groups = {(r["step"], r["group"]): r["question"] for r in _rows(run_dir, "traces.jsonl")}
+    return sorted(index_of[q][0] for q in groups.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1])
+def test_an_async_run_killed_at_random_points_and_resumed_trains_every_item_once(tmp_path, seed):
+    # The producer runs ahead of the trainer, and a step may take a later item's group while an
+    # earlier one still runs (most often at a process's first step, when the trainer waits for the
+    # first groups). A resume must neither start those again (trained twice) nor skip what was in
+    # flight at the kill (lost). Two kills, each a random time after a checkpoint of the process's first steps.
+    rng = np.random.default_rng(seed)
+    run_dir = str(tmp_path / "run")
+    args = [sys.executable, "train_reflect.py", "--run_dir", run_dir, *ASYNC_SMALL, *_stop_at_end_of_turn_or_newline(),
+            "--max_steps", str(ASYNC_STEPS)]
+    for kill in range(2):
+        proc = _start(args + (["--resume", "True"] if kill else []), str(tmp_path / f"killed{kill}.log"))
+        try:
+            target = (_checkpoint_extra(run_dir) or {"step": 0})["step"] + int(rng.integers(1, 3))
+            _wait_for(lambda: (_checkpoint_extra(run_dir) or {"step": 0})["step"] >= target, proc, 300,
+                      f"step {target}'s checkpoint")
+            time.sleep(float(rng.uniform(0.0, 0.4)))
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    out = subprocess.run(args + ["--resume", "True"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [r for r in _rows(run_dir) if "rollout/reward" in r]
+    assert [r["step"] for r in rows] == list(range(1, ASYNC_STEPS + 1))
+    assert all(r["rollout/failed_groups"] == 0 for r in rows)
+    trained = _trained_items(run_dir)
+    assert len(trained) == len(set(trained)) == 2 * ASYNC_STEPS, f"an item trained twice: {trained}"
+    # none lost: every item before the last checkpoint's position was trained; those after it that
+    # were trained are the ones its ledger names as consumed
+    extra = _checkpoint_extra(run_dir)
+    position = extra["data_position"]
+    assert set(range(position)) <= set(trained), f"items lost: {sorted(set(range(position)) - set(trained))}"
+    assert sorted(set(trained) - set(range(position))) == extra.get("data_consumed_ahead", [])

@@ -146,6 +146,32 @@ def test_a_reply_cut_by_max_tokens_is_closed_by_an_untrained_end_of_turn(tokeniz
     assert ids.count(tokenizer.eos_token_id) == 4  # user, cut reply (added), user, final reply (sampled)
 
 
+def test_a_reply_closed_by_another_stop_id_is_followed_by_the_templates_untrained_end_of_turn(tokenizer):
+    # Qwen2.5 stops on <|endoftext|> as well as <|im_end|>, but its template closes a turn with
+    # <|im_end|>: the next turn must condition on that, as the template renders the conversation
+    endoftext, im_end = tokenizer.convert_tokens_to_ids("<|endoftext|>"), tokenizer.eos_token_id
+    assert endoftext != im_end
+    said = tokenizer("Pem Varo.", add_special_tokens=False)["input_ids"]
+
+    async def agent(proxy):
+        key = proxy.new_session()
+        async with sdk(proxy, key) as llm:
+            first = await llm.chat.completions.create(model="policy", messages=[user("Who?")])
+            await llm.chat.completions.create(model="policy", messages=[
+                user("Who?"), {"role": "assistant", "content": first.choices[0].message.content}, user("Sure?")])
+        return proxy.end_session(key), first
+
+    script = [Reply(ids=said + [endoftext]), Reply("Yes.", eos=True)]
+    (episode, first), server = run_agent(tokenizer, script, agent, stop_token_ids=[im_end, endoftext])
+    assert first.choices[0].finish_reason == "stop" and first.choices[0].message.content == "Pem Varo."
+    [segment] = episode["segments"]
+    ids, mask = segment["input_ids"][0].tolist(), segment["loss_mask"][0].tolist()
+    end = len(server.requests[0]["input_ids"]) + len(said) + 1
+    assert ids[end - 1:end + 1] == [endoftext, im_end] and mask[end - 1:end + 1] == [1, 0]
+    assert server.requests[1]["input_ids"] == ids[:len(server.requests[1]["input_ids"])]
+    assert_trained_once(episode["segments"], server)
+
+
 def test_a_stop_string_is_left_out_of_the_content_but_its_tokens_stay_trained(tokenizer):
     async def agent(proxy):
         key = proxy.new_session()

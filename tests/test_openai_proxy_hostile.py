@@ -57,6 +57,47 @@ def test_a_tool_call_nested_thousands_deep_is_a_counted_parse_failure_not_a_500(
     assert episode["tool_call_parse_failures"] == 1 and len(episode["segments"]) == 1
 
 
+# --- round 3, P1: a tool call whose JSON escapes a lone surrogate ---
+@pytest.mark.parametrize("call", ['{"name": "\\ud800", "arguments": {}}',
+                                  '{"name": "search", "arguments": {"query": "\\udfff"}}',
+                                  '{"name": "search", "arguments": "{\\"query\\": \\"\\\\ud800\\"}"}'],
+                         ids=["name", "arguments", "arguments-as-a-string"])
+def test_a_tool_call_escaping_a_lone_surrogate_is_not_a_call(call):
+    text = f"<tool_call>{call}</tool_call>"
+    assert parse_tool_calls(text) == (text, None)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_call_escaping_a_lone_surrogate_is_returned_as_content_counted_and_recorded(tokenizer, stream):
+    # the model's escape cannot be rendered back as a call (no UTF-8 for it): read as text, its turn
+    # is the agent's to judge; it was a 400 blaming the client's messages[0] (plain) or an exception
+    # that cut the event stream (streamed), the generation lost either way
+    text = '<tool_call>{"name": "\\ud800", "arguments": {}}</tool_call>'
+
+    async def agent(proxy):
+        key = proxy.new_session()
+        async with sdk(proxy, key) as llm:
+            if not stream:
+                reply = await llm.chat.completions.create(model="policy", messages=[user("Q")], tools=[SEARCH_TOOL])
+                content, calls, finish = (reply.choices[0].message.content, reply.choices[0].message.tool_calls,
+                                          reply.choices[0].finish_reason)
+            else:
+                content, calls, finish = "", None, None
+                async for chunk in await llm.chat.completions.create(model="policy", messages=[user("Q")],
+                                                                     tools=[SEARCH_TOOL], stream=True):
+                    delta = chunk.choices[0].delta
+                    content += delta.content or ""
+                    calls = calls or delta.tool_calls
+                    finish = chunk.choices[0].finish_reason or finish
+        return (content, calls, finish), proxy.end_session(key)
+
+    ((content, calls, finish), episode), server = run_agent(tokenizer, [Reply(text, eos=True)], agent)
+    assert content == text and calls is None and finish == "stop"
+    assert episode["tool_call_parse_failures"] == 1 and episode["requests"] == 1
+    [segment] = episode["segments"]
+    assert segment["input_ids"][0][segment["loss_mask"][0].bool()].tolist() == server.answers[0]["output_ids"]
+
+
 @pytest.mark.parametrize("depth", [MAX_JSON_DEPTH + 1, 3000])
 def test_tool_call_arguments_nested_past_the_limit_are_a_parse_failure(depth):
     text = '<tool_call>{"name": "f", "arguments": {"a": ' + nested(depth - 1) + '}}</tool_call>'

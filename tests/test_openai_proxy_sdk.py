@@ -199,6 +199,23 @@ def test_train_sampling_names_what_it_takes():
         OpenAIProxy(None, None, train_sampling={"temp": 1.0})  # checked before the tokenizer is touched
 
 
+@pytest.mark.parametrize("setting", [{"top_p": 0.9}, {"top_k": 20}, {"min_p": 0.05}, {"repetition_penalty": 1.05},
+                                     {"presence_penalty": 0.5}, {"frequency_penalty": -0.5}])
+def test_train_sampling_that_the_importance_weights_cannot_honour_is_refused_naming_the_field(setting):
+    # the trainer recomputes log-probs at its temperature over the whole vocabulary, and the server's
+    # log-probs ignore a top_p/top_k/min_p cut: a training session sampled so would get biased ratios
+    [(name, value)] = setting.items()
+    with pytest.raises(ValueError, match=rf"train_sampling {name}={value}.*leave {name} out"):
+        OpenAIProxy(None, None, train_sampling={"temperature": 0.8, **setting})  # before the tokenizer is touched
+
+
+def test_train_sampling_may_state_the_neutral_values(tokenizer):
+    neutral = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+               "frequency_penalty": 0.0}
+    proxy = OpenAIProxy(None, tokenizer, train_sampling={"temperature": 0.8, **neutral})
+    assert proxy.train_sampling == {"temperature": 0.8, **neutral}
+
+
 # --- 3. logprobs as OpenAI gives them ---
 def test_logprobs_carry_each_tokens_text_and_utf8_bytes_not_the_vocabularys_spelling(tokenizer):
     text = "Pem Varo héllo 🎉 ok"

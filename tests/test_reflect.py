@@ -248,21 +248,27 @@ def scripted_episode(tokenizer, script, **cfg_overrides):
         return asyncio.run(go(server.address)), server, reflection_ids
 
 
-def test_a_turn_ending_on_another_eos_id_gets_no_second_end_of_turn(tokenizer):
-    """Qwen2.5 lists <|im_end|> and <|endoftext|> as EOS; a turn that ends on <|endoftext|> used to
-    get an <|im_end|> appended after it."""
+def test_a_turn_ended_by_another_stop_id_is_followed_by_the_templates_untrained_end_of_turn(tokenizer):
+    """Qwen2.5 stops on <|endoftext|> as well as <|im_end|>, but its template closes a turn with
+    <|im_end|>: the reflection must follow an <|im_end|> (not sampled, not trained), so that the next
+    turn conditions on what the template renders. (It used to follow the <|endoftext|> directly.)"""
     from lib.scripted_server import Reply
 
-    other = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    other, im_end = tokenizer.convert_tokens_to_ids("<|endoftext|>"), tokenizer.eos_token_id
     answer = tokenizer("#### 8", add_special_tokens=False)["input_ids"]
     episode, server, reflection_ids = scripted_episode(
-        tokenizer, [Reply(ids=answer + [other]), Reply("#### 7", eos=True)],
-        stop_token_ids=[tokenizer.eos_token_id, other])
+        tokenizer, [Reply(ids=answer + [other]), Reply("#### 7", eos=True)], stop_token_ids=[im_end, other])
     ids, mask = episode["input_ids"][0].tolist(), episode["loss_mask"][0].tolist()
     start = len(server.requests[0]["input_ids"])
-    assert ids[start:start + len(answer) + 1 + len(reflection_ids)] == answer + [other] + reflection_ids
-    assert mask[start:start + len(answer) + 1] == [1] * (len(answer) + 1)
+    assert ids[start:start + len(answer) + 2 + len(reflection_ids)] == answer + [other, im_end] + reflection_ids
+    assert mask[start:start + len(answer) + 2] == [1] * (len(answer) + 1) + [0]
     assert server.requests[1]["input_ids"] == ids[:len(server.requests[1]["input_ids"])]
+    # without the sampled <|endoftext|>, the trajectory is the template's rendering of the dialogue
+    conversation = [{"role": "user", "content": tr.PROMPT_TEMPLATE.format(question=ITEM["question"])},
+                    {"role": "assistant", "content": "#### 8"}, {"role": "user", "content": tr.REFLECTION},
+                    {"role": "assistant", "content": "#### 7"}]
+    rendered = tokenizer.apply_chat_template(conversation, tokenize=False).rstrip("\n")
+    assert tokenizer.decode(ids[:start + len(answer)] + ids[start + len(answer) + 1:]) == rendered
     assert episode["rewards"].item() == pytest.approx(0.9)
 
 
@@ -494,8 +500,8 @@ class FixedProducer:
         out, self.groups = self.groups[:num_groups], self.groups[num_groups:]
         return out
 
-    def data_position(self):
-        return 0
+    def data_ledger(self):
+        return 0, []
 
 
 def sdk_episode(reward, *segment_lengths):

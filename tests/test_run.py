@@ -26,7 +26,9 @@ def test_fields_left_at_their_defaults_or_in_effect_raise_no_warning():
 
 @pytest.mark.parametrize("bad, match", [(dict(mode="both"), "mode must be one of"),
                                         (dict(server="external"), "needs server_addrs"),
-                                        (dict(colocate_sleep=True, mode="async", server="sglang"), "needs mode sync")])
+                                        (dict(colocate_sleep=True, mode="async", server="sglang"), "needs mode sync"),
+                                        (dict(temperature=0.0), "temperature must be"),
+                                        (dict(temperature=float("nan")), "temperature must be")])
 def test_a_config_that_cannot_run_is_refused_naming_the_field(bad, match):
     with pytest.raises(ValueError, match=match):
         check_config(RunConfig(**bad))

@@ -125,6 +125,21 @@ def test_tool_output_is_masked_and_decoding_reproduces_the_conversation(tokenize
     assert ep["rewards"].item() == 1.0 and ep["finish_reason"] == "answer" and ep["num_turns"] == 2
 
 
+def test_a_tool_call_ended_by_another_stop_id_is_closed_by_the_templates_untrained_end_of_turn(tokenizer, retrieval):
+    # a tag in other case is not the stop string but still a call; the turn then ended at
+    # <|endoftext|> (Qwen2.5 stops on it too) and continues as a turn closed by <|im_end|> would
+    endoftext, im_end = tokenizer.convert_tokens_to_ids("<|endoftext|>"), tokenizer.eos_token_id
+    call = tokenizer("<search> Ostrel Guild </SEARCH>", add_special_tokens=False)["input_ids"]
+    cfg = ts.Config(max_turns=4, tool_retries=1, tool_timeout_s=5, stop_token_ids=[im_end, endoftext])
+    ep, server = scripted_episode(tokenizer, [Reply(ids=call + [endoftext]), Reply("<answer> Pem Varo </answer>")],
+                                  cfg, retrieval)
+    ids, mask = ep["input_ids"][0].tolist(), ep["loss_mask"][0].tolist()
+    end = len(server.requests[0]["input_ids"]) + len(call) + 1
+    assert ep["num_tool_calls"] == 1 and ids[end - 1:end + 1] == [endoftext, im_end] and mask[end - 1:end + 1] == [1, 0]
+    assert server.requests[1]["input_ids"] == ids[:len(server.requests[1]["input_ids"])]
+    assert model_text(tokenizer, ep) == "<search> Ostrel Guild </SEARCH><|endoftext|><answer> Pem Varo </answer>"
+
+
 def test_an_answer_read_from_a_result_has_evidence_and_a_guess_has_none(tokenizer, retrieval):
     cfg = ts.Config(max_turns=4, tool_retries=1, tool_timeout_s=5)
     turns = ["<search> Ostrel Guild </search>", "<answer> Pem Varo </answer>"]
