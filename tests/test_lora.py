@@ -274,6 +274,26 @@ def test_adapter_sync_names_the_adapter_in_every_request_and_the_probe_catches_a
         bg.close()
 
 
+def test_merged_sync_gives_a_server_without_adapters_the_adapted_weights(server, model_dir, tmp_path):
+    actor = lora_actor(model_dir)
+    randomise_adapters(actor, seed=5)
+    bg = BackgroundLoop()
+    client = InferenceClient([server])
+    sync = ServerWeightSync("disk", actor, client, bg.run, num_servers=1, disk_dir=str(tmp_path / "weights"),
+                            lora_sync="merged", probe_ids=BATCH[0])
+    try:
+        sync.sync(1)
+        assert client.lora_adapter is None  # full weights: requests name no adapter
+        assert "model.safetensors" in os.listdir(tmp_path / "weights")  # the merged full model, by weight_sync disk
+        metrics = sync.check_probe(1)
+        assert metrics["lora/probe_server_gap"] < 1e-4 and metrics["lora/probe_trainer_moved"] > 0.05
+    finally:
+        bg.run(client.update_weights_from_disk(model_dir))  # the module's server back on its base weights
+        bg.run(client.close())
+        bg.close()
+    assert (prompt_logprobs(server, BATCH[0]) - actor.probe_logprobs(BATCH[0], adapters=False)).abs().max() < 1e-4
+
+
 # --- end to end ---
 SMALL = ["--batch_size", "4", "--group_size", "4", "--max_turns", "3", "--max_new_tokens_per_turn", "16",
          "--max_tokens", "128", "--eval_every", "0", "--test_size", "2", "--tensorboard", "False"]
