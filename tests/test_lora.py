@@ -300,9 +300,12 @@ SMALL = ["--batch_size", "4", "--group_size", "4", "--max_turns", "3", "--max_ne
 
 
 @pytest.mark.slow
-def test_two_lora_grpo_steps_of_train_calc_then_a_resume_with_trained_adapters(tmp_path):
+@pytest.mark.parametrize("ranks", [1, 2])  # 2: torchrun, FSDP2 over gloo on CPU
+def test_two_lora_grpo_steps_of_train_calc_then_a_resume_with_trained_adapters(tmp_path, ranks):
     run_dir = str(tmp_path / "run")
-    args = [sys.executable, "train_calc.py", "--run_dir", run_dir, *SMALL, "--warm_start_steps", "2",
+    launcher = [sys.executable] + (["-m", "torch.distributed.run", "--nproc_per_node", "2"] if ranks > 1 else [])
+    shape = ["--batch_size", "3", "--group_size", "3", "--ppo_minibatches", "2"] if ranks > 1 else []
+    args = [*launcher, "train_calc.py", "--run_dir", run_dir, *SMALL, *shape, "--warm_start_steps", "2",
             "--warm_start_batch_size", "2", "--lr", "1e-3", "--checkpoint_every", "1", "--lora_rank", "8"]
     first = subprocess.run(args + ["--max_steps", "2"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
