@@ -64,6 +64,7 @@ class Actor:
     lora_alpha / rank) on `lora_target_modules`; the base is loaded in the compute dtype and frozen, the
     adapters are float32 and are the master weights (no fp32 copy of the base, no autocast: peft runs
     each adapter in fp32 beside the bf16 base layer). AdamW holds the adapters alone, checkpoints too.
+    The KL reference (kl_coef) is the base itself with the adapters switched off: no second model.
     Under FSDP2 the adapters are injected before sharding, so each layer's shard holds its adapters.
 
     Under FSDP every rank calls every method (they hold collectives), each with its own shard of
@@ -163,7 +164,7 @@ class Actor:
                 layer.compile(dynamic=True)
         self.policy = self._wrap(self.model, logits_chunk_tokens)
         self.ref_policy = None
-        if ref_model_path is not None:
+        if ref_model_path is not None and not self.lora:  # LoRA's reference is its own base, adapters off
             # Frozen: no master weights needed, so it is held in the compute dtype.
             ref = AutoModelForCausalLM.from_pretrained(ref_model_path, dtype=self.compute_dtype, **load_kwargs)
             ref.requires_grad_(False)
@@ -275,6 +276,9 @@ class Actor:
         batch.setdefault("proximal_logprobs", batch["logprobs"])
         if self.kl_coef and self.ref_policy is not None and "ref_logprobs" not in batch:
             batch["ref_logprobs"] = self.compute_logprobs(batch, policy=self.ref_policy)
+        elif self.kl_coef and self.lora and "ref_logprobs" not in batch:
+            with adapters_disabled(self.model):
+                batch["ref_logprobs"] = self.compute_logprobs(batch)
         if batch["advantages"].dim() == 1:
             batch["advantages"] = batch["advantages"][:, None].expand_as(batch["loss_mask"])
         loss_mask = batch["loss_mask"]

@@ -315,6 +315,10 @@ def _open(run: Run, build_model, load_splits, tokenizer_texts):
     # server is supervised (lib/supervise.py): if it dies, the run stops with its log.
     run.ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
     resume_extra = read_checkpoint_extra(os.path.join(run.ckpt_dir, "latest")) if cfg.resume else None
+    if resume_extra is not None and resume_extra.get("lora_rank", 0) != cfg.lora_rank:
+        saved_rank = resume_extra.get("lora_rank", 0)
+        raise ValueError(f"the checkpoint in {run.ckpt_dir} was trained with lora_rank {saved_rank}, this run has "
+                         f"lora_rank {cfg.lora_rank}: resume with --lora_rank {saved_rank}, or start a new run_dir")
     sampling_seed = server_seed(cfg.seed, resume_extra["step"] if resume_extra else 0)
     addrs = []
     if is_main and cfg.server == "external":
@@ -707,7 +711,7 @@ def log_step(run: Run, metrics: dict, episodes: list[dict], batch: dict, *, cont
 def save_checkpoint(run: Run):
     """7. checkpoint: model, optimizer, scheduler (every rank writes its shard), the counters and the RNGs."""
     run.actor.save_checkpoint(os.path.join(run.ckpt_dir, "latest"), extra={
-        "step": run.step, "version": run.version, "data_position": run.data_position,
+        "step": run.step, "version": run.version, "data_position": run.data_position, "lora_rank": run.cfg.lora_rank,
         "python_rng": random.getstate(), "numpy_rng": np.random.get_state(), "torch_rng": torch.get_rng_state()})
 
 

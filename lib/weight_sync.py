@@ -17,9 +17,10 @@ LoRA (lib/lora.py): `lora_sync="adapter"` sends the adapters alone, as a PEFT di
 every server loads by name (`/load_lora_adapter`, name `policy-v<version>`; the two newest stay
 loaded) and that the client then names in every request; `lora_sync="merged"` sends the full
 weights with the adapters folded in, by any of the three paths above, for servers without adapters.
-Either way the first syncs are checked (`ServerWeightSync.check_probe`, once generation goes on): the servers' log-probs on a
-fixed probe must equal the trainer's, until the adapters have moved them far enough from the base
-model's that a server ignoring its adapter could not pass; else the run stops with ServerIgnoresAdapter.
+Either way the first syncs are checked (`ServerWeightSync.check_probe`, once generation goes on):
+the servers' log-probs on a fixed probe must equal the trainer's, until the adapters have moved them
+far enough from the base model's that a server ignoring its adapter could not pass; else the run
+stops with ServerIgnoresAdapter.
 
 None pauses generation: the training loop pauses, syncs, continues (docs/trajectory.md, step order).
 Under FSDP every trainer rank calls these (gathering full tensors is collective); only rank 0
@@ -308,8 +309,9 @@ class ServerWeightSync:
         return self.probe_ids is not None
 
     def check_probe(self, version) -> dict:
-        """After a LoRA sync, once generation goes on (the probe is a /generate call): each server's log-probs on the probe (under the client's adapter, or its
-        merged weights) must be the trainer's, mean |difference| within PROBE_TOLERANCE; else
+        """After a LoRA sync, once generation goes on (the probe is a /generate call): each server's
+        log-probs on the probe (under the client's adapter, or its merged weights) must be the
+        trainer's, mean |difference| within PROBE_TOLERANCE; else
         ServerIgnoresAdapter. Checked again after later syncs until the trainer's own log-probs have
         moved more than 3 x the tolerance from the base model's (a server that ignored its adapter
         would then be off by more than the tolerance), at most PROBE_MAX_CHECKS syncs. Every rank

@@ -110,6 +110,30 @@ def test_the_merged_weights_give_the_adapted_models_logprobs(model_dir):
     assert torch.allclose(lp_merged, lp_lora, atol=1e-4)
 
 
+def test_packed_rows_and_gradient_checkpointing_train_the_adapters_as_padded_rows_do(model_dir):
+    padded, packed = lora_actor(model_dir), lora_actor(model_dir, packed=True, gradient_checkpointing=True)
+    for actor in (padded, packed):
+        randomise_adapters(actor, seed=3)
+    batch = rows([BATCH[0], BATCH[1][:6] + [0] * 4])
+    batch["attention_mask"][1, 6:] = 0
+    batch["loss_mask"] = batch["attention_mask"].clone()
+    assert torch.allclose(padded.compute_logprobs(batch), packed.compute_logprobs(batch), atol=1e-5)
+    stats = [actor.update(batch) for actor in (padded, packed)]
+    assert stats[0]["grad_norm"] > 0 and abs(stats[0]["grad_norm"] - stats[1]["grad_norm"]) < 1e-4 * stats[0]["grad_norm"]
+    assert torch.allclose(padded.compute_logprobs(batch), packed.compute_logprobs(batch), atol=1e-4)
+
+
+def test_the_kl_reference_of_lora_is_its_own_base_with_no_second_model(model_dir):
+    actor = lora_actor(model_dir, kl_coef=0.5, ref_model_path=model_dir)
+    assert actor.ref_policy is None
+    batch = rows(BATCH)
+    assert actor.update(dict(batch))["kl_ref"] == 0.0  # B = 0: the policy is its base
+    randomise_adapters(actor, seed=4)
+    base = actor.probe_logprobs(BATCH[0], adapters=False)
+    assert actor.update(dict(batch))["kl_ref"] > 0
+    assert torch.equal(actor.probe_logprobs(BATCH[0], adapters=False), base)  # the base never moves
+
+
 def test_a_lora_checkpoint_holds_the_adapters_alone_and_resumes_exactly(model_dir, tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
 
