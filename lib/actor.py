@@ -20,7 +20,8 @@ from lib.attention import register_varlen_attention
 from lib.checkpoint import fresh_tmp, load_checkpoint, save_checkpoint, swap_in
 from lib.grpo import CAP_MODES, LOSS_AGGS, merge_stats, ppo_loss
 from lib.logprobs import PolicyForward, compute_logprobs
-from lib.lora import add_lora, adapters_disabled, check_lora_settings, merged_named_parameters, save_adapter
+from lib.lora import (DEFAULT_TARGET_MODULES, add_lora, adapters_disabled, check_lora_settings,
+                      merged_named_parameters, save_adapter)
 from lib.offload_adamw import into_host_buffers, offloaded_adamw_step
 from lib.padding import sequence_lengths, split_by_token_budget
 from lib.ranks import trainer_rank, trainer_world_size
@@ -82,7 +83,7 @@ class Actor:
                  logits_chunk_tokens: int = 2048, master_weights: bool = True, compile_layers: bool | None = None,
                  attn_implementation: str | None = None, packed: bool | None = None,
                  offload_optimizer: bool = False, loss_norm_tokens: int | None = None, lora_rank: int = 0,
-                 lora_alpha: float | None = None, lora_target_modules=None, lora_dropout: float = 0.0):
+                 lora_alpha: float = 32.0, lora_target_modules=DEFAULT_TARGET_MODULES, lora_dropout: float = 0.0):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if lr_schedule not in ("constant", "cosine"):
