@@ -4,6 +4,7 @@ takes the PPO update step, and hands the weights out (HF export, weight sync, ch
 
 The kernels it runs live in lib/logprobs.py (token log-probs) and lib/grpo.py (the loss).
 """
+import contextlib
 import copy
 import math
 import os
@@ -19,6 +20,8 @@ from lib.attention import register_varlen_attention
 from lib.checkpoint import fresh_tmp, load_checkpoint, save_checkpoint, swap_in
 from lib.grpo import CAP_MODES, LOSS_AGGS, merge_stats, ppo_loss
 from lib.logprobs import PolicyForward, compute_logprobs
+from lib.lora import (DEFAULT_TARGET_MODULES, add_lora, adapters_disabled, check_lora_settings,
+                      merged_named_parameters, save_adapter)
 from lib.offload_adamw import into_host_buffers, offloaded_adamw_step
 from lib.padding import sequence_lengths, split_by_token_budget
 from lib.ranks import trainer_rank, trainer_world_size
@@ -88,6 +91,13 @@ class Actor:
     updates the GPU then holds only the bf16 weights: 2 bytes a parameter instead of 14, for a
     server that shares the GPU (sleep mode) or a model whose state does not fit beside it.
 
+    `lora_rank` > 0 (lib/lora.py, docs/lora.md): peft's LoRA adapters of that rank (scale
+    lora_alpha / rank) on `lora_target_modules`; the base is loaded in the compute dtype and frozen, the
+    adapters are float32 and are the master weights (no fp32 copy of the base, no autocast: peft runs
+    each adapter in fp32 beside the bf16 base layer). AdamW holds the adapters alone, checkpoints too.
+    The KL reference (kl_coef) is the base itself with the adapters switched off: no second model.
+    Under FSDP2 the adapters are injected before sharding, so each layer's shard holds its adapters.
+
     Under FSDP every rank calls every method (they hold collectives), each with its own shard of
     the batch (or all with the same batch: the result is the same either way).
 
@@ -105,7 +115,8 @@ class Actor:
                  behaviour_weight_cap: float | None = None, behaviour_cap_mode: str = "truncate",
                  logits_chunk_tokens: int = 2048, master_weights: bool = True, compile_layers: bool | None = None,
                  attn_implementation: str | None = None, packed: bool | None = None,
-                 offload_optimizer: bool = False, loss_norm_tokens: int | None = None):
+                 offload_optimizer: bool = False, loss_norm_tokens: int | None = None, lora_rank: int = 0,
+                 lora_alpha: float = 32.0, lora_target_modules=DEFAULT_TARGET_MODULES, lora_dropout: float = 0.0):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if lr_schedule not in ("constant", "cosine"):
@@ -134,6 +145,12 @@ class Actor:
                              "needs dtype='bfloat16' with master_weights=True on one process (under torchrun "
                              "the optimizer state is sharded over the ranks instead)")
         self.offload_optimizer = offload_optimizer
+        check_lora_settings(lora_rank, lora_alpha, lora_target_modules, lora_dropout)
+        self.lora = lora_rank > 0
+        if self.lora and offload_optimizer:
+            raise ValueError("offload_optimizer is for full fine-tuning: with LoRA the optimizer holds only the "
+                             "adapters, which fit beside the model; leave it off")
+        self.model_path = model_path
         if device is None:
             if torch.cuda.is_available():
                 device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
@@ -150,7 +167,9 @@ class Actor:
         if attn_implementation in (None, "varlen"):
             attn_implementation = register_varlen_attention() if self.packed else None
         load_kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **load_kwargs)
+        # LoRA: the frozen base runs as loaded, in the compute dtype; the adapters are the fp32 masters.
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=self.compute_dtype if self.lora else torch.float32, **load_kwargs)
         self.model.config.use_cache = False
         dropout_fields = turn_dropout_off(self.model)
         if dropout_fields and self.rank == 0:
@@ -158,12 +177,14 @@ class Actor:
                   f"PPO's ratio compares the update's forward with log-probs computed without dropout, and "
                   f"the inference server samples without it; the exported config says 0 too",
                   file=sys.stderr, flush=True)
+        if self.lora:
+            add_lora(self.model, lora_rank, lora_alpha, lora_target_modules)
         if freeze_embeddings:  # the input embeddings, and the LM head with them when the two are tied
             self.model.get_input_embeddings().weight.requires_grad_(False)
         # bf16 parameters run; an fp32 copy is what the optimizer steps (one process only: under
         # FSDP2 the sharded fp32 parameters are the master weights and the policy casts them).
         self.master_model = self.model
-        if master_weights and self.compute_dtype != torch.float32 and self.world_size == 1:
+        if master_weights and self.compute_dtype != torch.float32 and self.world_size == 1 and not self.lora:
             self.master_model = copy.deepcopy(self.model).to("cpu" if offload_optimizer else self.device)
             self.master_model.requires_grad_(False)
             for master, param in zip(self.master_model.parameters(), self.model.parameters()):
@@ -187,7 +208,7 @@ class Actor:
                 layer.compile(dynamic=True)
         self.policy = self._wrap(self.model, logits_chunk_tokens)
         self.ref_policy = None
-        if ref_model_path is not None:
+        if ref_model_path is not None and not self.lora:  # LoRA's reference is its own base, adapters off
             # Frozen: no master weights needed, so it is held in the compute dtype.
             ref = AutoModelForCausalLM.from_pretrained(ref_model_path, dtype=self.compute_dtype, **load_kwargs)
             ref.requires_grad_(False)
@@ -195,7 +216,9 @@ class Actor:
 
         # fused: one kernel for the whole step on one GPU (FSDP's sharded parameters keep foreach).
         # Offloaded, this optimizer holds the state (on the CPU) and lib/offload_adamw.py steps it.
-        self.optimizer = torch.optim.AdamW(self.master_model.parameters(), lr=lr, betas=tuple(betas),
+        trained = ([p for p in self.master_model.parameters() if p.requires_grad] if self.lora
+                   else self.master_model.parameters())
+        self.optimizer = torch.optim.AdamW(trained, lr=lr, betas=tuple(betas),
                                            eps=adam_eps, weight_decay=weight_decay,
                                            fused=self.device.type == "cuda" and self.world_size == 1
                                            and not offload_optimizer)
@@ -234,7 +257,8 @@ class Actor:
     def _autocast(self):
         # Under FSDP2 the mixed-precision policy casts; with master weights the parameters are bf16
         # already; otherwise (master_weights=False, one process) autocast does.
-        enabled = self.world_size == 1 and self.compute_dtype != torch.float32 and self.master_model is self.model
+        enabled = (self.world_size == 1 and self.compute_dtype != torch.float32 and self.master_model is self.model
+                   and not self.lora)  # LoRA: the base is in the compute dtype already, the adapters run in fp32
         return torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=enabled)
 
     def _micro_batches(self, attention_mask: torch.Tensor) -> list[list[int]]:
@@ -296,6 +320,9 @@ class Actor:
         batch.setdefault("proximal_logprobs", batch["logprobs"])
         if self.kl_coef and self.ref_policy is not None and "ref_logprobs" not in batch:
             batch["ref_logprobs"] = self.compute_logprobs(batch, policy=self.ref_policy)
+        elif self.kl_coef and self.lora and "ref_logprobs" not in batch:
+            with adapters_disabled(self.model):
+                batch["ref_logprobs"] = self.compute_logprobs(batch)
         if batch["advantages"].dim() == 1:
             batch["advantages"] = batch["advantages"][:, None].expand_as(batch["loss_mask"])
         loss_mask = batch["loss_mask"]
@@ -429,6 +456,9 @@ class Actor:
         on the trainer's device. Under FSDP each tensor is all-gathered, so every rank must drain the
         iterator in step; all ranks get the full tensors. Tied weights appear once."""
         dtype = dtype or self.compute_dtype
+        if self.lora:  # the adapters folded into the base: what a server without adapters serves
+            yield from merged_named_parameters(self.model, dtype)
+            return
         # With master weights the bf16 parameters are the master's cast: hand them out uncopied.
         source = self.model if next(self.model.parameters()).dtype == dtype else self.master_model
         for name, param in source.named_parameters():
@@ -436,6 +466,9 @@ class Actor:
             yield name, full.detach().to(dtype)
 
     def _full_state_dict(self, dtype: torch.dtype) -> dict:
+        if self.lora:  # every rank gathers (collective); rank 0 writes
+            merged = {k: v.cpu() for k, v in merged_named_parameters(self.model, dtype)}
+            return merged if self.rank == 0 else {}
         if self.world_size == 1:
             return {k: v.detach().to(dtype) for k, v in self.master_model.state_dict().items()}
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -463,15 +496,31 @@ class Actor:
         if self.world_size > 1:
             dist.barrier()
 
+    def save_adapter(self, path: str) -> None:
+        """LoRA: the adapters as a PEFT directory at `path` (lib.lora.save_adapter); every rank calls it."""
+        save_adapter(self.model, path, self.model_path, write=self.rank == 0)
+
+    @torch.no_grad()
+    def probe_logprobs(self, input_ids: list[int], adapters: bool = True) -> torch.Tensor:
+        """logprobs [T - 1] of tokens 1.. of `input_ids` at temperature 1 (what a server reports as its
+        prompt log-probs), under the current weights, or with `adapters=False` the LoRA base alone."""
+        ids = torch.tensor([input_ids], device=self.device)
+        self.policy.eval()
+        with adapters_disabled(self.model) if not adapters else contextlib.nullcontext(), self._autocast():
+            lp = compute_logprobs(self.policy, ids, torch.ones_like(ids), 1.0, packed=self.packed)
+        return lp[0, 1:].float().cpu()
+
     def save_checkpoint(self, path: str, extra: dict | None = None) -> None:
         """Model, optimizer and scheduler state to directory `path`, plus `extra` (data position, RNG,
-        step, ...: anything torch.save handles); atomic (lib/checkpoint.py)."""
+        step, ...: anything torch.save handles); atomic (lib/checkpoint.py). LoRA: the adapters alone
+        of the model (the frozen base is the run's starting model, rebuilt on resume)."""
         save_checkpoint(path, self.master_model, self.optimizer, self.scheduler, extra, rank=self.rank,
-                        world_size=self.world_size)
+                        world_size=self.world_size, trainable_only=self.lora)
 
     def load_checkpoint(self, path: str) -> dict:
         """Restore what `save_checkpoint(path, extra)` wrote; returns `extra`."""
-        extra = load_checkpoint(path, self.master_model, self.optimizer, self.scheduler, world_size=self.world_size)
+        extra = load_checkpoint(path, self.master_model, self.optimizer, self.scheduler, world_size=self.world_size,
+                                trainable_only=self.lora)
         if self.offload_optimizer:  # the loaded state back into the page-locked buffers
             into_host_buffers(self.optimizer, self._host_buffers)
         self._copy_master_to_model()

@@ -15,17 +15,20 @@ import torch.distributed as dist
 
 
 def save_checkpoint(path: str, model, optimizer, scheduler, extra: dict | None = None, *, rank: int = 0,
-                    world_size: int = 1) -> None:
+                    world_size: int = 1, trainable_only: bool = False) -> None:
     """`model`'s and `optimizer`'s state (the fp32 masters: what resumes training) and `scheduler`'s
-    to directory `path`, plus `extra` (anything torch.save handles). Every rank calls it."""
+    to directory `path`, plus `extra` (anything torch.save handles). Every rank calls it.
+    `trainable_only`: the model's parameters that require grad alone (LoRA: the adapters, a few MB)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     tmp = fresh_tmp(path) if rank == 0 else path + ".tmp"
     if world_size > 1:
         dist.barrier()
     fresh = not optimizer.state
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer,
+                                              options=StateDictOptions(ignore_frozen_params=trainable_only))
+    model_state = _trainable(model, model_state) if trainable_only else model_state
     if fresh:  # get_state_dict made the state by a zero-gradient step: count it back to 0, or the first
         for state in optimizer.state.values():  # real update's bias correction would be step 2's
             state["step"].zero_()
@@ -42,25 +45,33 @@ def save_checkpoint(path: str, model, optimizer, scheduler, extra: dict | None =
         dist.barrier()
 
 
-def load_checkpoint(path: str, model, optimizer, scheduler, *, world_size: int = 1) -> dict:
+def load_checkpoint(path: str, model, optimizer, scheduler, *, world_size: int = 1, trainable_only: bool = False) -> dict:
     """Restore into `model`, `optimizer` and `scheduler` what `save_checkpoint(path, ...)` wrote;
-    returns its `extra`."""
+    returns its `extra`. `trainable_only` as the save's: the frozen parameters stay as they are."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
     path = _whole_checkpoint(path)
     if not os.path.exists(os.path.join(path, "trainer_state.pt")):
         raise FileNotFoundError(f"no checkpoint at {path} (trainer_state.pt missing); "
                                 f"start without --resume or point at a directory save_checkpoint wrote")
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optim_state}
+    options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
+    state = {"model": _trainable(model, model_state) if trainable_only else model_state, "optimizer": optim_state}
     with _single_process_dcp_quiet():
         dcp.load(state, checkpoint_id=path, no_dist=world_size == 1)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=options)
     # Holds the caller's extra (RNG states, tuples): not a weights-only file.
     trainer_state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
     scheduler.load_state_dict(trainer_state["scheduler"])
     return trainer_state["extra"]
+
+
+def _trainable(model, model_state: dict) -> dict:
+    # ignore_frozen_params keeps a tied weight's second name (lm_head.weight): the parameters alone
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in model_state.items() if k in trained}
 
 
 def _whole_checkpoint(path: str) -> str:

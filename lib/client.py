@@ -26,6 +26,11 @@ cached at version 0 shaped sampling for the rest of a run; docs/client.md). What
 by an `in_place` pause keeps is its own KV, as old as the request (the producer's admission bound
 keeps that within `max_staleness`). `version_cache_key=False` leaves the key out, for servers that
 do not know it.
+
+LoRA: once a trainer has synced an adapter (`set_lora_adapter(name)`, after `load_lora_adapter` on
+every server), every request names it (SGLang's `lora_path`), the name current when the request is
+sent. Names carry the policy version (lib/weight_sync.py), so a server that lacks the newest adapter
+refuses the request (400) instead of sampling it from a stale one.
 """
 import asyncio
 import collections
@@ -91,6 +96,7 @@ class InferenceClient:
         self.max_retries = max_retries
         self.retry_backoff_s = retry_backoff_s
         self.version = 0
+        self.lora_adapter: str | None = None  # the LoRA adapter every request names (`lora_path`), once synced
         self.version_cache_key = version_cache_key
         self.sampling_seed = sampling_seed
         self._routes: dict = {}  # trajectory_id -> address
@@ -113,6 +119,11 @@ class InferenceClient:
     def set_version(self, version: int):
         """The policy version tagged on tokens of requests sent from now on (call after each weight sync)."""
         self.version = int(version)
+
+    def set_lora_adapter(self, name: str | None):
+        """The LoRA adapter (a name loaded on every server) that requests sent from now on are generated
+        with; None = the servers' base weights."""
+        self.lora_adapter = name
 
     # --- generation ---
     async def generate(self, input_ids: list[int], *, max_new_tokens: int, temperature: float = 1.0,
@@ -175,6 +186,7 @@ class InferenceClient:
                 await self._acquire_send_slot()
                 try:
                     version, pause_count, before = self.version, self._pause_count, len(turn.output_ids)
+                    adapter = self.lora_adapter
                     body = {"input_ids": prompt + turn.output_ids, "rid": uuid.uuid4().hex,
                             "sampling_params": {**sampling, "max_new_tokens": asked},
                             "return_logprob": True,
@@ -182,6 +194,8 @@ class InferenceClient:
                             "return_text_in_logprobs": bool(stop)}
                     if top_logprobs:
                         body["top_logprobs_num"] = top_logprobs
+                    if adapter is not None:  # the adapter of this version; a server without it refuses (400)
+                        body["lora_path"] = adapter
                     if self.version_cache_key:  # prefixes cached under other weights are not reused
                         body["extra_key"] = f"policy-v{version}"
                     if self.sampling_seed is not None and trajectory_id is not None and "sampling_seed" not in sampling:
@@ -439,6 +453,26 @@ class InferenceClient:
             body["weight_version"] = str(weight_version)
         return await self._fan_out("POST", "/update_weights_from_tensor", body, retry=False)
 
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> list[dict]:
+        """Every server loads the PEFT adapter directory `lora_path` as `lora_name` (SGLang needs
+        `--enable-lora`); a name already loaded is refused. Not retried: a load must not run twice."""
+        return await self._fan_out("POST", "/load_lora_adapter",
+                                   {"lora_name": lora_name, "lora_path": lora_path, "pinned": pinned}, retry=False)
+
+    async def unload_lora_adapter(self, lora_name: str) -> list[dict]:
+        """Every server drops adapter `lora_name`; requests naming it from now on are refused."""
+        return await self._fan_out("POST", "/unload_lora_adapter", {"lora_name": lora_name}, retry=False)
+
+    async def prompt_logprobs(self, input_ids: list[int], lora_path: str | None = None) -> list[list[float]]:
+        """Each server's log-probs [T - 1] of tokens 1.. of `input_ids` (its untempered prompt log-probs),
+        under adapter `lora_path` (None: the base weights): a probe of what the servers serve."""
+        body = {"input_ids": [int(t) for t in input_ids], "return_logprob": True, "logprob_start_len": 0,
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+        if lora_path is not None:
+            body["lora_path"] = lora_path
+        answers = await self._fan_out("POST", "/generate", body)
+        return [[float(row[0]) for row in answer["meta_info"]["input_token_logprobs"][1:]] for answer in answers]
+
     async def release_memory_occupation(self, tags: list[str] | None = None) -> list[dict]:
         """Every server frees its GPU memory (`tags`: "weights", "kv_cache"; None = all) so that a
         trainer on the same GPU can use it. SGLang needs `--enable-memory-saver`; no request may
@@ -509,7 +543,8 @@ class InferenceClient:
                 raise result
         for address, result in zip(self.addresses, results):
             if isinstance(result, dict) and result.get("success") is False:
-                raise InferenceServerError(f"{method} {address}{path} failed: {result.get('message')}", address=address)
+                message = result.get("message") or result.get("error_message")  # LoRA calls: error_message
+                raise InferenceServerError(f"{method} {address}{path} failed: {message}", address=address)
         return results
 
     async def _request(self, method: str, address: str, path: str, body=None, *, retry: bool = True,
@@ -715,4 +750,6 @@ def _error_message(text: str) -> str:
             return error
         if body.get("message"):
             return str(body["message"])
+        if body.get("error_message"):  # SGLang's LoRAUpdateOutput
+            return str(body["error_message"])
     return text.strip()[:2000]

@@ -34,6 +34,7 @@ import uuid
 import torch
 
 from lib.http_body import BadRequest
+from lib.lora_serving import ServedAdapters
 
 logger = logging.getLogger("cpu_server")
 
@@ -201,6 +202,7 @@ class Request:
     # with `visible` the number of output tokens complete at that moment (read on the event loop).
     progress: asyncio.Event | None = None
     visible: int = 0
+    adapter: object = None  # the lib.lora_serving.Adapter it is generated with (`lora_path`), None = the base model
 
 
 # --- the model runner: everything here runs on the single worker thread ---
@@ -255,6 +257,7 @@ class Runner:
         self.pad_token_id = pad if pad is not None else min(eos or {0})
         self.generator = torch.Generator(self.device).manual_seed(args.random_seed)
         self.param_shapes = {name: list(t.shape) for name, t in self.model.state_dict().items()}
+        self.adapters = ServedAdapters(self.model)  # LoRA adapters by name (lib/lora_serving.py)
         self.max_checkpoint_bytes = 8 * sum(math.prod(s) for s in self.param_shapes.values()) + 2**24
         # A token covers at most as many characters as its vocabulary entry has (byte-level BPE
         # entries have one character per byte); x2 leaves room for normalizers that merge characters.
@@ -327,11 +330,12 @@ class Runner:
         self._keep([r.finish_reason is None for r in self.rows])
         return done
 
-    def _forward(self, input_ids, attention_mask, position_ids, cache, logits_to_keep):
+    def _forward(self, input_ids, attention_mask, position_ids, cache, logits_to_keep, reqs):
         self.stats["num_forward_batches"] += 1
         self.stats["max_batch_size_seen"] = max(self.stats["max_batch_size_seen"], input_ids.shape[0])
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep)
+        with self.adapters.applied([r.adapter for r in reqs]):  # row i under reqs[i]'s LoRA adapter, if any
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep)
         return out.logits.float(), out.past_key_values
 
     def _prefill(self, reqs: list[Request]) -> list[Request]:
@@ -345,7 +349,7 @@ class Runner:
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         want_input_logprobs = any(r.return_logprob and r.logprob_start_len >= 0 for r in reqs)
-        logits, cache = self._forward(input_ids, mask, position_ids, None, 0 if want_input_logprobs else 1)
+        logits, cache = self._forward(input_ids, mask, position_ids, None, 0 if want_input_logprobs else 1, reqs)
         if want_input_logprobs:
             for i, r in enumerate(reqs):
                 if r.return_logprob and r.logprob_start_len >= 0:
@@ -389,7 +393,8 @@ class Runner:
         ones = torch.ones((len(self.rows), 1), dtype=self.attention_mask.dtype, device=self.device)
         self.attention_mask = torch.cat([self.attention_mask, ones], dim=1)
         position_ids = self.attention_mask.sum(-1, keepdim=True) - 1
-        logits, self.cache = self._forward(self.next_token_ids[:, None], self.attention_mask, position_ids, self.cache, 1)
+        logits, self.cache = self._forward(self.next_token_ids[:, None], self.attention_mask, position_ids,
+                                           self.cache, 1, self.rows)
         tokens, *sampled = self._sample(logits[:, -1], self.rows)
         finished = self._append(self.rows, tokens, *sampled)
         self.next_token_ids = tokens
@@ -754,6 +759,11 @@ class Server:
         if not (extra_key is None or isinstance(extra_key, str) or (
                 isinstance(extra_key, list) and len(extra_key) == n and all(isinstance(k, str) for k in extra_key))):
             raise BadRequest("extra_key must be a string, or a list of strings with one per input")
+        # SGLang's `lora_path`: the name of a loaded adapter (or null), one for all inputs or one per input
+        lora = body.get("lora_path")
+        if isinstance(lora, list) and not (is_batch and len(lora) == n):
+            raise BadRequest(f"lora_path is a list of {len(lora)}; give one name per input ({n}) or one name for all")
+        adapters = [self.runner.adapters.lookup(name) for name in (lora if isinstance(lora, list) else [lora] * n)]
         raw_params = body.get("sampling_params")
         if isinstance(raw_params, list):
             if len(raw_params) != n:
@@ -783,6 +793,7 @@ class Server:
             raise BadRequest("rid values must be unique within a batch")
         if n_samples > 1:  # SGLang: prompt-major copies with fresh rids, answered as a list
             batch = [ids for ids in batch for _ in range(n_samples)]
+            adapters = [a for a in adapters for _ in range(n_samples)]
             params = [p for p in params for _ in range(n_samples)]
             raw_params = [raw for raw in raw_params for _ in range(n_samples)]
             rids = [uuid.uuid4().hex for _ in batch]
@@ -818,14 +829,14 @@ class Server:
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         requests = []
-        for ids, p, r in zip(batch, params, rids):
+        for ids, p, r, adapter in zip(batch, params, rids, adapters):
             max_new = min(p.max_new_tokens, context - len(ids))
             req = Request(rid=r, input_ids=ids, params=p, return_logprob=flags["return_logprob"],
                           logprob_start_len=flags["logprob_start_len"],
                           return_text_in_logprobs=flags["return_text_in_logprobs"], max_new_tokens=max_new,
                           created_s=now, deadline_s=now + self.args.request_timeout_s, future=loop.create_future(),
                           top_logprobs_num=flags["top_logprobs_num"] if flags["return_logprob"] else 0,
-                          progress=asyncio.Event() if flags["stream"] else None)
+                          progress=asyncio.Event() if flags["stream"] else None, adapter=adapter)
             if p.sampling_seed is not None:
                 req.generator = torch.Generator(self.runner.device).manual_seed(_generator_seed(p.sampling_seed))
             requests.append(req)

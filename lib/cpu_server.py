@@ -9,7 +9,8 @@ SGLang's where SGLang has them:
 Endpoints: /generate, /health, /health_generate, /get_model_info, /get_server_info, /flush_cache,
 /pause_generation, /continue_generation, /abort_request, /update_weights_from_disk,
 /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group,
-/update_weights_from_tensor, /release_memory_occupation, /resume_memory_occupation.
+/update_weights_from_tensor, /release_memory_occupation, /resume_memory_occupation, /load_lora_adapter,
+/unload_lora_adapter (and `lora_path` in /generate: lib/lora_serving.py).
 The field names and response shapes follow docs/sglang_contract.md. This module is the HTTP side
 (the aiohttp app, its handlers by route family); the model, batching, sampling and weights are
 lib/cpu_engine.py's.
@@ -32,6 +33,11 @@ Where it differs from SGLang (docs/sglang_contract.md has SGLang's side):
 - `/release_memory_occupation` frees nothing (there is no KV pool to free, and the weights stay
   where they are); it marks the server released, so that /generate is refused (400) until
   `/resume_memory_occupation`, and it is itself refused while requests run or wait.
+- LoRA: adapters load without `--enable-lora` (and with no `--max-lora-rank`, `--max-loras-per-batch`
+  or `--max-loaded-loras` bound); `pinned` is accepted and has no effect (nothing is evicted);
+  unloading does not wait for the requests that use the adapter: they finish with it, new ones
+  naming it get the 400 an unknown adapter gets. PEFT directories of plain LoRA on linear modules
+  only (no DoRA, biases, modules_to_save, rank patterns), refused with a 400 otherwise.
 - Weight updates copy tensors by their Hugging Face state-dict names (SGLang's `load_weights`
   also accepts those names).
 - Stricter than SGLang on hostile input, all refused with a 400 before anything runs:
@@ -241,7 +247,8 @@ def _info_routes(server: Server) -> list:
         info.update({"model_path": server.model_path, "weight_version": server.weight_version,
                      "context_length": runner.context_length, "version": "lib.cpu_server",
                      "num_running_requests": len(runner.rows), "num_waiting_requests": len(server.waiting),
-                     "paused": server.paused, "internal_states": [dict(runner.stats)]})
+                     "paused": server.paused, "internal_states": [dict(runner.stats)],
+                     "loaded_lora_adapters": runner.adapters.paths()})
         return web.json_response(info)
 
     return ([web.get(path, get_model_info) for path in ("/get_model_info", "/model_info")]
@@ -525,13 +532,53 @@ def _weight_group_routes(server: Server) -> list:
             web.post("/destroy_weights_update_group", _finish_even_if_client_leaves(destroy_weights_update_group))]
 
 
+def _lora_routes(server: Server) -> list:
+    """LoRA adapters by name: SGLang's /load_lora_adapter and /unload_lora_adapter (LoRAUpdateOutput answers)."""
+    adapters = server.runner.adapters
+
+    def answer(error: str | None = None) -> web.Response:
+        return web.json_response({"success": error is None, "error_message": error or "",
+                                  "loaded_adapters": adapters.paths()}, status=400 if error else 200)
+
+    async def load_lora_adapter(request):
+        from lib.lora_serving import read_adapter
+
+        body = await _json_body(request, allow_empty=False)
+        name = _field(body, "lora_name", str, required=True)
+        path = _field(body, "lora_path", str, required=True)
+        _field(body, "pinned", bool, False)  # nothing is evicted here: checked, no effect
+        if not name:
+            raise BadRequest("lora_name must be a non-empty string")
+        try:  # read and checked off the event loop; then added between two model steps
+            adapter = await asyncio.get_running_loop().run_in_executor(
+                None, read_adapter, name, path, server.runner.model, server.runner.max_checkpoint_bytes)
+            await server.run_on_worker(adapters.load, adapter)
+        except BadRequest as e:
+            logger.warning("load_lora_adapter(%r, %r) failed: %s", name, path, e)
+            return answer(f"Failed to load LoRA adapter {name!r}: {e}")
+        logger.info("loaded LoRA adapter %r from %s", name, path)
+        return answer()
+
+    async def unload_lora_adapter(request):
+        body = await _json_body(request, allow_empty=False)
+        name = _field(body, "lora_name", str, required=True)
+        try:
+            adapters.unload(name)
+        except BadRequest as e:
+            return answer(str(e))
+        return answer()
+
+    return [web.post("/load_lora_adapter", _finish_even_if_client_leaves(load_lora_adapter)),
+            web.post("/unload_lora_adapter", unload_lora_adapter)]
+
+
 def build_app(server: Server) -> web.Application:
     app = web.Application(client_max_size=int(server.args.max_body_mb * 2**20),
                           middlewares=[errors_as_json(_error, logger)])
     app[MAX_BODY_BYTES] = int(server.args.max_body_mb * 2**20)
     app[BODY_TIMEOUT_S] = server.args.body_timeout_s
     app.add_routes(_generation_routes(server) + _info_routes(server) + _control_routes(server)
-                   + _weight_routes(server) + _weight_group_routes(server))
+                   + _weight_routes(server) + _weight_group_routes(server) + _lora_routes(server))
 
     async def on_startup(app):
         app[SCHEDULER_TASK] = asyncio.create_task(server.scheduler())

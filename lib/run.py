@@ -45,6 +45,7 @@ from lib.grpo import (equal_reward_groups, grpo_advantages, logprob_mismatch, me
                       mismatch_warning)
 from lib.learnability import learnability_report
 from lib.launch import launch_cpu_server, launch_sglang
+from lib.lora import DEFAULT_TARGET_MODULES, check_lora_settings
 from lib.metrics import MetricsLogger, continue_jsonl
 from lib.model_names import resolve_model_path
 from lib.padding import concat_padded_tensors
@@ -55,6 +56,9 @@ from lib.traces import episode_record, trainer_logprobs_by_episode, write_traces
 from lib.weight_sync import ServerWeightSync
 
 TRAJECTORY_KEYS = ("input_ids", "loss_mask", "logprobs", "versions", "attention_mask")  # a training row's tensors
+# LoRA: the servers' log-probs on this text's tokens are checked against the trainer's after the first syncs
+LORA_PROBE_TEXT = ("Question: Tom has 3 bags with 4 apples in each. He buys 5 more. How many apples does he have? "
+                   "Answer: 3 * 4 = 12, 12 + 5 = 17. #### 17. The capital of the country lies on the river.")
 
 
 @dataclass
@@ -126,6 +130,12 @@ class RunConfig:
     trainer_gradient_checkpointing: bool = False  # recompute activations in backward: ~half the memory, ~20% slower
     trainer_compile: bool | None = None  # torch.compile the decoder layers; None = on with one GPU
     trainer_offload_optimizer: bool = False  # bf16, one GPU: fp32 master + AdamW state in CPU memory between updates
+    # == LoRA (docs/lora.md) ==
+    lora_rank: int = 0  # 0 = full fine-tuning; > 0: LoRA adapters of this rank on the frozen base (raise lr ~10x)
+    lora_alpha: float = 32.0  # adapter scale alpha / rank (LoRA Without Regret's 32: the best lr hardly moves with rank)
+    lora_target_modules: list = field(default_factory=lambda: list(DEFAULT_TARGET_MODULES))  # linear modules adapted
+    lora_dropout: float = 0.0  # must be 0: proximal and update log-probs of one step must agree
+    lora_sync: str = "adapter"  # "adapter": the adapters alone, loaded by name; "merged": full weights (servers without LoRA)
     # == weight sync ==
     weight_sync: str = "disk"  # "disk" (safetensors), "nccl" (broadcast; gloo on CPUs) or "tensor" (colocated, same GPU)
     weight_sync_bucket_mb: float = 512  # nccl: tensors per update call, one flattened broadcast each
@@ -165,7 +175,8 @@ class RunConfig:
 
 CHOICES = {"trace_backend": ("jsonl", "mlflow"), "mode": ("sync", "async"), "pause_mode": ("in_place", "abort", "retract"),
            "weight_sync": ("disk", "nccl", "tensor"), "server": ("cpu", "sglang", "external"),
-           "behav_imp_weight_mode": ("truncate", "mask"), "lr_schedule": ("constant", "cosine")}
+           "behav_imp_weight_mode": ("truncate", "mask"), "lr_schedule": ("constant", "cosine"),
+           "lora_sync": ("adapter", "merged")}
 
 
 # Fields that act only in some settings: (field, when it acts, what to do instead). Set to anything but
@@ -187,6 +198,9 @@ ONLY_WHEN = [
     ("weight_sync_bucket_mb", lambda c: c.weight_sync in ("nccl", "tensor"), "it sizes nccl/tensor syncs"),
     ("weight_sync_master_address", lambda c: c.weight_sync == "nccl", "it is for --weight_sync nccl"),
     ("refill_rounds", lambda c: c.drop_equal_groups, "it bounds dynamic sampling: add --drop_equal_groups True"),
+    ("lora_alpha", lambda c: c.lora_rank > 0, "it scales LoRA adapters: add --lora_rank"),
+    ("lora_target_modules", lambda c: c.lora_rank > 0, "it places LoRA adapters: add --lora_rank"),
+    ("lora_sync", lambda c: c.lora_rank > 0, "it says how LoRA adapters reach the servers: add --lora_rank"),
 ]
 
 
@@ -214,6 +228,7 @@ def check_config(cfg: RunConfig):
         raise ValueError("colocate_sleep needs mode sync: in async mode the server generates while the trainer works")
     if cfg.weight_sync == "nccl" and cfg.dp_size > 1:
         raise ValueError("weight_sync nccl sends to each server's TP ranks: use num_servers instead of dp_size")
+    check_lora_settings(cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules, cfg.lora_dropout)
 
 
 @dataclass
@@ -306,6 +321,10 @@ def _open(run: Run, build_model, load_splits, tokenizer_texts):
     # server is supervised (lib/supervise.py): if it dies, the run stops with its log.
     run.ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
     resume_extra = read_checkpoint_extra(os.path.join(run.ckpt_dir, "latest")) if cfg.resume else None
+    if resume_extra is not None and resume_extra.get("lora_rank", 0) != cfg.lora_rank:
+        saved_rank = resume_extra.get("lora_rank", 0)
+        raise ValueError(f"the checkpoint in {run.ckpt_dir} was trained with lora_rank {saved_rank}, this run has "
+                         f"lora_rank {cfg.lora_rank}: resume with --lora_rank {saved_rank}, or start a new run_dir")
     sampling_seed = server_seed(cfg.seed, resume_extra["step"] if resume_extra else 0)
     addrs = []
     if is_main and cfg.server == "external":
@@ -316,7 +335,9 @@ def _open(run: Run, build_model, load_splits, tokenizer_texts):
                                    tp_size=cfg.tp_size, dp_size=cfg.dp_size,
                                    mem_fraction_static=cfg.mem_fraction_static, random_seed=sampling_seed,
                                    extra_args=cfg.sglang_extra_args.split()
-                                   + (["--enable-memory-saver"] if cfg.colocate_sleep else []),
+                                   + (["--enable-memory-saver"] if cfg.colocate_sleep else [])
+                                   + (["--enable-lora", "--max-lora-rank", str(cfg.lora_rank), "--lora-target-modules",
+                                       *cfg.lora_target_modules] if cfg.lora_rank and cfg.lora_sync == "adapter" else []),
                                    log_path=os.path.join(cfg.run_dir, "sglang.log" if i == 0 else f"sglang{i}.log"))
             run.supervisors.append(Supervisor("inference server", server))
             addrs.append(server.address)
@@ -344,16 +365,19 @@ def _open(run: Run, build_model, load_splits, tokenizer_texts):
                       gradient_checkpointing=cfg.trainer_gradient_checkpointing, compile_layers=cfg.trainer_compile,
                       offload_optimizer=cfg.trainer_offload_optimizer,
                       behaviour_weight_cap=cfg.behav_imp_weight_cap or None,
-                      behaviour_cap_mode=cfg.behav_imp_weight_mode)
+                      behaviour_cap_mode=cfg.behav_imp_weight_mode, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+                      lora_target_modules=cfg.lora_target_modules, lora_dropout=cfg.lora_dropout)
 
     # Weight sync (lib/weight_sync.py): "disk" = safetensors + /update_weights_from_disk; "nccl" = the
     # trainer and every server's TP workers join one process group once, then each step broadcasts the
     # new weights (NCCL on GPUs, gloo on CPUs); "tensor" = colocated, the server reads the trainer's GPU memory.
+    # LoRA (lora_sync "adapter"): the adapters alone, loaded by name; "merged": the full weights, by weight_sync.
     run.weight_sync = ServerWeightSync(cfg.weight_sync, run.actor, run.client, run.bg.run, num_servers=len(addrs),
                                        tp_size=cfg.tp_size, disk_dir=os.path.join(cfg.run_dir, "weights"),
                                        bucket_mb=cfg.weight_sync_bucket_mb,
                                        master_address=cfg.weight_sync_master_address,
-                                       timeout_s=cfg.weight_sync_timeout_s)
+                                       timeout_s=cfg.weight_sync_timeout_s, lora_sync=cfg.lora_sync,
+                                       probe_ids=run.tokenizer(LORA_PROBE_TEXT)["input_ids"][:64])
 
     if cfg.resume and resume_extra is None:
         print(f"--resume True: no checkpoint in {run.ckpt_dir}; starting from step 0")
@@ -368,6 +392,8 @@ def _open(run: Run, build_model, load_splits, tokenizer_texts):
         torch.set_rng_state(extra["torch_rng"])
         # The server still holds the initial weights: give it the resumed policy.
         run.weight_sync.sync(run.version)
+        if run.weight_sync.probe_due and run.version > 0:  # LoRA: does the server apply the resumed adapter?
+            run.weight_sync.check_probe(run.version)
         run.resumed = True
         if is_main:
             print(f"resumed from step {run.step} (policy version {run.version}, data position "
@@ -653,7 +679,10 @@ def sync_weights(run: Run, trained: bool) -> dict:
             if run.producer is not None:
                 run.producer.set_version(run.version)
             run.bg.run(run.client.continue_generation(run.version))  # requests cut or held by the pause go on
-    return {"perf/sync_s": time.time() - t3}
+    metrics = {"perf/sync_s": time.time() - t3}
+    if trained and run.weight_sync.probe_due:  # LoRA: do the servers follow the trainer's adapters? (a /generate)
+        metrics.update(run.weight_sync.check_probe(run.version))
+    return metrics
 
 
 def log_step(run: Run, metrics: dict, episodes: list[dict], batch: dict, *, context_role: str = "tool",
@@ -703,7 +732,7 @@ def save_checkpoint(run: Run):
     """7. checkpoint: model, optimizer, scheduler (every rank writes its shard), the counters and the RNGs."""
     run.actor.save_checkpoint(os.path.join(run.ckpt_dir, "latest"), extra={
         "step": run.step, "version": run.version, "data_position": run.data_position,
-        "data_consumed_ahead": run.data_consumed_ahead,
+        "data_consumed_ahead": run.data_consumed_ahead, "lora_rank": run.cfg.lora_rank,
         "python_rng": random.getstate(), "numpy_rng": np.random.get_state(), "torch_rng": torch.get_rng_state()})
 
 

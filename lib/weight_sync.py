@@ -13,6 +13,15 @@ Three paths, all speaking SGLang's protocol (lib's CPU server implements the sam
   hands the server handles of the trainer's tensors (CUDA IPC / shared memory, lib/tensor_ipc.py)
   through `/update_weights_from_tensor`; the server copies from the trainer's memory directly.
 
+LoRA (lib/lora.py): `lora_sync="adapter"` sends the adapters alone, as a PEFT directory on disk that
+every server loads by name (`/load_lora_adapter`, name `policy-v<version>`; the two newest stay
+loaded) and that the client then names in every request; `lora_sync="merged"` sends the full
+weights with the adapters folded in, by any of the three paths above, for servers without adapters.
+Either way the first syncs are checked (`ServerWeightSync.check_probe`, once generation goes on):
+the servers' log-probs on a fixed probe must equal the trainer's, until the adapters have moved them
+far enough from the base model's that a server ignoring its adapter could not pass; else the run
+stops with ServerIgnoresAdapter.
+
 None pauses generation: the training loop pauses, syncs, continues (docs/trajectory.md, step order).
 Under FSDP every trainer rank calls these (gathering full tensors is collective); only rank 0
 talks to the servers and broadcasts.
@@ -23,6 +32,7 @@ trainer's own steps (writing the weights, a broadcast) and the server calls not 
 """
 import asyncio
 import os
+import shutil
 import sys
 import time
 from typing import Iterable
@@ -37,6 +47,18 @@ from lib.ranks import trainer_rank, trainer_world_size
 
 class WeightSyncTimeout(TimeoutError):
     """A weight sync did not finish within its bound; the message says what it was waiting on."""
+
+
+class ServerIgnoresAdapter(RuntimeError):
+    """A server's log-probs on the probe are not the trainer's after a LoRA sync."""
+
+
+ADAPTER_PREFIX = "policy-v"  # adapter names on the servers: policy-v<version>
+KEEP_ADAPTERS = 2  # the newest adapters kept loaded (a request held by an in_place pause keeps its own)
+# The probe's mean |server - trainer| log-prob allowed, by the trainer's dtype (fp32 agrees to ~1e-6 on
+# CPU; bf16 kernels differ by ~1e-2), and how many syncs are checked before giving up on a verdict.
+PROBE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 2e-2}
+PROBE_MAX_CHECKS = 20
 
 
 _waiting: dict[int, str] = {}  # what the trainer's side of a sync is waiting on now (id of its wait -> what)
@@ -75,6 +97,30 @@ async def sync_weights_from_disk(actor, client, path: str, version, flush_cache:
     if trainer_rank() == 0:
         await client.update_weights_from_disk(os.path.abspath(path), weight_version=str(version),
                                               flush_cache=flush_cache)
+    return time.perf_counter() - start
+
+
+async def sync_adapter(actor, client, directory: str, version) -> float:
+    """LoRA: write the actor's adapters to `directory/adapter-v<version>` (a PEFT directory), have every
+    server load it as `policy-v<version>` and the client name it in every request from now on; then
+    unload (and delete) all but the KEEP_ADAPTERS newest. Returns the seconds taken."""
+    start = time.perf_counter()
+    path = os.path.join(os.path.abspath(directory), f"adapter-v{version}")
+    await _waiting_on(f"the trainer writing the LoRA adapter to {path}",
+                      _to_thread_on(actor.device, actor.save_adapter, path))
+    if trainer_rank() != 0:
+        return time.perf_counter() - start
+    name = f"{ADAPTER_PREFIX}{version}"
+    if client.lora_adapter == name:  # the same version again (a server that lent its memory): reload it
+        await client.unload_lora_adapter(name)
+    answers = await client.load_lora_adapter(name, path)
+    client.set_lora_adapter(name)
+    loaded = {n for answer in answers for n in (answer.get("loaded_adapters") or {})}
+    versions = sorted(int(n.removeprefix(ADAPTER_PREFIX)) for n in loaded
+                      if n.startswith(ADAPTER_PREFIX) and n.removeprefix(ADAPTER_PREFIX).isdigit())
+    for old in versions[:-KEEP_ADAPTERS]:
+        await client.unload_lora_adapter(f"{ADAPTER_PREFIX}{old}")
+        shutil.rmtree(os.path.join(os.path.abspath(directory), f"adapter-v{old}"), ignore_errors=True)
     return time.perf_counter() - start
 
 
@@ -222,9 +268,18 @@ class ServerWeightSync:
     `timeout_s` raises WeightSyncTimeout, naming what it was still waiting on."""
 
     def __init__(self, method: str, actor, client, run, *, num_servers: int, tp_size: int = 1,
-                 disk_dir: str, bucket_mb: float = 512, master_address: str = "127.0.0.1", timeout_s: float = 600.0):
+                 disk_dir: str, bucket_mb: float = 512, master_address: str = "127.0.0.1", timeout_s: float = 600.0,
+                 lora_sync: str = "adapter", probe_ids: list[int] | None = None):
         if method not in ("disk", "nccl", "tensor"):
             raise ValueError(f"weight sync method must be 'disk', 'nccl' or 'tensor', got {method!r}")
+        if lora_sync not in ("adapter", "merged"):
+            raise ValueError(f"lora_sync must be 'adapter' or 'merged', got {lora_sync!r}")
+        # LoRA: adapters alone (by disk, whatever `method`), or the merged full weights by `method`
+        self.adapters_only = bool(getattr(actor, "lora", False)) and lora_sync == "adapter"
+        # LoRA: the servers' log-probs on `probe_ids` are checked against the trainer's after each sync
+        # until a verdict (check_probe)
+        self.probe_ids = list(probe_ids) if probe_ids and getattr(actor, "lora", False) else None
+        self.probe_checks, self.probe_metrics = 0, {}
         if method == "tensor" and actor.world_size > 1:
             raise ValueError("weight sync 'tensor' hands over one process's tensors: use 'nccl' under torchrun")
         from lib.launch import free_port
@@ -233,7 +288,7 @@ class ServerWeightSync:
         self.actor, self.client, self.run, self.disk_dir, self.bucket_mb = actor, client, run, disk_dir, bucket_mb
         self.timeout_s = timeout_s
         self.broadcaster = None
-        if method == "nccl":
+        if method == "nccl" and not self.adapters_only:
             self.broadcaster = DistributedWeightSync(
                 client, master_address=master_address, master_port=free_port() if trainer_rank() == 0 else 0,
                 world_size=1 + num_servers * tp_size,
@@ -244,7 +299,60 @@ class ServerWeightSync:
     def sync(self, version, flush_cache: bool = True) -> float:
         """Push the actor's weights as `version`. `flush_cache=False` while an `in_place` pause
         holds requests on the servers (SGLang can flush only an idle server's prefix cache)."""
-        what = f"the weight sync of version {version} ({self.method})"
+        what = f"the weight sync of version {version} ({'LoRA adapter' if self.adapters_only else self.method})"
+        if self.adapters_only:
+            return self._bounded(sync_adapter(self.actor, self.client, self.disk_dir, version), what)
+        return self._sync_full(version, what, flush_cache)
+
+    @property
+    def probe_due(self) -> bool:
+        return self.probe_ids is not None
+
+    def check_probe(self, version) -> dict:
+        """After a LoRA sync, once generation goes on (the probe is a /generate call): each server's
+        log-probs on the probe (under the client's adapter, or its merged weights) must be the
+        trainer's, mean |difference| within PROBE_TOLERANCE; else
+        ServerIgnoresAdapter. Checked again after later syncs until the trainer's own log-probs have
+        moved more than 3 x the tolerance from the base model's (a server that ignored its adapter
+        would then be off by more than the tolerance), at most PROBE_MAX_CHECKS syncs. Every rank
+        calls it (the trainer's forwards are collective under FSDP); rank 0 asks the servers.
+        Returns the check's numbers (also in `probe_metrics`, logged under lora/)."""
+        tolerance = PROBE_TOLERANCE.get(self.actor.compute_dtype, 2e-2)
+        trainer = self.actor.probe_logprobs(self.probe_ids)
+        moved = (trainer - self.actor.probe_logprobs(self.probe_ids, adapters=False)).abs().mean().item()
+        self.probe_checks += 1
+        metrics = {"lora/probe_trainer_moved": moved}
+        if trainer_rank() == 0:
+            adapter = self.client.lora_adapter if self.adapters_only else None
+            served = self.run(self.client.prompt_logprobs(self.probe_ids, adapter), timeout_s=self.timeout_s)
+            gaps = [(torch.tensor(lp) - trainer).abs().mean().item() if len(lp) == len(trainer) else float("inf")
+                    for lp in served]
+            metrics["lora/probe_server_gap"] = max(gaps)
+            for address, gap in zip(self.client.addresses, gaps):
+                if gap > tolerance:
+                    raise ServerIgnoresAdapter(
+                        f"after the weight sync of version {version}, the server at {address} gives log-probs on "
+                        f"the probe that differ from the trainer's by {gap:.4g} on average (tolerance {tolerance:g}; "
+                        f"the adapters moved the trainer's by {moved:.4g} from the base model's): the server "
+                        f"{'does not apply LoRA adapter ' + repr(adapter) if adapter else 'does not hold the merged weights'}"
+                        f". Check that it serves adapters (SGLang: --enable-lora, --max-lora-rank >= lora_rank, "
+                        f"--lora-target-modules covering lora_target_modules), or use --lora_sync merged")
+        if moved > 3 * tolerance:
+            if trainer_rank() == 0:
+                print(f"LoRA: the servers follow the trainer's adapters (probe checked at version {version}: the "
+                      f"adapters moved the log-probs by {moved:.3g}, the servers are within "
+                      f"{metrics['lora/probe_server_gap']:.2g} of the trainer)", flush=True)
+            self.probe_ids = None
+        elif self.probe_checks >= PROBE_MAX_CHECKS:
+            if trainer_rank() == 0:
+                print(f"warning: LoRA: after {self.probe_checks} syncs the adapters still move the probe's log-probs "
+                      f"by only {moved:.3g} (< 3 x {tolerance:g}): whether the servers apply them could not be "
+                      f"told apart from agreement; raise lr or lora_alpha if they are meant to learn", file=sys.stderr)
+            self.probe_ids = None
+        self.probe_metrics = metrics
+        return metrics
+
+    def _sync_full(self, version, what: str, flush_cache: bool) -> float:
         if self.method == "tensor":
             return self._bounded(sync_weights_from_tensor(self.actor, self.client, version, self.tp_size, flush_cache),
                                  what)

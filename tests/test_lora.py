@@ -1,0 +1,367 @@
+"""LoRA (lib/lora.py, lib/lora_serving.py, docs/lora.md): the actor trains fp32 adapters on a frozen
+base, its checkpoints hold the adapters alone and resume exactly; lib's CPU server loads adapters by
+name (SGLang's /load_lora_adapter, /unload_lora_adapter, `lora_path` per request) and serves the
+trainer's log-probs with them; a request naming an adapter the server lacks is refused; a server
+that does not apply the trainer's adapter stops the run; and train_calc.py runs LoRA end to end.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+import torch
+
+from lib.actor import Actor
+from lib.async_rollout import BackgroundLoop
+from lib.client import InferenceClient, InferenceServerError
+from lib.lora import DEFAULT_TARGET_MODULES, lora_modules
+from lib.run import RunConfig, check_config
+from lib.tiny_model import build_tiny_model
+from lib.weight_sync import ServerIgnoresAdapter, ServerWeightSync
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEXTS = [f"Ilvan Moresk was born in Tarqua in {1800 + i}. Pem Varo founded the Ostrel Guild. "
+         f"<answer> {i} </answer>" for i in range(300)]
+ARCH = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+            num_attention_heads=4, num_key_value_heads=2)
+LORA = dict(lora_rank=4, lora_alpha=8.0, lora_target_modules=list(DEFAULT_TARGET_MODULES))
+TIMEOUT_S = 60
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(str(tmp_path_factory.mktemp("lora") / "model"), TEXTS, seed=0, **ARCH)
+
+
+def lora_actor(model_dir, **kw) -> Actor:
+    return Actor(model_dir, lr=1e-2, device="cpu", **{**LORA, **kw})
+
+
+def rows(ids: list[list[int]]) -> dict:
+    input_ids = torch.tensor(ids)
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "loss_mask": torch.ones_like(input_ids),
+            "logprobs": torch.zeros(input_ids.shape), "advantages": torch.tensor([1.0, -1.0])[:len(ids)]}
+
+
+def randomise_adapters(actor: Actor, seed: int):
+    """Adapters far from their B = 0 start, so that the adapted model differs from the base."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, module in lora_modules(actor.model):
+            for weight in (module.lora_A["default"].weight, module.lora_B["default"].weight):
+                weight.copy_(torch.randn(weight.shape, generator=g) * 0.3)
+
+
+BATCH = [[5, 17, 42, 8, 99, 3, 250, 7, 64, 11], [300, 2, 18, 77, 5, 41, 9, 120, 33, 6]]
+
+
+# --- the trainer ---
+
+def test_only_the_adapters_require_grad_and_they_are_fp32_over_a_bf16_base(model_dir):
+    actor = lora_actor(model_dir, dtype="bfloat16")
+    params = dict(actor.model.named_parameters())
+    adapters = {n: p for n, p in params.items() if ".lora_" in n}
+    assert len(adapters) == 2 * ARCH["num_hidden_layers"] * len(DEFAULT_TARGET_MODULES)  # A and B per module
+    assert all(p.requires_grad and p.dtype == torch.float32 for p in adapters.values())
+    assert all(not p.requires_grad and p.dtype == torch.bfloat16 for n, p in params.items() if n not in adapters)
+    assert actor.master_model is actor.model  # no fp32 copy of the base: the adapters are the masters
+    in_optimizer = {id(p) for group in actor.optimizer.param_groups for p in group["params"]}
+    assert in_optimizer == {id(p) for p in adapters.values()}
+    before = {n: p.detach().clone() for n, p in params.items()}
+    stats = actor.update(rows(BATCH))  # B = 0 at the start: only B gets a gradient
+    assert stats["grad_norm"] > 0 and stats["skipped"] == 0
+    changed = {n for n, p in params.items() if not torch.equal(p.detach(), before[n])}
+    assert changed and all(".lora_B." in n for n in changed)
+
+
+def test_lora_dropout_above_zero_is_refused(model_dir):
+    with pytest.raises(ValueError, match="lora_dropout must be 0"):
+        lora_actor(model_dir, lora_dropout=0.1)
+    with pytest.raises(ValueError, match="lora_dropout must be 0"):
+        check_config(RunConfig(lora_rank=8, lora_dropout=0.05))
+    check_config(RunConfig(lora_rank=8))
+
+
+def test_target_modules_that_match_nothing_are_refused(model_dir):
+    with pytest.raises(ValueError, match="match no linear module"):
+        lora_actor(model_dir, lora_target_modules=["not_a_module"])
+
+
+def test_the_merged_weights_give_the_adapted_models_logprobs(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from lib.logprobs import PolicyForward, compute_logprobs
+
+    actor = lora_actor(model_dir)
+    randomise_adapters(actor, seed=1)
+    merged = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    missing, unexpected = merged.load_state_dict(dict(actor.named_full_parameters()), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding
+    batch = rows(BATCH)
+    with torch.no_grad():
+        lp_merged = compute_logprobs(PolicyForward(merged), batch["input_ids"], batch["attention_mask"], 1.0)
+    lp_lora = actor.compute_logprobs(batch)
+    base = actor.probe_logprobs(BATCH[0], adapters=False)
+    assert (lp_lora[0, 1:] - base).abs().mean() > 0.05  # the adapters matter
+    assert torch.allclose(lp_merged, lp_lora, atol=1e-4)
+
+
+def test_packed_rows_and_gradient_checkpointing_train_the_adapters_as_padded_rows_do(model_dir):
+    padded, packed = lora_actor(model_dir), lora_actor(model_dir, packed=True, gradient_checkpointing=True)
+    for actor in (padded, packed):
+        randomise_adapters(actor, seed=3)
+    batch = rows([BATCH[0], BATCH[1][:6] + [0] * 4])
+    batch["attention_mask"][1, 6:] = 0
+    batch["loss_mask"] = batch["attention_mask"].clone()
+    assert torch.allclose(padded.compute_logprobs(batch), packed.compute_logprobs(batch), atol=1e-5)
+    stats = [actor.update(batch) for actor in (padded, packed)]
+    assert stats[0]["grad_norm"] > 0 and abs(stats[0]["grad_norm"] - stats[1]["grad_norm"]) < 1e-4 * stats[0]["grad_norm"]
+    assert torch.allclose(padded.compute_logprobs(batch), packed.compute_logprobs(batch), atol=1e-4)
+
+
+def test_the_kl_reference_of_lora_is_its_own_base_with_no_second_model(model_dir):
+    actor = lora_actor(model_dir, kl_coef=0.5, ref_model_path=model_dir)
+    assert actor.ref_policy is None
+    batch = rows(BATCH)
+    assert actor.update(dict(batch))["kl_ref"] == 0.0  # B = 0: the policy is its base
+    randomise_adapters(actor, seed=4)
+    base = actor.probe_logprobs(BATCH[0], adapters=False)
+    assert actor.update(dict(batch))["kl_ref"] > 0
+    assert torch.equal(actor.probe_logprobs(BATCH[0], adapters=False), base)  # the base never moves
+
+
+def test_a_lora_checkpoint_holds_the_adapters_alone_and_resumes_exactly(model_dir, tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    actor = lora_actor(model_dir)
+    batch = rows(BATCH)
+    actor.update(batch)
+    actor.save_checkpoint(str(tmp_path / "ckpt"), extra={"step": 1})
+    saved = {k for k in FileSystemReader(str(tmp_path / "ckpt")).read_metadata().state_dict_metadata
+             if k.startswith("model.")}
+    assert saved == {"model." + n for n, p in actor.model.named_parameters() if p.requires_grad}
+    resumed = lora_actor(model_dir)
+    assert resumed.load_checkpoint(str(tmp_path / "ckpt")) == {"step": 1}
+    for a in (actor, resumed):  # the same next step: adapters, AdamW moments and step count all came back
+        a.update(batch)
+    assert torch.equal(actor.compute_logprobs(batch), resumed.compute_logprobs(batch))
+
+
+# --- the CPU server ---
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log_path = tmp_path_factory.mktemp("lora_server_log") / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "lib.cpu_server", "--model-path", model_dir, "--port", str(port),
+                                 "--context-length", "256", "--num-threads", "1", "--log-level", "warning"],
+                                cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if requests.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"cpu_server did not come up; log:\n{open(log_path).read()[-3000:]}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def trained(model_dir, tmp_path_factory):
+    """A trainer whose adapters are far from zero, and its adapter directory."""
+    actor = lora_actor(model_dir)
+    randomise_adapters(actor, seed=2)
+    path = str(tmp_path_factory.mktemp("adapters") / "trained")
+    actor.save_adapter(path)
+    return actor, path
+
+
+def post(url, path, body):
+    return requests.post(url + path, json=body, timeout=TIMEOUT_S)
+
+
+def prompt_logprobs(url, input_ids, lora_path=None) -> torch.Tensor:
+    body = {"input_ids": input_ids, "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+    if lora_path is not None:
+        body["lora_path"] = lora_path
+    r = post(url, "/generate", body)
+    assert r.status_code == 200, r.text
+    return torch.tensor([row[0] for row in r.json()["meta_info"]["input_token_logprobs"][1:]])
+
+
+def test_a_loaded_adapter_serves_the_trainers_logprobs_and_unloads(server, trained):
+    actor, path = trained
+    r = post(server, "/load_lora_adapter", {"lora_name": "a", "lora_path": path})
+    assert r.status_code == 200 and r.json() == {"success": True, "error_message": "", "loaded_adapters": {"a": path}}
+    try:
+        served = prompt_logprobs(server, BATCH[0], "a")
+        assert (served - actor.probe_logprobs(BATCH[0])).abs().max() < 1e-4
+        base = prompt_logprobs(server, BATCH[0])  # no lora_path: the base model
+        assert (base - actor.probe_logprobs(BATCH[0], adapters=False)).abs().max() < 1e-4
+        assert (served - base).abs().mean() > 0.05
+        # one batch, one row with the adapter and one without: each row gets its own
+        body = {"input_ids": BATCH, "lora_path": ["a", None], "return_logprob": True, "logprob_start_len": 0,
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+        both = post(server, "/generate", body).json()
+        row = [torch.tensor([x[0] for x in b["meta_info"]["input_token_logprobs"][1:]]) for b in both]
+        assert (row[0] - actor.probe_logprobs(BATCH[0])).abs().max() < 1e-4
+        assert (row[1] - actor.probe_logprobs(BATCH[1], adapters=False)).abs().max() < 1e-4
+        again = post(server, "/load_lora_adapter", {"lora_name": "a", "lora_path": path})
+        assert again.status_code == 400 and "already loaded" in again.json()["error_message"]
+    finally:
+        r = post(server, "/unload_lora_adapter", {"lora_name": "a"})
+    assert r.status_code == 200 and r.json()["loaded_adapters"] == {}
+    gone = post(server, "/generate", {"input_ids": BATCH[0], "lora_path": "a", "sampling_params": {"max_new_tokens": 1}})
+    assert gone.status_code == 400 and "not loaded" in gone.json()["error"]["message"]
+    assert post(server, "/unload_lora_adapter", {"lora_name": "a"}).status_code == 400
+
+
+def test_a_generate_request_naming_an_unknown_adapter_gets_a_400(server):
+    r = post(server, "/generate", {"input_ids": BATCH[0], "lora_path": "policy-v99", "sampling_params": {"max_new_tokens": 1}})
+    assert r.status_code == 400 and "policy-v99" in r.json()["error"]["message"]
+    r = post(server, "/generate", {"input_ids": BATCH, "lora_path": ["x"], "sampling_params": {"max_new_tokens": 1}})
+    assert r.status_code == 400  # one name per input, or one for all
+
+
+def test_an_adapter_that_does_not_fit_the_model_is_refused_and_nothing_is_loaded(server, trained, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _, path = trained
+    assert post(server, "/load_lora_adapter", {"lora_name": "b", "lora_path": str(tmp_path)}).status_code == 400
+    tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text(open(os.path.join(path, "adapter_config.json")).read())
+    save_file({k: torch.cat([v, v]) if ".lora_B." in k else v for k, v in tensors.items()},
+              str(bad / "adapter_model.safetensors"))
+    r = post(server, "/load_lora_adapter", {"lora_name": "b", "lora_path": str(bad)})
+    assert r.status_code == 400 and r.json()["success"] is False and "b" not in r.json()["loaded_adapters"]
+    assert "the served model needs" in r.json()["error_message"]
+    config = json.loads(open(os.path.join(path, "adapter_config.json")).read())
+    (bad / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    r = post(server, "/load_lora_adapter", {"lora_name": "b", "lora_path": str(bad)})
+    assert r.status_code == 400 and "use_dora" in r.json()["error_message"]
+    assert requests.get(server + "/server_info", timeout=TIMEOUT_S).json()["loaded_lora_adapters"] == {}
+
+
+# --- weight sync: adapters by name, requests naming them, the probe ---
+
+def test_adapter_sync_names_the_adapter_in_every_request_and_the_probe_catches_a_server_that_ignores_it(
+        server, model_dir, tmp_path):
+    actor = lora_actor(model_dir)
+    bg = BackgroundLoop()
+    client = InferenceClient([server])
+    sync = ServerWeightSync("disk", actor, client, bg.run, num_servers=1, disk_dir=str(tmp_path), probe_ids=BATCH[0])
+    try:
+        for version in (1, 2, 3):
+            randomise_adapters(actor, seed=10 + version)
+            sync.sync(version)
+            assert client.lora_adapter == f"policy-v{version}"
+        info = bg.run(client.get_server_info())[0]["loaded_lora_adapters"]
+        assert sorted(info) == ["policy-v2", "policy-v3"]  # the two newest stay loaded
+        assert sorted(os.listdir(tmp_path)) == ["adapter-v2", "adapter-v3"]
+        metrics = sync.check_probe(3)  # the adapters moved the log-probs: one check decides
+        assert metrics["lora/probe_server_gap"] < 1e-4 and metrics["lora/probe_trainer_moved"] > 0.05
+        assert not sync.probe_due
+        # every request names the adapter: one the server lacks is refused, never served by another
+        out = bg.run(client.generate(BATCH[0], max_new_tokens=2, temperature=1.0))
+        assert len(out.output_ids) == 2
+        client.set_lora_adapter("policy-v4")
+        with pytest.raises(InferenceServerError, match="not loaded"):
+            bg.run(client.generate(BATCH[0], max_new_tokens=2, temperature=1.0))
+        # a server still on the adapter of version 3 while the trainer moved on: the probe stops the run
+        client.set_lora_adapter("policy-v3")
+        randomise_adapters(actor, seed=99)
+        sync.probe_ids = BATCH[0]
+        with pytest.raises(ServerIgnoresAdapter, match="does not apply LoRA adapter 'policy-v3'"):
+            sync.check_probe(4)
+    finally:
+        for name in ("policy-v2", "policy-v3"):
+            post(server, "/unload_lora_adapter", {"lora_name": name})
+        bg.run(client.close())
+        bg.close()
+
+
+def test_merged_sync_gives_a_server_without_adapters_the_adapted_weights(server, model_dir, tmp_path):
+    actor = lora_actor(model_dir)
+    randomise_adapters(actor, seed=5)
+    bg = BackgroundLoop()
+    client = InferenceClient([server])
+    sync = ServerWeightSync("disk", actor, client, bg.run, num_servers=1, disk_dir=str(tmp_path / "weights"),
+                            lora_sync="merged", probe_ids=BATCH[0])
+    try:
+        sync.sync(1)
+        assert client.lora_adapter is None  # full weights: requests name no adapter
+        assert "model.safetensors" in os.listdir(tmp_path / "weights")  # the merged full model, by weight_sync disk
+        metrics = sync.check_probe(1)
+        assert metrics["lora/probe_server_gap"] < 1e-4 and metrics["lora/probe_trainer_moved"] > 0.05
+    finally:
+        bg.run(client.update_weights_from_disk(model_dir))  # the module's server back on its base weights
+        bg.run(client.close())
+        bg.close()
+    assert (prompt_logprobs(server, BATCH[0]) - actor.probe_logprobs(BATCH[0], adapters=False)).abs().max() < 1e-4
+
+
+# --- end to end ---
+SMALL = ["--batch_size", "4", "--group_size", "4", "--max_turns", "3", "--max_new_tokens_per_turn", "16",
+         "--max_tokens", "128", "--eval_every", "0", "--test_size", "2", "--tensorboard", "False"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, 2])  # 2: torchrun, FSDP2 over gloo on CPU
+def test_two_lora_grpo_steps_of_train_calc_then_a_resume_with_trained_adapters(tmp_path, ranks):
+    run_dir = str(tmp_path / "run")
+    launcher = [sys.executable] + (["-m", "torch.distributed.run", "--nproc_per_node", "2"] if ranks > 1 else [])
+    shape = ["--batch_size", "3", "--group_size", "3", "--ppo_minibatches", "2"] if ranks > 1 else []
+    args = [*launcher, "train_calc.py", "--run_dir", run_dir, *SMALL, *shape, "--warm_start_steps", "2",
+            "--warm_start_batch_size", "2", "--lr", "1e-3", "--checkpoint_every", "1", "--lora_rank", "8"]
+    first = subprocess.run(args + ["--max_steps", "2"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    rows = [r for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if "rollout/reward" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:  # the adapter of each version served, the server's log-probs the trainer's (as full fine-tuning's)
+        assert r["logprob/server_trainer_abs_diff_max"] < 1e-3 and r["rollout/failed_groups"] == 0
+        assert r["lora/probe_server_gap"] < 1e-4
+    adapter_dir = os.path.join(run_dir, "weights", "adapter-v2")
+    assert sorted(os.listdir(adapter_dir)) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert os.path.exists(os.path.join(run_dir, "final", "model.safetensors"))  # the merged model, for any server
+    checkpoint = os.path.join(run_dir, "checkpoints", "latest")
+    assert sum(os.path.getsize(os.path.join(checkpoint, f)) for f in os.listdir(checkpoint)) < 4e6  # the model is 17 MB
+
+    # A 2-step run on a barely warm-started model has all-equal rewards, so its adapters stay at B = 0. Give the
+    # checkpoint adapters far from zero, so that the resumed run's server must apply them to agree with the trainer.
+    base = json.load(open(os.path.join(adapter_dir, "adapter_config.json")))["base_model_name_or_path"]
+    actor = Actor(base, device="cpu", lora_rank=8, lora_alpha=32.0, lora_target_modules=list(DEFAULT_TARGET_MODULES))
+    extra = actor.load_checkpoint(checkpoint)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, module in lora_modules(actor.model):
+            module.lora_B["default"].weight.copy_(torch.randn(module.lora_B["default"].weight.shape, generator=g) * 0.02)
+    actor.save_checkpoint(checkpoint, extra=extra)
+    moved = (actor.probe_logprobs(BATCH[0]) - actor.probe_logprobs(BATCH[0], adapters=False)).abs().mean()
+    assert moved > 0.05
+
+    second = subprocess.run(args + ["--max_steps", "3", "--resume", "True"], cwd=REPO, capture_output=True, text=True,
+                            timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from step 2 (policy version 2" in second.stdout
+    assert "LoRA: the servers follow the trainer's adapters (probe checked at version 2" in second.stdout
+    rows = [r for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if "rollout/reward" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[-1]["logprob/server_trainer_abs_diff_max"] < 1e-3  # sampled under the resumed, non-zero adapters
