@@ -200,7 +200,7 @@ def warm_started_model(cfg: Config, base: str, embedded: bool) -> str:
     return warm_start_stages("agent-warm-start", base, lambda tokenizer, direct_frac=0.0: build_demonstrations(
         tokenizer, cfg, items, direct_frac), steps=steps, lr=lr, batch_size=cfg.warm_start_batch_size, seed=cfg.seed,
         direct_steps=cfg.warm_start_direct_steps, direct_lr=cfg.warm_start_direct_lr,
-        direct_frac=cfg.warm_start_direct_frac, what_direct="warm start, stage 2 (some answers without worked steps)")
+        direct_frac=cfg.warm_start_direct_frac, what_direct="warm start, stage 2 of 2 (some answers without worked steps)")
 
 
 # --- data ---

@@ -374,7 +374,7 @@ def warm_started_model(cfg: Config, base: str, embedded: bool) -> str:
                              batch_size=cfg.warm_start_batch_size, seed=cfg.seed,
                              direct_steps=cfg.warm_start_direct_steps, direct_lr=cfg.warm_start_direct_lr,
                              direct_frac=cfg.warm_start_direct_frac,
-                             what_direct="warm start, stage 2 (some answers without worked steps)")
+                             what_direct="warm start, stage 2 of 2 (some answers without worked steps)")
 
 
 # --- the run: lib's plumbing with this task's pieces ---

@@ -490,7 +490,7 @@ def warm_started_model(cfg: Config, base: str, data_dir: str, embedded: bool) ->
                              batch_size=cfg.warm_start_batch_size, seed=cfg.seed,
                              direct_steps=cfg.warm_start_direct_steps, direct_lr=cfg.warm_start_direct_lr,
                              direct_frac=cfg.warm_start_direct_frac,
-                             what_direct="warm start, stage 2 (some answers without searching)")
+                             what_direct="warm start, stage 2 of 2 (some answers without searching)")
 
 
 # --- the run: lib's plumbing with this task's pieces ---
@@ -509,12 +509,15 @@ def setup(cfg: Config) -> Run:
     try:
         retrieval_addr = cfg.retrieval_addr.rstrip("/")
         if run.is_main and not retrieval_addr:
+            t0 = time.time()
+            run.say("retrieval server: indexing the corpus (BM25) and starting")
             corpus = os.path.join(data_dir, "corpus.jsonl")
             retrieval = launch_retrieval_server(corpus, log_path=os.path.join(cfg.run_dir, "retrieval.log"))
             retrieval_addr, port = retrieval.address, int(retrieval.address.rsplit(":", 1)[1])
             supervisor = Supervisor("retrieval server", retrieval, lambda: launch_retrieval_server(
                 corpus, port=port, log_path=os.path.join(cfg.run_dir, f"retrieval.restart{supervisor.restarts + 1}.log")))
             run.supervisors.append(supervisor)
+            run.say(f"retrieval server ready at {retrieval_addr}", t0)
         if run.is_main:
             async def new_session():  # aiohttp sessions belong to the loop they are made in
                 return aiohttp.ClientSession()

@@ -266,10 +266,18 @@ class Run:
     evaluate: Callable = None  # (items) -> (episodes, metrics)
     closers: list = field(default_factory=list)  # the script's own resources: callables, closed first, last first
     task: dict = field(default_factory=dict)  # what else the task keeps for the run (a tool server's address, ...)
+    started_s: float = field(default_factory=time.time)  # when open_run began: start-up lines say how long since
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def say(self, what: str, since_s: float | None = None):
+        """A start-up line (rank 0): what is happening or done, and the time since the run began, so a
+        first run's wait (data, model, warm start, servers) names each of its phases."""
+        if self.is_main:
+            took = f" in {time.time() - since_s:.1f} s" if since_s is not None else ""
+            print(f"[start-up {time.time() - self.started_s:6.1f} s] {what}{took}", flush=True)
 
 
 # --- set-up and tear-down ---
@@ -304,9 +312,15 @@ def _open(run: Run, build_model, load_splits, tokenizer_texts):
     if not is_main:
         dist.barrier()  # rank 0 builds the cache first; the others then find it there
     # a known name is built once and cached; then the warm start (cached too), if the run has one
+    t0 = time.time()
+    run.say(f"model: {cfg.model_path or 'the embedded tiny model (its data, tokenizer and weights are built once, cached)'}")
     base = resolve_model_path(cfg.model_path) or default_tiny_model_dir(
         extra_texts=tokenizer_texts() if tokenizer_texts else None)
+    run.say(f"model ready: {base}", t0)
+    t0 = time.time()
     run.model_path = build_model(base, not cfg.model_path)
+    if run.model_path != base:
+        run.say(f"warm start ready: {run.model_path}", t0)
     if is_main and run.world_size > 1:
         dist.barrier()
     run.tokenizer = AutoTokenizer.from_pretrained(run.model_path)
@@ -327,6 +341,9 @@ def _open(run: Run, build_model, load_splits, tokenizer_texts):
                          f"lora_rank {cfg.lora_rank}: resume with --lora_rank {saved_rank}, or start a new run_dir")
     sampling_seed = server_seed(cfg.seed, resume_extra["step"] if resume_extra else 0)
     addrs = []
+    t0 = time.time()
+    if is_main and cfg.server != "external":
+        run.say(f"inference server: starting {'SGLang' if cfg.server == 'sglang' else 'the CPU server'}")
     if is_main and cfg.server == "external":
         addrs = list(cfg.server_addrs)
     elif is_main and cfg.server == "sglang":
@@ -346,6 +363,8 @@ def _open(run: Run, build_model, load_splits, tokenizer_texts):
                                    random_seed=sampling_seed, log_path=os.path.join(cfg.run_dir, "cpu_server.log"))
         run.supervisors.append(Supervisor("inference server", server))
         addrs = [server.address]
+    if is_main and cfg.server != "external":
+        run.say(f"inference server ready at {', '.join(addrs)}", t0)
 
     # Every client call runs on one event loop in a background thread, so in async mode the
     # trainer (this thread) can update while episodes run.
@@ -441,6 +460,7 @@ def start_training(run: Run):
     the middle of a rollout (0.1-0.3 s each)."""
     cfg = run.cfg
     gc.freeze()
+    run.say("set up: the GRPO loop starts" + (" (after the step-0 evaluation)" if run.step == 0 and cfg.eval_every else ""))
     if run.is_main and run.step == 0 and cfg.eval_every:
         print(f"step 0 dev: {run_evaluation(run, 'eval', run.dev_items)}")
     if run.is_main and run.step == 0 and cfg.test_at_start:

@@ -101,3 +101,75 @@ def test_micro_batches_give_the_gradient_of_one_pass():
     assert abs(losses[0] - losses[1]) < 1e-5 and grads[0].keys() == grads[1].keys() and grads[0]
     for name, grad in grads[0].items():
         assert torch.allclose(grad, grads[1][name], rtol=1e-4, atol=1e-7), name
+
+
+def _tiny_batch(tokenizer):
+    texts = ["3 + 4 = 7", "12 apples and 30 pears make 42 fruit", "#### 5", "a longer line of text " * 6, "1 2"]
+    return [{"input_ids": ids, "loss_mask": [0] * 2 + [1] * (len(ids) - 2)}
+            for ids in (tokenizer(t, add_special_tokens=False)["input_ids"] + [2] for t in texts)]
+
+
+def test_rows_grouped_by_length_give_the_gradient_of_rows_in_the_order_drawn():
+    """Grouping rows of like length into micro-batches pads less; the summed gradient is the same."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lib.warm_start import accumulate_gradients
+
+    base = default_tiny_model_dir()
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    batch = _tiny_batch(tokenizer)
+    grads, losses = [], []
+    for grouped in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        losses.append(accumulate_gradients(model, batch, tokenizer.pad_token_id, "cpu", 40, group_by_length=grouped))
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert abs(losses[0] - losses[1]) < 1e-5 and grads[0]
+    for name, grad in grads[0].items():
+        assert torch.allclose(grad, grads[1][name], rtol=1e-4, atol=1e-7), name
+
+
+def test_bf16_precision_keeps_fp32_weights_and_gradients_near_fp32s():
+    """CPU autocast to bfloat16 runs the matmuls in bf16; the weights, their gradients and the
+    optimizer stay fp32, and the loss and gradient are those of fp32 up to bf16's rounding."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lib.warm_start import accumulate_gradients
+
+    base = default_tiny_model_dir()
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    batch = _tiny_batch(tokenizer)
+    out = {}
+    for precision in ("fp32", "bf16"):
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        loss = accumulate_gradients(model, batch, tokenizer.pad_token_id, "cpu", 100_000, precision=precision)
+        grad = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        assert {p.dtype for p in model.parameters()} == {torch.float32} and grad.dtype == torch.float32
+        out[precision] = (loss, grad)
+    assert abs(out["fp32"][0] - out["bf16"][0]) < 0.02 * out["fp32"][0]
+    cosine = torch.nn.functional.cosine_similarity(out["fp32"][1], out["bf16"][1], dim=0)
+    assert cosine > 0.99 and not torch.equal(out["fp32"][1], out["bf16"][1])  # near, and really bf16
+
+
+def test_precision_is_fp32_on_gpus_and_part_of_the_cache_key(tmp_path, monkeypatch):
+    import lib.warm_start as ws
+
+    assert ws.sft_precision("cuda") == "fp32" and ws.sft_precision("cpu") in ("fp32", "bf16")
+    monkeypatch.setenv("AGENTRL_CACHE", str(tmp_path))
+    demos = lambda tokenizer: [{"input_ids": [5, 6, 7, 2], "loss_mask": [1, 1, 1, 1]}] * 2  # noqa: E731
+    trained = []
+    monkeypatch.setattr(ws, "sft_warm_start", lambda base, examples, out, **kw: trained.append(kw["precision"])
+                        or os.makedirs(out))
+    outs = {}
+    for precision in ("fp32", "bf16"):
+        monkeypatch.setattr(ws, "sft_precision", lambda device, p=precision: p)
+        outs[precision] = ws.warm_start("key-test", default_tiny_model_dir(), demos, steps=2, lr=1e-3, batch_size=2)
+    assert outs["fp32"] != outs["bf16"] and trained == ["fp32", "bf16"]
+    try:
+        ws._train(default_tiny_model_dir(), demos(None), str(tmp_path / "x"), steps=1, lr=1e-3, batch_size=1,
+                  warmup_steps=1, seed=0, num_threads=None, device="cpu", callback=None, callback_every=0,
+                  precision="fp16")
+        raise AssertionError("fp16 accepted")
+    except ValueError as e:
+        assert "precision" in str(e)
