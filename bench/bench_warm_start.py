@@ -7,9 +7,11 @@ prints a table (median ms a step after warm-up, padded and real tokens a step, s
 
     python bench/bench_warm_start.py --task search        # or --task reflect
 
-Variants: `fp32_unsorted` (the step before 2026-11-28: rows micro-batched in the order drawn),
-`fp32` (rows grouped by length first: less padding), `bf16` (the same under CPU bfloat16 autocast,
-what `lib.warm_start.sft_precision` picks on a CPU with native bf16).
+Variants, NAME or NAME_TOKENS (micro-batches of at most TOKENS padded tokens, default 2048):
+`unsorted` (rows micro-batched in the order drawn: the step before 2026-11-28), `sorted` (grouped
+by length first: less padding; lib's step, at 1,024 tokens on a CPU), `bf16` (sorted, under CPU
+bfloat16 autocast: faster where the CPU has native bf16, but it cost the tiny model its copying,
+docs/benchmarks.md, so lib does not use it).
 """
 import os
 import random
@@ -39,18 +41,18 @@ def _examples(task: str, tokenizer) -> tuple[list[dict], int]:
     return train_reflect.build_demonstrations(tokenizer, cfg, items, reflection_ids), cfg.warm_start_batch_size
 
 
-def main(task: str = "search", steps: int = 12, warmup: int = 3, variants: str = "fp32_unsorted,fp32,bf16",
+def main(task: str = "search", steps: int = 12, warmup: int = 3,
+         variants: str = "unsorted_2048,sorted_2048,sorted_1024,bf16_1024",
          seed: int = 0):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from lib.tiny_model import default_tiny_model_dir
-    from lib.warm_start import _micro_batches, accumulate_gradients, sft_precision
+    from lib.warm_start import _micro_batches, accumulate_gradients
 
     base = default_tiny_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(base)
     examples, batch_size = _examples(task, tokenizer)
-    print(f"{task}: {len(examples)} demonstrations, batch {batch_size}, {torch.get_num_threads()} threads, "
-          f"sft_precision on this CPU: {sft_precision('cpu')}", flush=True)
+    print(f"{task}: {len(examples)} demonstrations, batch {batch_size}, {torch.get_num_threads()} threads", flush=True)
     rows = []
     for name in (variants.split(",") if isinstance(variants, str) else variants):
         torch.manual_seed(seed)
@@ -58,18 +60,19 @@ def main(task: str = "search", steps: int = 12, warmup: int = 3, variants: str =
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
         model.train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        sort = name != "fp32_unsorted"
+        kind, _, budget = name.partition("_")
+        budget, sort = int(budget or 2048), kind != "unsorted"
         times, padded, real = [], 0, 0
         for i in range(warmup + steps):
             batch = [examples[rng.randrange(len(examples))] for _ in range(batch_size)]
             start = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
-            loss = accumulate_gradients(model, batch, tokenizer.pad_token_id or 0, "cpu", 2048,
-                                        precision="bf16" if name == "bf16" else "fp32", group_by_length=sort)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind == "bf16"):
+                loss = accumulate_gradients(model, batch, tokenizer.pad_token_id or 0, "cpu", budget, group_by_length=sort)
             optimizer.step()
             if i >= warmup:
                 times.append(time.perf_counter() - start)
-                groups = _micro_batches(sorted(batch, key=lambda ex: len(ex["input_ids"])) if sort else batch, 2048)
+                groups = _micro_batches(sorted(batch, key=lambda ex: len(ex["input_ids"])) if sort else batch, budget)
                 padded += sum(len(g) * max(len(ex["input_ids"]) for ex in g) for g in groups)
                 real += sum(len(ex["input_ids"]) for ex in batch)
         rows.append((name, statistics.median(times), padded / steps, real / steps, loss))

@@ -77,19 +77,17 @@ def warm_start(name: str, base_model_dir: str, build_examples, *, steps: int, lr
     t0 = time.time()
     print(f"{what}: building the demonstrations with {base_model_dir}'s tokenizer", flush=True)
     examples = build_examples(AutoTokenizer.from_pretrained(base_model_dir))
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    precision = sft_precision(device)
     key = {"base": base_model_dir, "steps": steps, "lr": lr, "batch": batch_size, "seed": seed,
-           "warmup": warmup_steps, "examples": examples_digest(examples), "precision": precision}
+           "warmup": warmup_steps, "examples": examples_digest(examples)}
     out = warm_start_dir(name, key)
     if os.path.isdir(out):
         print(f"{what}: {out} (cached)", flush=True)
         return out
     tokens = sum(sum(ex["loss_mask"]) for ex in examples)
     print(f"{what}: {len(examples)} demonstrations ({tokens} trained tokens), {steps} SFT steps, lr {lr:g}, "
-          f"batch {batch_size}, on {device} in {precision}", flush=True)
+          f"batch {batch_size}", flush=True)
     sft_warm_start(base_model_dir, examples, out, steps=steps, lr=lr, batch_size=batch_size,
-                   warmup_steps=warmup_steps, seed=seed, device=device, precision=precision, what=what)
+                   warmup_steps=warmup_steps, seed=seed, what=what)
     print(f"{what} built in {time.time() - t0:.0f} s: {out}", flush=True)
     return out
 
@@ -136,19 +134,18 @@ def sft_warm_start(
     device: str | None = None,
     callback=None,
     callback_every: int = 0,
-    precision: str | None = None,
     what: str = "warm start (SFT)",
 ) -> str:
     """Train `base_model_dir` on `examples` ({"input_ids": [...], "loss_mask": [...]}) and save the
     result (model + tokenizer, HF format) to `out_dir`. Returns `out_dir`; reuses it if present.
     `callback(step, model, tokenizer)` runs every `callback_every` steps (learning curves in bench/).
     `device`: None = cuda when there is one (a GPU box builds the embedded default in about a minute).
-    `precision`: "fp32" or "bf16" (CPU autocast); None = `sft_precision(device)`. `what` names the progress bar."""
+    `what` names the progress bar."""
     # built once, like every cached directory: a second process asking for it waits, then reuses it
     return build_once(out_dir, lambda tmp: _train(
         base_model_dir, examples, tmp, steps=steps, lr=lr, batch_size=batch_size, warmup_steps=warmup_steps,
         seed=seed, num_threads=num_threads, device=device, callback=callback, callback_every=callback_every,
-        precision=precision, what=what))
+        what=what))
 
 
 def _micro_batches(rows: list[dict], max_tokens: int) -> list[list[dict]]:
@@ -162,26 +159,12 @@ def _micro_batches(rows: list[dict], max_tokens: int) -> list[list[dict]]:
     return groups + [current]
 
 
-def sft_precision(device) -> str:
-    """What the SFT's forward and backward compute in: "bf16" (autocast, the weights and the optimizer
-    stay fp32) on a CPU with native bfloat16 arithmetic (AVX512-BF16 or AMX), where it runs the tiny
-    model's steps 1.75x faster (bench/bench_warm_start.py); "fp32" elsewhere, and on GPUs, where the
-    warm start already takes about a minute. Part of the cache key: the weights differ."""
-    if str(device).startswith("cuda"):
-        return "fp32"
-    try:
-        native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    except (AttributeError, RuntimeError):  # an older or leaner torch build: no fast bf16 to use
-        native = False
-    return "bf16" if native else "fp32"
-
-
 def accumulate_gradients(model, batch: list[dict], pad_id: int, device, tokens_per_mb: int,
-                         precision: str = "fp32", group_by_length: bool = True) -> float:
+                         group_by_length: bool = True) -> float:
     """Backward of the SFT loss of `batch` (mean NLL over its trained tokens), in micro-batches of at
     most `tokens_per_mb` padded tokens whose gradients add up to the one-pass gradient. Returns the loss.
-    Rows are grouped by length first (the sum is the same; rows of like length pad less: 1.2x faster
-    on the search demonstrations); `precision` "bf16" runs the model under CPU autocast."""
+    Rows are grouped by length first: the sum is the same, and rows of like length pad less
+    (bench/bench_warm_start.py)."""
     num_targets = max(1, sum(sum(ex["loss_mask"][1:]) for ex in batch))
     loss = 0.0
     if group_by_length:
@@ -197,8 +180,7 @@ def accumulate_gradients(model, batch: list[dict], pad_id: int, device, tokens_p
             loss_mask[i, :n] = torch.tensor(ex["loss_mask"], dtype=torch.float32)
             attention_mask[i, :n] = 1
         input_ids, loss_mask, attention_mask = input_ids.to(device), loss_mask.to(device), attention_mask.to(device)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
         nll = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.size(-1)), input_ids[:, 1:].reshape(-1), reduction="none"
         ).view(len(rows), max_len - 1)
@@ -209,7 +191,7 @@ def accumulate_gradients(model, batch: list[dict], pad_id: int, device, tokens_p
 
 
 def _train(base_model_dir, examples, out_dir, *, steps, lr, batch_size, warmup_steps, seed, num_threads, device,
-           callback, callback_every, max_tokens_per_mb=None, precision=None, what="warm start (SFT)"):
+           callback, callback_every, max_tokens_per_mb=None, what="warm start (SFT)"):
     """The SFT itself; the model, tokenizer and warm_start.json are written into `out_dir`."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -219,9 +201,6 @@ def _train(base_model_dir, examples, out_dir, *, steps, lr, batch_size, warmup_s
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if num_threads:
         torch.set_num_threads(num_threads)
-    precision = precision or sft_precision(device)
-    if precision not in ("fp32", "bf16") or (precision == "bf16" and str(device).startswith("cuda")):
-        raise ValueError(f"SFT precision must be 'fp32', or 'bf16' on a CPU, got {precision!r} on {device}")
     torch.manual_seed(seed)
     rng = random.Random(seed)
     # trained in fp32, saved in the base's own dtype (a bf16 release stays bf16 for the server and trainer)
@@ -244,12 +223,13 @@ def _train(base_model_dir, examples, out_dir, *, steps, lr, batch_size, warmup_s
     # Rows go through the model in micro-batches of at most this many (padded) tokens, their gradients
     # summed: the activations of 16 rows of 700 tokens of a 135M model take over 20 GB in fp32, more
     # than a laptop has. The loss is normalised by the whole batch's trained tokens, as in one pass.
-    tokens_per_mb = max_tokens_per_mb or (16384 if str(device).startswith("cuda") else 2048)
+    # On a CPU small ones are also faster (their activations stay in cache; bench/bench_warm_start.py).
+    tokens_per_mb = max_tokens_per_mb or (16384 if str(device).startswith("cuda") else 1024)
     progress = tqdm(range(steps), desc=what, mininterval=5)
     for step in progress:
         batch = [examples[rng.randrange(len(examples))] for _ in range(batch_size)]
         optimizer.zero_grad(set_to_none=True)
-        loss = accumulate_gradients(model, batch, pad_id, device, tokens_per_mb, precision)
+        loss = accumulate_gradients(model, batch, pad_id, device, tokens_per_mb)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
@@ -266,4 +246,4 @@ def _train(base_model_dir, examples, out_dir, *, steps, lr, batch_size, warmup_s
     tokenizer.save_pretrained(out_dir)
     with open(os.path.join(out_dir, "warm_start.json"), "w") as f:
         json.dump({"base": base_model_dir, "steps": steps, "lr": lr, "batch_size": batch_size, "final_loss": loss,
-                   "num_examples": len(examples), "precision": precision}, f)
+                   "num_examples": len(examples)}, f)
