@@ -304,8 +304,6 @@ def _open(run: Run, build_model, load_splits, tokenizer_texts):
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    if cfg.trainer_threads:
-        torch.set_num_threads(cfg.trainer_threads)
     os.makedirs(cfg.run_dir, exist_ok=True)
     from transformers import AutoTokenizer
 
@@ -321,6 +319,10 @@ def _open(run: Run, build_model, load_splits, tokenizer_texts):
     run.model_path = build_model(base, not cfg.model_path)
     if run.model_path != base:
         run.say(f"warm start ready: {run.model_path}", t0)
+    # Only now: the warm start runs before any server shares the machine, on every core (on 2 cores
+    # with trainer_threads 1 it took 1.7x as long)
+    if cfg.trainer_threads:
+        torch.set_num_threads(cfg.trainer_threads)
     if is_main and run.world_size > 1:
         dist.barrier()
     run.tokenizer = AutoTokenizer.from_pretrained(run.model_path)

@@ -6,10 +6,8 @@ that does not apply the trainer's adapter stops the run; and train_calc.py runs 
 """
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import requests
@@ -155,30 +153,14 @@ def test_a_lora_checkpoint_holds_the_adapters_alone_and_resumes_exactly(model_di
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from lib.launch import launch_cpu_server
+
     log_path = tmp_path_factory.mktemp("lora_server_log") / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "lib.cpu_server", "--model-path", model_dir, "--port", str(port),
-                                 "--context-length", "256", "--num-threads", "1", "--log-level", "warning"],
-                                cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    server = launch_cpu_server(model_dir, context_length=256, num_threads=1, log_path=str(log_path), timeout_s=120)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if requests.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"cpu_server did not come up; log:\n{open(log_path).read()[-3000:]}")
-            time.sleep(0.2)
-        yield url
+        yield server.address
     finally:
-        proc.kill()
-        proc.wait()
+        server.terminate()
 
 
 @pytest.fixture(scope="module")
