@@ -42,3 +42,28 @@ def test_the_final_weights_are_saved_before_the_test_evaluation(tmp_path, monkey
     run = lib.run.Run(RunConfig(run_dir=str(tmp_path)), actor=actor, test_items=[])
     finish_training(run)
     assert order == [("save", "final"), ("test", "test")]
+
+
+def test_the_warm_start_runs_on_every_core_and_trainer_threads_apply_after_it(tmp_path, monkeypatch):
+    # trainer_threads leaves cores to a server beside the trainer; the warm start runs before any server.
+    import torch
+
+    from lib.tiny_model import default_tiny_model_dir
+
+    class Stop(Exception):
+        pass
+
+    seen = {}
+
+    def build_model(base, embedded):
+        seen["threads"] = torch.get_num_threads()
+        raise Stop
+
+    cores = torch.get_num_threads()
+    cfg = RunConfig(run_dir=str(tmp_path), model_path=default_tiny_model_dir(), trainer_threads=1)
+    try:
+        with pytest.raises(Stop):
+            lib.run.open_run(cfg, build_model, lambda: {})
+        assert seen["threads"] == cores
+    finally:
+        torch.set_num_threads(cores)
