@@ -385,6 +385,15 @@ def check_tool_failures(cfg: Config, recent_tool_calls: collections.deque, episo
             f"{retrieval_addr} (retrieval*.log in {cfg.run_dir}), or raise max_tool_failure_rate")
 
 
+# --- data ---
+def bundled_data_dir(cfg: Config, seed: int = 0, names_seed: int | None = None) -> str:
+    """The bundled encyclopedia (lib/wiki_data.py; a world of `seed`, the names of `names_seed`'s), its
+    questions of `cfg.bundled_hops`: the training world and the warm start's worlds alike."""
+    from lib.wiki_data import default_wiki_dir, parse_hops
+
+    return default_wiki_dir(seed=seed, names_seed=names_seed, hops=parse_hops(cfg.bundled_hops))
+
+
 # --- warm start ---
 def build_demonstrations(tokenizer, cfg: Config, items: list[dict], corpus_path: str,
                          loss_on_tool_tokens: bool = True, direct_frac: float = 0.0, seed: int = 0) -> list[dict]:
@@ -457,12 +466,12 @@ def warm_start_examples(tokenizer, cfg: Config, data_dir: str, direct_frac: floa
     counterfactual worlds (lib/wiki_data: the same names, other facts: the model learns to read
     answers from search results on the very tokens it meets in training, and cannot memorise
     them), plus the training world's corpus as language-model text if `warm_start_corpus_lm`."""
-    from lib.wiki_data import SPLITS, default_wiki_dir, parse_hops
+    from lib.wiki_data import SPLITS
 
     examples = build_demonstrations(tokenizer, cfg, read_qa(os.path.join(data_dir, "warmstart.jsonl")),
                                     os.path.join(data_dir, "corpus.jsonl"), loss_on_tool_tokens, direct_frac, cfg.seed)
     for seed in range(1, cfg.warm_start_worlds + 1):
-        world = default_wiki_dir(seed=seed, names_seed=0, hops=parse_hops(cfg.bundled_hops))
+        world = bundled_data_dir(cfg, seed=seed, names_seed=0)
         items = [q for split in SPLITS for q in read_qa(os.path.join(world, f"{split}.jsonl"))]
         examples += build_demonstrations(tokenizer, cfg, items, os.path.join(world, "corpus.jsonl"),
                                          loss_on_tool_tokens, direct_frac, cfg.seed + seed)
@@ -476,10 +485,9 @@ def warm_started_model(cfg: Config, base: str, data_dir: str, embedded: bool) ->
     with warm_start_steps 0. The demonstrations come from `data_dir`'s warm-start split, else the
     bundled encyclopedia's. The no-tool baseline's demonstrations all answer from memory."""
     from lib.warm_start import steps_and_lr, warm_start_stages
-    from lib.wiki_data import default_wiki_dir, parse_hops
 
     if not os.path.exists(os.path.join(data_dir, "warmstart.jsonl")):
-        data_dir = default_wiki_dir(seed=0, hops=parse_hops(cfg.bundled_hops))
+        data_dir = bundled_data_dir(cfg)
     steps, lr = steps_and_lr(cfg.warm_start_steps, cfg.warm_start_lr, embedded, embedded_steps=1200)
 
     def examples(tokenizer, direct_frac=0.0):
@@ -499,11 +507,10 @@ def setup(cfg: Config) -> Run:
     retrieval server (supervised: it holds no state, so it is restarted on its address when it dies),
     the session of its tool calls and its rollouts, bound to them."""
     from lib.retrieval import launch_retrieval_server
-    from lib.wiki_data import default_wiki_dir, parse_hops
 
     if cfg.reward not in ("f1", "em"):
         raise ValueError(f"reward must be 'f1' or 'em', got {cfg.reward!r}")
-    data_dir = cfg.data_dir or default_wiki_dir(seed=0, hops=parse_hops(cfg.bundled_hops))  # the bundled encyclopedia by default
+    data_dir = cfg.data_dir or bundled_data_dir(cfg)
     splits = lambda: {split: read_qa(os.path.join(data_dir, f"{split}.jsonl")) for split in ("train", "dev", "test")}  # noqa: E731
     run = open_run(cfg, lambda base, embedded: warm_started_model(cfg, base, data_dir, embedded), splits)
     try:
