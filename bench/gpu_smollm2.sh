@@ -20,6 +20,14 @@
 #   async    (after kit and part, instead of learn) join + build as learn does, then: agentrl vs TRL
 #            single turn ($STEPS), bench/check_prefix_cache.py, and train_reflect async vs sync on
 #            SmolLM2 ($ASTEPS steps each, stale drops and steps/s), each lane on its own GPU
+#   lora     (after kit and part, instead of learn) join + build, then LoRA rank 8 and 32 against full
+#            fine-tuning on calc (GPU 0) and reflect (GPU 1), 2 seeds each, the shipped configs with lr x10
+#            for LoRA; the six runs of a task share its GPU (SGLang's static pool 0.12 of what is free at
+#            each start, starts $STAGGER s apart so that no server sizes its pool while another is starting)
+#   shapes   (after lora, or after kit with the bundled data built) LoRA rank 32 at Qwen2.5 shapes on one
+#            GPU each (random weights, bench/make_random_model.py): train_reflect.py with the 1.5B recipe's
+#            settings, SGLang beside the trainer; GPU 0: 1.5B full fine-tuning, 1.5B LoRA, 7B LoRA; GPU 1:
+#            14B LoRA (static split), 32B LoRA (sleep mode); the GPU's memory polled every second
 #   wait S   sleep up to S seconds while runs go on, printing their progress
 #   collect  the runs' metrics, logs, traces (heads) and the TRL result into $OUT/smollm2_runs.tgz
 # One run per GPU (two SGLang servers on one GPU trip SGLang's memory check); with fewer GPUs
@@ -51,6 +59,15 @@ run() {  # name script args...: a training command line, logged to $R/name.log, 
   local name=$1 script=$2; shift 2
   echo "s=\$(date +%s); python3 $script --run_dir $R/$name --tensorboard False $* > $R/$name.log 2>&1; echo \"$name rc=\$? wall_s=\$(( \$(date +%s) - s ))\" >> $R/done.txt"
 }
+side_by_side() {  # GPU, then commands run at once on that GPU, each started $STAGGER s after the one before
+  local gpu=$1 i=0; shift
+  for c in "$@"; do
+    echo -e "export CUDA_VISIBLE_DEVICES=$gpu\nsleep $(( i * ${STAGGER:-20} ))\n$c" > $R/lane${gpu}_$i.sh
+    setsid nohup bash $R/lane${gpu}_$i.sh > $R/lane${gpu}_$i.log 2>&1 < /dev/null &
+    i=$((i + 1))
+  done
+  ts "GPU $gpu: $i runs side by side"
+}
 ngpu() { nvidia-smi --query-gpu=index --format=csv,noheader | wc -l; }
 single_turn_runs() {  # $ours and $trl: the same single-turn task (train_reflect's first attempt, max_turns 1,
   # its prompt in SmolLM2's chat template, its reward; batch x group, lengths, lr, clip as in the config)
@@ -72,7 +89,7 @@ kit)
 part)
   mkdir -p /tmp/parts && cp .gp1/part_* /tmp/parts/ && ls -la /tmp/parts && ts "part kept"
   ;;
-learn|async|tools|large|hard)
+learn|async|tools|large|hard|lora)
   [ -f /tmp/parts/part_aa ] || { echo "no /tmp/parts/part_aa: the machine went back; carry .kit+.whl, then .gp1 again"; exit 1; }
   cp .gp2/part_* /tmp/parts/ && cat /tmp/parts/part_* > /tmp/model.gguf && ls -la /tmp/model.gguf
   env_kit
@@ -90,6 +107,22 @@ learn|async|tools|large|hard)
     if [ "$(ngpu)" -ge 4 ]; then lane 0 "${hard0[@]}"; lane 1 "${hard1[@]}"; lane 2 "$light0"; lane 3 "$light1"
     elif [ "$(ngpu)" -ge 2 ]; then lane 0 "${hard0[@]}"; lane 1 "${hard1[@]}"
     else lane 0 "${hard0[0]}" "${hard1[0]}" "${hard0[1]}" "${hard1[1]}"; fi
+    exit 0
+  fi
+  if [ "$1" = lora ]; then  # LoRA against full fine-tuning: the shipped configs, LoRA at 10x the lr
+    C="--config configs/calc_smollm2.yaml --mem_fraction_static 0.12"
+    F="--config configs/reflect_smollm2.yaml --mem_fraction_static 0.12"
+    calc=(); refl=()
+    for seed in 0 1; do
+      calc+=("$(run calc_full_s$seed train_calc.py $C --seed $seed)")
+      refl+=("$(run reflect_full_s$seed train_reflect.py $F --seed $seed)")
+      for r in 8 32; do
+        calc+=("$(run calc_r${r}_s$seed train_calc.py $C --seed $seed --lora_rank $r --lr 1e-4)")
+        refl+=("$(run reflect_r${r}_s$seed train_reflect.py $F --seed $seed --lora_rank $r --lr 1e-4)")
+      done
+    done
+    if [ "$(ngpu)" -ge 2 ]; then side_by_side 0 "${calc[@]}"; side_by_side 1 "${refl[@]}"
+    else side_by_side 0 "${calc[@]}" "${refl[@]}"; fi
     exit 0
   fi
   if [ "$1" = tools ]; then  # longest first on each GPU; with fewer GPUs than 4 a GPU's runs go one after another
@@ -157,6 +190,22 @@ compare)
   elif [ "$G" -ge 2 ]; then lane 0 "$ours" "$search"; lane 1 "$trl" "$check"
   else lane 0 "$ours" "$trl" "$check" "$search"; fi
   ;;
+shapes)
+  env_kit
+  TOK=$(python3 -c "from lib.model_names import resolve_model_path as r; print(r('$MODEL'))")
+  GSM=/tmp/gsm_style; mkdir -p $GSM; cp $AGENTRL_CACHE/math-data-v2-seed0/{train,test}.jsonl $GSM/
+  X="--config configs/reflect_qwen2.5_1.5b.yaml --mode sync --dataset $GSM --base_gpu_id 0 --batch_size 8 --group_size 8 --max_turns 2 --max_new_tokens_per_turn 256 --max_steps ${SSTEPS:-4} --eval_every 0 --test_size 16 --test_at_start False --checkpoint_every 0 --save_final False --trace_every 0 --weight_sync tensor --trainer_gradient_checkpointing True"
+  shape() {  # name, arch, args: the random model (built once), the run, the GPU's memory every second
+    local name=$1 arch=$2; shift 2
+    echo "python3 bench/make_random_model.py --arch qwen2.5-$arch --out /tmp/q$arch --tokenizer-path $TOK > $R/make_$arch.log 2>&1; (while sleep 1; do nvidia-smi --id=\$CUDA_VISIBLE_DEVICES --query-gpu=memory.used --format=csv,noheader,nounits; done) > $R/$name.gpu_mem_mib & P=\$!; $(run $name train_reflect.py $X --model_path /tmp/q$arch "$@"); kill \$P"
+  }
+  g0=("$(shape shape_1.5b_full 1.5b --mem_fraction_static 0.3)" "$(shape shape_1.5b_r32 1.5b --mem_fraction_static 0.3 --lora_rank 32 --lr 1e-5)"
+      "$(shape shape_7b_r32 7b --mem_fraction_static 0.3 --lora_rank 32 --lr 1e-5)")
+  g1=("$(shape shape_14b_r32 14b --mem_fraction_static 0.26 --max_tokens_per_mb 8192 --lora_rank 32 --lr 1e-5)" "rm -rf /tmp/q14b"
+      "$(shape shape_32b_r32 32b --mem_fraction_static 0.5 --colocate_sleep True --max_tokens_per_mb 8192 --lora_rank 32 --lr 1e-5)")
+  if [ "$(ngpu)" -ge 2 ]; then lane 0 "${g0[@]}"; lane 1 "${g1[@]}"; else lane 0 "${g0[@]}" "${g1[@]}"; fi
+  df -h /tmp | tail -1; free -g | sed -n 2p
+  ;;
 wait)
   limit=${2:-540}
   while [ $(( $(date +%s) - T0 )) -lt $limit ]; do
@@ -177,5 +226,5 @@ collect)
   ls -la "$OUT"; cat $R/done.txt 2>/dev/null
   ;;
 *)
-  echo "usage: bash bench/gpu_smollm2.sh kit|part|learn|tools|large|hard|async|compare|wait SECONDS|collect"; exit 2;;
+  echo "usage: bash bench/gpu_smollm2.sh kit|part|learn|tools|large|hard|lora|shapes|async|compare|wait SECONDS|collect"; exit 2;;
 esac

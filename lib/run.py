@@ -71,6 +71,7 @@ class RunConfig:
     mode: str = "sync"  # "sync": rollout, then update; "async": rollouts keep running during the update
     resume: bool = False  # continue from the latest checkpoint in run_dir
     checkpoint_every: int = 10  # steps; 0 = never
+    save_final: bool = True  # write run_dir/final (the whole model as an HF folder; LoRA: merged) after the last step
     # == model and inference servers ==
     model_path: str = ""  # a known name (smollm2-135m-instruct), HF dir or hub id; "" = the embedded tiny model
     server: str = "cpu"  # "cpu" (lib/cpu_server), "sglang", or "external" (server_addrs)
@@ -356,7 +357,11 @@ def _open(run: Run, build_model, load_splits, tokenizer_texts):
                                    extra_args=cfg.sglang_extra_args.split()
                                    + (["--enable-memory-saver"] if cfg.colocate_sleep else [])
                                    + (["--enable-lora", "--max-lora-rank", str(cfg.lora_rank), "--lora-target-modules",
-                                       *cfg.lora_target_modules] if cfg.lora_rank and cfg.lora_sync == "adapter" else []),
+                                       *cfg.lora_target_modules] if cfg.lora_rank and cfg.lora_sync == "adapter" else [])
+                                   # a server that lends its memory drops its weights; with adapter-only syncs
+                                   # nothing sends the base back, so SGLang keeps a copy in CPU memory
+                                   + (["--enable-weights-cpu-backup"] if cfg.colocate_sleep and cfg.lora_rank
+                                      and cfg.lora_sync == "adapter" else []),
                                    log_path=os.path.join(cfg.run_dir, "sglang.log" if i == 0 else f"sglang{i}.log"))
             run.supervisors.append(Supervisor("inference server", server))
             addrs.append(server.address)
@@ -400,6 +405,12 @@ def _open(run: Run, build_model, load_splits, tokenizer_texts):
                                        timeout_s=cfg.weight_sync_timeout_s, lora_sync=cfg.lora_sync,
                                        probe_ids=run.tokenizer(LORA_PROBE_TEXT)["input_ids"][:64])
 
+    # LoRA: the servers' numerical noise on the probe, while they serve the base model (the tolerance of
+    # the check that they apply the adapters after each sync)
+    probe_noise = run.weight_sync.calibrate_probe(run.cpu_group)
+    if probe_noise:
+        print(f"LoRA probe: the servers are within {probe_noise['lora/probe_base_gap']:.2g} of the trainer on the "
+              f"base model; tolerance {probe_noise['lora/probe_tolerance']:.2g}", flush=True)
     if cfg.resume and resume_extra is None:
         print(f"--resume True: no checkpoint in {run.ckpt_dir}; starting from step 0")
     if resume_extra is not None:
@@ -486,7 +497,8 @@ def finish_training(run: Run) -> dict | None:
     if run.producer is not None:  # the test evaluation alone uses the server
         run.producer.stop()
         run.producer = None
-    run.actor.save_hf(os.path.join(run.cfg.run_dir, "final"))
+    if run.cfg.save_final:
+        run.actor.save_hf(os.path.join(run.cfg.run_dir, "final"))
     test_metrics = None
     if run.is_main:
         test_metrics = run_evaluation(run, "test", run.test_items)

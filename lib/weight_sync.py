@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from lib.deadlines import in_thread
 from lib.process_group import destroy_custom_process_group, init_custom_process_group
-from lib.ranks import trainer_rank, trainer_world_size
+from lib.ranks import broadcast_from_rank0, trainer_rank, trainer_world_size
 
 
 class WeightSyncTimeout(TimeoutError):
@@ -280,6 +280,7 @@ class ServerWeightSync:
         # until a verdict (check_probe)
         self.probe_ids = list(probe_ids) if probe_ids and getattr(actor, "lora", False) else None
         self.probe_checks, self.probe_metrics = 0, {}
+        self.probe_tolerance = PROBE_TOLERANCE.get(actor.compute_dtype, 2e-2)  # raised by calibrate_probe
         if method == "tensor" and actor.world_size > 1:
             raise ValueError("weight sync 'tensor' hands over one process's tensors: use 'nccl' under torchrun")
         from lib.launch import free_port
@@ -308,6 +309,29 @@ class ServerWeightSync:
     def probe_due(self) -> bool:
         return self.probe_ids is not None
 
+    def calibrate_probe(self, group=None) -> dict:
+        """Before the first LoRA sync, while every server serves the base model: the servers' gap to the
+        trainer's base log-probs on the probe is their numerical noise (bf16 kernels differ from the
+        trainer's: SGLang's is about 1e-2 on a 135M model). The probe's tolerance becomes the larger of
+        PROBE_TOLERANCE and 3x that noise, so agreement is never mistaken for an ignored adapter; the
+        adapters must then move the trainer's log-probs past 3x the tolerance for the check to decide.
+        Every rank calls it (`group`: the trainer ranks' CPU group, which learns rank 0's tolerance)."""
+        if self.probe_ids is None:
+            return {}
+        trainer = self.actor.probe_logprobs(self.probe_ids, adapters=False)
+        metrics = {}
+        if trainer_rank() == 0:
+            served = self.run(self.client.prompt_logprobs(self.probe_ids, None), timeout_s=self.timeout_s)
+            noise = max((torch.tensor(lp) - trainer).abs().mean().item() if len(lp) == len(trainer) else float("inf")
+                        for lp in served)
+            if noise == float("inf"):
+                raise ServerIgnoresAdapter(f"a server answered the LoRA probe ({len(trainer)} tokens) with a different "
+                                           f"number of log-probs: it does not serve this model's tokens")
+            self.probe_tolerance = max(self.probe_tolerance, 3 * noise)
+            metrics = {"lora/probe_base_gap": noise, "lora/probe_tolerance": self.probe_tolerance}
+        self.probe_tolerance = broadcast_from_rank0(self.probe_tolerance, group)
+        return metrics
+
     def check_probe(self, version) -> dict:
         """After a LoRA sync, once generation goes on (the probe is a /generate call): each server's
         log-probs on the probe (under the client's adapter, or its merged weights) must be the
@@ -317,7 +341,7 @@ class ServerWeightSync:
         would then be off by more than the tolerance), at most PROBE_MAX_CHECKS syncs. Every rank
         calls it (the trainer's forwards are collective under FSDP); rank 0 asks the servers.
         Returns the check's numbers (also in `probe_metrics`, logged under lora/)."""
-        tolerance = PROBE_TOLERANCE.get(self.actor.compute_dtype, 2e-2)
+        tolerance = self.probe_tolerance
         trainer = self.actor.probe_logprobs(self.probe_ids)
         moved = (trainer - self.actor.probe_logprobs(self.probe_ids, adapters=False)).abs().mean().item()
         self.probe_checks += 1

@@ -280,6 +280,57 @@ def test_adapter_sync_names_the_adapter_in_every_request_and_the_probe_catches_a
         bg.close()
 
 
+class NoisyServer:
+    """A client whose one server serves the trainer's log-probs (with its adapters, or the base when it
+    ignores them) plus a fixed offset: the numerical noise of bf16 kernels unlike the trainer's."""
+    addresses = ["noisy"]
+    lora_adapter = "policy-v1"
+
+    def __init__(self, actor, noise: float, ignores_adapters: bool = False):
+        self.actor, self.noise, self.ignores_adapters = actor, noise, ignores_adapters
+
+    async def prompt_logprobs(self, ids, lora_path=None):
+        adapters = lora_path is not None and not self.ignores_adapters
+        return [(self.actor.probe_logprobs(ids, adapters=adapters) + self.noise).tolist()]
+
+
+def test_the_probe_tolerance_is_calibrated_on_the_servers_noise_so_agreement_is_not_an_ignored_adapter(model_dir):
+    actor = lora_actor(model_dir)
+    bg = BackgroundLoop()
+    try:
+        def probe_sync(client):
+            return ServerWeightSync("disk", actor, client, bg.run, num_servers=1, disk_dir="unused", probe_ids=BATCH[0])
+
+        randomise_adapters(actor, seed=3)  # moved far: one check decides
+        # a server 0.02 off on every token: without calibration its agreement would read as an ignored
+        # adapter (0.02 > the fp32 trainer's floor of 1e-3); the adapters moved the probe by 0.16
+        sync = probe_sync(NoisyServer(actor, noise=0.02))
+        with pytest.raises(ServerIgnoresAdapter):
+            sync.check_probe(1)
+        sync = probe_sync(NoisyServer(actor, noise=0.02))
+        calibration = sync.calibrate_probe()
+        assert calibration["lora/probe_base_gap"] == pytest.approx(0.02, abs=1e-5)
+        assert sync.probe_tolerance == pytest.approx(0.06, abs=1e-4)
+        metrics = sync.check_probe(1)
+        assert metrics["lora/probe_server_gap"] == pytest.approx(0.02, abs=1e-5)
+        assert sync.probe_due  # moved 0.16 < 3 x 0.06: agreement so far, not yet a verdict; checked again
+        randomise_adapters(actor, seed=4)
+        for _, module in lora_modules(actor.model):  # adapters three times as far from the base
+            module.lora_B["default"].weight.data *= 3
+        assert sync.check_probe(2)["lora/probe_trainer_moved"] > 0.18 and not sync.probe_due
+        # the same noise on a server that serves the base model: still caught, the adapters moved further
+        sync = probe_sync(NoisyServer(actor, noise=0.02, ignores_adapters=True))
+        sync.calibrate_probe()
+        with pytest.raises(ServerIgnoresAdapter, match="does not apply LoRA adapter 'policy-v1'"):
+            sync.check_probe(1)
+        # a quiet server leaves the tolerance at its floor
+        sync = probe_sync(NoisyServer(actor, noise=0.0))
+        sync.calibrate_probe()
+        assert sync.probe_tolerance == pytest.approx(1e-3)
+    finally:
+        bg.close()
+
+
 def test_merged_sync_gives_a_server_without_adapters_the_adapted_weights(server, model_dir, tmp_path):
     actor = lora_actor(model_dir)
     randomise_adapters(actor, seed=5)
