@@ -203,7 +203,9 @@ shapes)
       "$(shape shape_7b_r32 7b --mem_fraction_static 0.3 --lora_rank 32 --lr 1e-5)")
   g1=("$(shape shape_14b_r32 14b --mem_fraction_static 0.26 --max_tokens_per_mb 8192 --lora_rank 32 --lr 1e-5)" "rm -rf /tmp/q14b"
       "$(shape shape_32b_r32 32b --mem_fraction_static 0.5 --colocate_sleep True --max_tokens_per_mb 8192 --lora_rank 32 --lr 1e-5)")
-  if [ "$(ngpu)" -ge 2 ]; then lane 0 "${g0[@]}"; lane 1 "${g1[@]}"; else lane 0 "${g0[@]}" "${g1[@]}"; fi
+  if [ -n "${SHAPES_AFTER:-}" ]; then  # one GPU ($SHAPES_GPU, default 0), once the runs matching $SHAPES_AFTER end: 14B, 7B, 32B
+    lane ${SHAPES_GPU:-0} "while pgrep -f '$SHAPES_AFTER' > /dev/null; do sleep 5; done" "${g1[0]}" "${g1[1]}" "${g0[2]}" "${g1[2]}"
+  elif [ "$(ngpu)" -ge 2 ]; then lane 0 "${g0[@]}"; lane 1 "${g1[@]}"; else lane 0 "${g0[@]}" "${g1[@]}"; fi
   df -h /tmp | tail -1; free -g | sed -n 2p
   ;;
 wait)

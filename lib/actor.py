@@ -496,9 +496,10 @@ class Actor:
         if self.world_size > 1:
             dist.barrier()
 
-    def save_adapter(self, path: str) -> None:
-        """LoRA: the adapters as a PEFT directory at `path` (lib.lora.save_adapter); every rank calls it."""
-        save_adapter(self.model, path, self.model_path, write=self.rank == 0)
+    def save_adapter(self, path: str, dtype: torch.dtype = torch.float32) -> None:
+        """LoRA: the adapters as a PEFT directory at `path` (lib.lora.save_adapter), tensors in `dtype`;
+        every rank calls it."""
+        save_adapter(self.model, path, self.model_path, write=self.rank == 0, dtype=dtype)
 
     @torch.no_grad()
     def probe_logprobs(self, input_ids: list[int], adapters: bool = True) -> torch.Tensor:

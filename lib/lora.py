@@ -97,14 +97,16 @@ def adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_adapter(model: nn.Module, path: str, base_model_path: str, write: bool = True) -> None:
+def save_adapter(model: nn.Module, path: str, base_model_path: str, write: bool = True,
+                 dtype: torch.dtype = torch.float32) -> None:
     """Write the adapters as a PEFT directory at `path` (whole, or not at all: written aside and swapped
-    in). Every rank calls it under FSDP (the tensors are gathered); `write` is False on ranks > 0."""
+    in), their tensors in `dtype`. Every rank calls it under FSDP (the tensors are gathered); `write`
+    is False on ranks > 0."""
     from safetensors.torch import save_file
 
     from lib.checkpoint import fresh_tmp, swap_in
 
-    tensors = adapter_tensors(model)
+    tensors = {name: t.to(dtype) for name, t in adapter_tensors(model).items()}
     if not write:
         return
     config = lora_config(model).to_dict()

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from lib.deadlines import in_thread
 from lib.process_group import destroy_custom_process_group, init_custom_process_group
-from lib.ranks import broadcast_from_rank0, trainer_rank, trainer_world_size
+from lib.ranks import trainer_rank, trainer_world_size
 
 
 class WeightSyncTimeout(TimeoutError):
@@ -55,8 +55,9 @@ class ServerIgnoresAdapter(RuntimeError):
 
 ADAPTER_PREFIX = "policy-v"  # adapter names on the servers: policy-v<version>
 KEEP_ADAPTERS = 2  # the newest adapters kept loaded (a request held by an in_place pause keeps its own)
-# The probe's mean |server - trainer| log-prob allowed, by the trainer's dtype (fp32 agrees to ~1e-6 on
-# CPU; bf16 kernels differ by ~1e-2), and how many syncs are checked before giving up on a verdict.
+# The probe's numerical floor, by the trainer's dtype (fp32 agrees to ~1e-6 on CPU; bf16 kernels differ
+# by ~1e-2 a token): the adapters must move the trainer's log-probs by 3x this for a verdict on whether
+# the servers follow; and how many syncs are checked before giving up on a verdict.
 PROBE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 2e-2}
 PROBE_MAX_CHECKS = 20
 
@@ -101,13 +102,15 @@ async def sync_weights_from_disk(actor, client, path: str, version, flush_cache:
 
 
 async def sync_adapter(actor, client, directory: str, version) -> float:
-    """LoRA: write the actor's adapters to `directory/adapter-v<version>` (a PEFT directory), have every
-    server load it as `policy-v<version>` and the client name it in every request from now on; then
-    unload (and delete) all but the KEEP_ADAPTERS newest. Returns the seconds taken."""
+    """LoRA: write the actor's adapters to `directory/adapter-v<version>` (a PEFT directory, in the
+    trainer's compute dtype, as full weights travel: bf16 on GPUs halves the bytes of the fp32 masters,
+    and SGLang serves them in bf16 anyway), have every server load it as `policy-v<version>` and the
+    client name it in every request from now on; then unload (and delete) all but the KEEP_ADAPTERS
+    newest. Returns the seconds taken."""
     start = time.perf_counter()
     path = os.path.join(os.path.abspath(directory), f"adapter-v{version}")
     await _waiting_on(f"the trainer writing the LoRA adapter to {path}",
-                      _to_thread_on(actor.device, actor.save_adapter, path))
+                      _to_thread_on(actor.device, actor.save_adapter, path, actor.compute_dtype))
     if trainer_rank() != 0:
         return time.perf_counter() - start
     name = f"{ADAPTER_PREFIX}{version}"
@@ -280,7 +283,7 @@ class ServerWeightSync:
         # until a verdict (check_probe)
         self.probe_ids = list(probe_ids) if probe_ids and getattr(actor, "lora", False) else None
         self.probe_checks, self.probe_metrics = 0, {}
-        self.probe_tolerance = PROBE_TOLERANCE.get(actor.compute_dtype, 2e-2)  # raised by calibrate_probe
+        self.server_base: list[torch.Tensor] | None = None  # each server's probe log-probs on the base model
         if method == "tensor" and actor.world_size > 1:
             raise ValueError("weight sync 'tensor' hands over one process's tensors: use 'nccl' under torchrun")
         from lib.launch import free_port
@@ -309,69 +312,78 @@ class ServerWeightSync:
     def probe_due(self) -> bool:
         return self.probe_ids is not None
 
-    def calibrate_probe(self, group=None) -> dict:
-        """Before the first LoRA sync, while every server serves the base model: the servers' gap to the
-        trainer's base log-probs on the probe is their numerical noise (bf16 kernels differ from the
-        trainer's: SGLang's is about 1e-2 on a 135M model). The probe's tolerance becomes the larger of
-        PROBE_TOLERANCE and 3x that noise, so agreement is never mistaken for an ignored adapter; the
-        adapters must then move the trainer's log-probs past 3x the tolerance for the check to decide.
-        Every rank calls it (`group`: the trainer ranks' CPU group, which learns rank 0's tolerance)."""
+    def calibrate_probe(self) -> dict:
+        """Before the first LoRA sync, while every server serves the base model: each server's own
+        log-probs on the probe, the baseline its later moves are measured from (check_probe). Their
+        gap to the trainer's base log-probs is the servers' numerical noise (SGLang's bf16 kernels
+        differ from the trainer's by ~0.05 a token on a 135M model), which an adapter's early moves do
+        not exceed: comparing moves, not values, cancels it. Every rank calls it (the trainer's forward
+        is collective under FSDP); rank 0 asks the servers and keeps their baselines."""
         if self.probe_ids is None:
             return {}
         trainer = self.actor.probe_logprobs(self.probe_ids, adapters=False)
         metrics = {}
         if trainer_rank() == 0:
             served = self.run(self.client.prompt_logprobs(self.probe_ids, None), timeout_s=self.timeout_s)
-            noise = max((torch.tensor(lp) - trainer).abs().mean().item() if len(lp) == len(trainer) else float("inf")
-                        for lp in served)
-            if noise == float("inf"):
+            if any(len(lp) != len(trainer) for lp in served):
                 raise ServerIgnoresAdapter(f"a server answered the LoRA probe ({len(trainer)} tokens) with a different "
                                            f"number of log-probs: it does not serve this model's tokens")
-            self.probe_tolerance = max(self.probe_tolerance, 3 * noise)
-            metrics = {"lora/probe_base_gap": noise, "lora/probe_tolerance": self.probe_tolerance}
-        self.probe_tolerance = broadcast_from_rank0(self.probe_tolerance, group)
+            self.server_base = [torch.tensor(lp) for lp in served]
+            noise = max((base - trainer).abs().mean().item() for base in self.server_base)
+            metrics = {"lora/probe_base_gap": noise}
+        self.probe_metrics = metrics
         return metrics
 
     def check_probe(self, version) -> dict:
-        """After a LoRA sync, once generation goes on (the probe is a /generate call): each server's
-        log-probs on the probe (under the client's adapter, or its merged weights) must be the
-        trainer's, mean |difference| within PROBE_TOLERANCE; else
-        ServerIgnoresAdapter. Checked again after later syncs until the trainer's own log-probs have
-        moved more than 3 x the tolerance from the base model's (a server that ignored its adapter
-        would then be off by more than the tolerance), at most PROBE_MAX_CHECKS syncs. Every rank
-        calls it (the trainer's forwards are collective under FSDP); rank 0 asks the servers.
-        Returns the check's numbers (also in `probe_metrics`, logged under lora/)."""
-        tolerance = self.probe_tolerance
+        """After a LoRA sync, once generation goes on (the probe is a /generate call): do the servers'
+        log-probs on the probe move with the trainer's? The trainer's move is its adapted minus its
+        base log-probs; a server's is its log-probs now minus at calibration (calibrate_probe; without
+        one, minus the trainer's base). Once the trainer has moved more than 3x PROBE_TOLERANCE on
+        average, each server's move must match it to half its size (mean |server move - trainer move|
+        <= 0.5 x mean |trainer move|), else ServerIgnoresAdapter: a server that ignores the adapter
+        moves by 0, one that scales it wrong by the wrong amount; the check then stops. Before that a
+        server whose move is off by more than PROBE_TOLERANCE + half the trainer's is stopped at once
+        (nothing like the trainer's model). At most PROBE_MAX_CHECKS syncs are checked. Every rank calls
+        it (the trainer's forwards are collective under FSDP); rank 0 asks the servers. Returns the
+        check's numbers (also in `probe_metrics`, logged under lora/)."""
+        floor = PROBE_TOLERANCE.get(self.actor.compute_dtype, 2e-2)
         trainer = self.actor.probe_logprobs(self.probe_ids)
-        moved = (trainer - self.actor.probe_logprobs(self.probe_ids, adapters=False)).abs().mean().item()
+        base = self.actor.probe_logprobs(self.probe_ids, adapters=False)
+        trainer_move = trainer - base
+        moved = trainer_move.abs().mean().item()
+        decides = moved > 3 * floor
         self.probe_checks += 1
         metrics = {"lora/probe_trainer_moved": moved}
         if trainer_rank() == 0:
             adapter = self.client.lora_adapter if self.adapters_only else None
             served = self.run(self.client.prompt_logprobs(self.probe_ids, adapter), timeout_s=self.timeout_s)
-            gaps = [(torch.tensor(lp) - trainer).abs().mean().item() if len(lp) == len(trainer) else float("inf")
-                    for lp in served]
-            metrics["lora/probe_server_gap"] = max(gaps)
-            for address, gap in zip(self.client.addresses, gaps):
-                if gap > tolerance:
+            baselines = self.server_base or [base] * len(served)
+            misses = [((torch.tensor(lp) - server_base) - trainer_move).abs().mean().item() if len(lp) == len(trainer)
+                      else float("inf") for lp, server_base in zip(served, baselines)]
+            metrics["lora/probe_move_miss"] = max(misses)
+            metrics["lora/probe_server_gap"] = max((torch.tensor(lp) - trainer).abs().mean().item()
+                                                   if len(lp) == len(trainer) else float("inf") for lp in served)
+            for address, miss in zip(self.client.addresses, misses):
+                if miss > 0.5 * moved + (0 if decides else floor):
                     raise ServerIgnoresAdapter(
-                        f"after the weight sync of version {version}, the server at {address} gives log-probs on "
-                        f"the probe that differ from the trainer's by {gap:.4g} on average (tolerance {tolerance:g}; "
-                        f"the adapters moved the trainer's by {moved:.4g} from the base model's): the server "
+                        f"after the weight sync of version {version}, the server at {address} does not move its "
+                        f"log-probs on the probe with the trainer's: the adapters moved the trainer's by {moved:.4g} "
+                        f"on average from the base model's, the server's move misses that by {miss:.4g} (allowed: "
+                        f"{0.5 * moved + (0 if decides else floor):.4g}); the server "
                         f"{'does not apply LoRA adapter ' + repr(adapter) if adapter else 'does not hold the merged weights'}"
                         f". Check that it serves adapters (SGLang: --enable-lora, --max-lora-rank >= lora_rank, "
                         f"--lora-target-modules covering lora_target_modules), or use --lora_sync merged")
-        if moved > 3 * tolerance:
+        if decides:
             if trainer_rank() == 0:
                 print(f"LoRA: the servers follow the trainer's adapters (probe checked at version {version}: the "
-                      f"adapters moved the log-probs by {moved:.3g}, the servers are within "
-                      f"{metrics['lora/probe_server_gap']:.2g} of the trainer)", flush=True)
+                      f"adapters moved the log-probs by {moved:.3g}, the servers' moves match to "
+                      f"{metrics['lora/probe_move_miss']:.2g})", flush=True)
             self.probe_ids = None
         elif self.probe_checks >= PROBE_MAX_CHECKS:
             if trainer_rank() == 0:
                 print(f"warning: LoRA: after {self.probe_checks} syncs the adapters still move the probe's log-probs "
-                      f"by only {moved:.3g} (< 3 x {tolerance:g}): whether the servers apply them could not be "
-                      f"told apart from agreement; raise lr or lora_alpha if they are meant to learn", file=sys.stderr)
+                      f"by only {moved:.3g} (< 3 x {floor:g}): whether the servers apply them could not be told "
+                      f"apart from agreement; raise lr or lora_alpha if they are meant to learn", file=sys.stderr)
             self.probe_ids = None
         self.probe_metrics = metrics
         return metrics

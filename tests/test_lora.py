@@ -280,53 +280,78 @@ def test_adapter_sync_names_the_adapter_in_every_request_and_the_probe_catches_a
         bg.close()
 
 
+def test_adapters_travel_in_the_trainers_compute_dtype(server, model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    actor = lora_actor(model_dir, dtype="bfloat16")  # a GPU trainer's dtype: bf16 adapters, half the bytes
+    randomise_adapters(actor, seed=7)
+    bg = BackgroundLoop()
+    client = InferenceClient([server])
+    sync = ServerWeightSync("disk", actor, client, bg.run, num_servers=1, disk_dir=str(tmp_path))
+    try:
+        sync.sync(1)
+        tensors = load_file(str(tmp_path / "adapter-v1" / "adapter_model.safetensors"))
+        assert tensors and all(t.dtype == torch.bfloat16 for t in tensors.values())
+        masters = {f"base_model.model.{n}.lora_A.weight": m.lora_A["default"].weight for n, m in lora_modules(actor.model)}
+        assert all(torch.equal(tensors[k], w.detach().to(torch.bfloat16)) for k, w in masters.items())
+        out = bg.run(client.generate(BATCH[0], max_new_tokens=2, temperature=1.0))  # the fp32 server serves it
+        assert len(out.output_ids) == 2 and client.lora_adapter == "policy-v1"
+    finally:
+        post(server, "/unload_lora_adapter", {"lora_name": "policy-v1"})
+        bg.run(client.close())
+        bg.close()
+
+
 class NoisyServer:
-    """A client whose one server serves the trainer's log-probs (with its adapters, or the base when it
-    ignores them) plus a fixed offset: the numerical noise of bf16 kernels unlike the trainer's."""
+    """A client whose one server serves the trainer's log-probs plus a fixed per-token error (the numerical
+    noise of bf16 kernels unlike the trainer's), with the trainer's adapters applied `scale` times (1: it
+    follows them; 0: it ignores them)."""
     addresses = ["noisy"]
     lora_adapter = "policy-v1"
 
-    def __init__(self, actor, noise: float, ignores_adapters: bool = False):
-        self.actor, self.noise, self.ignores_adapters = actor, noise, ignores_adapters
+    def __init__(self, actor, noise: float, scale: float = 1.0):
+        self.actor, self.scale = actor, scale
+        self.noise = noise * torch.randn(len(BATCH[0]) - 1, generator=torch.Generator().manual_seed(0))
 
     async def prompt_logprobs(self, ids, lora_path=None):
-        adapters = lora_path is not None and not self.ignores_adapters
-        return [(self.actor.probe_logprobs(ids, adapters=adapters) + self.noise).tolist()]
+        base = self.actor.probe_logprobs(ids, adapters=False)
+        move = self.actor.probe_logprobs(ids) - base if lora_path is not None else 0.0
+        return [(base + self.scale * move + self.noise).tolist()]
 
 
-def test_the_probe_tolerance_is_calibrated_on_the_servers_noise_so_agreement_is_not_an_ignored_adapter(model_dir):
+def test_the_probe_compares_the_servers_moves_with_the_trainers_so_numerical_noise_is_not_an_ignored_adapter(
+        model_dir):
     actor = lora_actor(model_dir)
     bg = BackgroundLoop()
     try:
-        def probe_sync(client):
-            return ServerWeightSync("disk", actor, client, bg.run, num_servers=1, disk_dir="unused", probe_ids=BATCH[0])
+        def probe_sync(scale: float, calibrated: bool = True) -> ServerWeightSync:
+            sync = ServerWeightSync("disk", actor, NoisyServer(actor, noise=0.15, scale=scale), bg.run,
+                                    num_servers=1, disk_dir="unused", probe_ids=BATCH[0])
+            if calibrated:  # while the adapters are B = 0: the server serves the base model
+                assert sync.calibrate_probe()["lora/probe_base_gap"] > 0.05
+            return sync
 
-        randomise_adapters(actor, seed=3)  # moved far: one check decides
-        # a server 0.02 off on every token: without calibration its agreement would read as an ignored
-        # adapter (0.02 > the fp32 trainer's floor of 1e-3); the adapters moved the probe by 0.16
-        sync = probe_sync(NoisyServer(actor, noise=0.02))
-        with pytest.raises(ServerIgnoresAdapter):
-            sync.check_probe(1)
-        sync = probe_sync(NoisyServer(actor, noise=0.02))
-        calibration = sync.calibrate_probe()
-        assert calibration["lora/probe_base_gap"] == pytest.approx(0.02, abs=1e-5)
-        assert sync.probe_tolerance == pytest.approx(0.06, abs=1e-4)
-        metrics = sync.check_probe(1)
-        assert metrics["lora/probe_server_gap"] == pytest.approx(0.02, abs=1e-5)
-        assert sync.probe_due  # moved 0.16 < 3 x 0.06: agreement so far, not yet a verdict; checked again
-        randomise_adapters(actor, seed=4)
-        for _, module in lora_modules(actor.model):  # adapters three times as far from the base
-            module.lora_B["default"].weight.data *= 3
-        assert sync.check_probe(2)["lora/probe_trainer_moved"] > 0.18 and not sync.probe_due
-        # the same noise on a server that serves the base model: still caught, the adapters moved further
-        sync = probe_sync(NoisyServer(actor, noise=0.02, ignores_adapters=True))
-        sync.calibrate_probe()
+        # adapters that barely move the log-probs yet (below the fp32 floor of 1e-3): no verdict, and a
+        # noisy server that follows them is not stopped
+        following, ignoring = probe_sync(1.0), probe_sync(0.0)
+        randomise_adapters(actor, seed=3)
+        for _, module in lora_modules(actor.model):
+            module.lora_B["default"].weight.data *= 0.0005
+        assert following.check_probe(1)["lora/probe_trainer_moved"] < 1e-3 and following.probe_due
+        assert ignoring.check_probe(1) and ignoring.probe_due  # its miss (the small move) is within the floor
+        # adapters that moved the log-probs by ~0.16: the server that follows them is told apart from noise
+        # 0.1 a token larger than the move's half, and the checks stop
+        randomise_adapters(actor, seed=3)
+        metrics = following.check_probe(2)
+        assert metrics["lora/probe_trainer_moved"] > 0.1 and metrics["lora/probe_server_gap"] > 0.1
+        assert metrics["lora/probe_move_miss"] < 1e-5 and not following.probe_due
         with pytest.raises(ServerIgnoresAdapter, match="does not apply LoRA adapter 'policy-v1'"):
-            sync.check_probe(1)
-        # a quiet server leaves the tolerance at its floor
-        sync = probe_sync(NoisyServer(actor, noise=0.0))
-        sync.calibrate_probe()
-        assert sync.probe_tolerance == pytest.approx(1e-3)
+            ignoring.check_probe(2)
+        with pytest.raises(ServerIgnoresAdapter, match="does not move its log-probs"):
+            probe_sync(2.0).check_probe(2)  # the adapter applied at twice its scale (a lora_alpha mismatch)
+        # without the baseline, the same following server's noise reads as a server off the trainer's model
+        with pytest.raises(ServerIgnoresAdapter):
+            probe_sync(1.0, calibrated=False).check_probe(2)
     finally:
         bg.close()
 
