@@ -62,7 +62,7 @@ run() {  # name script args...: a training command line, logged to $R/name.log, 
 side_by_side() {  # GPU, then commands run at once on that GPU, each started $STAGGER s after the one before
   local gpu=$1 i=0; shift
   for c in "$@"; do
-    echo -e "export CUDA_VISIBLE_DEVICES=$gpu\nsleep $(( i * ${STAGGER:-20} ))\n$c" > $R/lane${gpu}_$i.sh
+    echo -e "export CUDA_VISIBLE_DEVICES=$gpu\nsleep $(( i * ${STAGGER:-30} ))\n$c" > $R/lane${gpu}_$i.sh
     setsid nohup bash $R/lane${gpu}_$i.sh > $R/lane${gpu}_$i.log 2>&1 < /dev/null &
     i=$((i + 1))
   done

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import requests
@@ -379,6 +380,62 @@ def test_merged_sync_gives_a_server_without_adapters_the_adapted_weights(server,
 # --- end to end ---
 SMALL = ["--batch_size", "4", "--group_size", "4", "--max_turns", "3", "--max_new_tokens_per_turn", "16",
          "--max_tokens", "128", "--eval_every", "0", "--test_size", "2", "--tensorboard", "False"]
+
+
+def _fsdp_lora_rank(rank: int, port: int, model_dir: str, out_dir: str):
+    import torch.distributed as dist
+
+    from lib.lora import adapter_tensors
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # two ranks on a 2-core machine
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        actor = lora_actor(model_dir, max_tokens_per_mb=12 if rank == 0 else 100)  # unequal micro-batches
+        actor.load_checkpoint(os.path.join(out_dir, "start"))
+        stats = actor.update(rows(BATCH))
+        adapters = adapter_tensors(actor.model)  # collective: every rank gathers
+        if rank == 0:
+            torch.save({"stats": stats, "adapters": adapters}, os.path.join(out_dir, "rank0.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_lora_update_on_two_processes_equals_the_single_process_update(model_dir, tmp_path):
+    """Adapters far from B = 0 (both A and B get gradients), sharded by FSDP2 over two gloo ranks: the
+    update is the single process's, to float32 rounding."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from lib.lora import adapter_tensors
+
+    start = lora_actor(model_dir)
+    randomise_adapters(start, seed=21)
+    start.save_checkpoint(str(tmp_path / "start"))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ranks = mp.start_processes(_fsdp_lora_rank, args=(port, model_dir, str(tmp_path)), nprocs=2,
+                               start_method="fork", join=False)
+    deadline = time.monotonic() + 120
+    while not ranks.join(timeout=1):  # raises if a rank failed
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail("the two FSDP ranks did not finish within 120 s (a collective hung?)")
+    fsdp = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    single = lora_actor(model_dir)
+    single.load_checkpoint(str(tmp_path / "start"))
+    before = {name: t.clone() for name, t in adapter_tensors(single.model).items()}
+    stats = single.update(rows(BATCH))
+    after = adapter_tensors(single.model)
+    assert fsdp["stats"]["loss"] == pytest.approx(stats["loss"], abs=1e-6)
+    assert fsdp["stats"]["grad_norm"] == pytest.approx(stats["grad_norm"], rel=1e-5)
+    moved_a = [k for k in after if ".lora_A." in k and not torch.equal(after[k], before[k])]
+    assert len(moved_a) == len(after) // 2  # every A moved too, not only B
+    for name, tensor in after.items():
+        assert torch.allclose(fsdp["adapters"][name], tensor, atol=1e-6), name
 
 
 @pytest.mark.slow
