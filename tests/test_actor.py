@@ -1,7 +1,6 @@
 """The Actor (lib/actor.py) and what it runs: token log-probs (lib/logprobs.py), micro-batched
 updates, master weights, offload, FSDP2, checkpoints (lib/checkpoint.py) and HF export."""
 import math
-import time
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ from lib.attention import VARLEN, packed_kwargs, register_varlen_attention, varl
 from lib.grpo import ppo_loss
 from lib.logprobs import PolicyForward, compute_logprobs
 from lib.padding import concat_padded_tensors
+from tests.two_ranks import run_two_ranks
 
 ARCH = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=64)
@@ -512,23 +512,7 @@ def _fsdp_rank(rank: int, port: int, model_dir: str, out_dir: str, backend: str)
         not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]),
 ])
 def test_fsdp2_update_on_two_processes_equals_the_single_process_update(model_dir, tmp_path, backend):
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    # fork on CPU: the children start with torch and transformers already imported (spawn
-    # re-imports them, ~15 s on 2 cores). CUDA cannot be forked.
-    ranks = mp.start_processes(_fsdp_rank, args=(port, model_dir, str(tmp_path), backend), nprocs=2,
-                               start_method="fork" if backend == "gloo" else "spawn", join=False)
-    deadline = time.monotonic() + 180
-    while not ranks.join(timeout=1):  # raises if a rank failed
-        if time.monotonic() > deadline:
-            for process in ranks.processes:
-                process.kill()
-            pytest.fail("the two FSDP ranks did not finish within 180 s (a collective hung?)")
+    run_two_ranks(_fsdp_rank, model_dir, str(tmp_path), backend, start_method="fork" if backend == "gloo" else "spawn")
     fsdp = torch.load(tmp_path / "rank0.pt", weights_only=False)
     tol = 1e-6 if backend == "gloo" else 1e-5  # GPU kernels sum in another order
 

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import requests
@@ -21,6 +20,7 @@ from lib.lora import DEFAULT_TARGET_MODULES, lora_modules
 from lib.run import RunConfig, check_config
 from lib.tiny_model import build_tiny_model
 from lib.weight_sync import ServerIgnoresAdapter, ServerWeightSync
+from tests.two_ranks import run_two_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXTS = [f"Ilvan Moresk was born in Tarqua in {1800 + i}. Pem Varo founded the Ostrel Guild. "
@@ -404,26 +404,12 @@ def _fsdp_lora_rank(rank: int, port: int, model_dir: str, out_dir: str):
 def test_fsdp2_lora_update_on_two_processes_equals_the_single_process_update(model_dir, tmp_path):
     """Adapters far from B = 0 (both A and B get gradients), sharded by FSDP2 over two gloo ranks: the
     update is the single process's, to float32 rounding."""
-    import socket
-
-    import torch.multiprocessing as mp
-
     from lib.lora import adapter_tensors
 
     start = lora_actor(model_dir)
     randomise_adapters(start, seed=21)
     start.save_checkpoint(str(tmp_path / "start"))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ranks = mp.start_processes(_fsdp_lora_rank, args=(port, model_dir, str(tmp_path)), nprocs=2,
-                               start_method="fork", join=False)
-    deadline = time.monotonic() + 120
-    while not ranks.join(timeout=1):  # raises if a rank failed
-        if time.monotonic() > deadline:
-            for process in ranks.processes:
-                process.kill()
-            pytest.fail("the two FSDP ranks did not finish within 120 s (a collective hung?)")
+    run_two_ranks(_fsdp_lora_rank, model_dir, str(tmp_path), timeout_s=120)
     fsdp = torch.load(tmp_path / "rank0.pt", weights_only=False)
     single = lora_actor(model_dir)
     single.load_checkpoint(str(tmp_path / "start"))
