@@ -339,8 +339,9 @@ class ServerWeightSync:
         log-probs on the probe move with the trainer's? The trainer's move is its adapted minus its
         base log-probs; a server's is its log-probs now minus at calibration (calibrate_probe; without
         one, minus the trainer's base). Once the trainer has moved more than 3x PROBE_TOLERANCE on
-        average, each server's move must match it to half its size (mean |server move - trainer move|
-        <= 0.5 x mean |trainer move|), else ServerIgnoresAdapter: a server that ignores the adapter
+        average, each server's move must match it to half its size plus half the floor (mean |server
+        move - trainer move| <= 0.5 x (mean |trainer move| + floor): the kernels' noise does not cancel
+        exactly), else ServerIgnoresAdapter: a server that ignores the adapter
         moves by 0, one that scales it wrong by the wrong amount; the check then stops. Before that a
         server whose move is off by more than PROBE_TOLERANCE + half the trainer's is stopped at once
         (nothing like the trainer's model). At most PROBE_MAX_CHECKS syncs are checked. Every rank calls
@@ -363,13 +364,14 @@ class ServerWeightSync:
             metrics["lora/probe_move_miss"] = max(misses)
             metrics["lora/probe_server_gap"] = max((torch.tensor(lp) - trainer).abs().mean().item()
                                                    if len(lp) == len(trainer) else float("inf") for lp in served)
+            allowed = 0.5 * (moved + floor) if decides else 0.5 * moved + floor
             for address, miss in zip(self.client.addresses, misses):
-                if miss > 0.5 * moved + (0 if decides else floor):
+                if miss > allowed:
                     raise ServerIgnoresAdapter(
                         f"after the weight sync of version {version}, the server at {address} does not move its "
                         f"log-probs on the probe with the trainer's: the adapters moved the trainer's by {moved:.4g} "
                         f"on average from the base model's, the server's move misses that by {miss:.4g} (allowed: "
-                        f"{0.5 * moved + (0 if decides else floor):.4g}); the server "
+                        f"{allowed:.4g}); the server "
                         f"{'does not apply LoRA adapter ' + repr(adapter) if adapter else 'does not hold the merged weights'}"
                         f". Check that it serves adapters (SGLang: --enable-lora, --max-lora-rank >= lora_rank, "
                         f"--lora-target-modules covering lora_target_modules), or use --lora_sync merged")
