@@ -11,10 +11,25 @@ the workers are spawned, not forked. The pool never evaluates anything itself.
 import asyncio
 import concurrent.futures
 import multiprocessing
+import os
+import threading
+import time
 
 
 def _ready(preload=None) -> bool:
     return True  # unpickling `preload` imported its module in this worker
+
+
+def _exit_with_parent(parent_pid: int):
+    """Each worker's initializer: end this worker once the trainer is gone. A trainer killed with
+    SIGKILL (or the OOM killer) never shuts its pool down, and a worker waiting on the pool's call
+    queue holds that queue's write end itself, so it would wait for ever (and keep its memory)."""
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 class RewardPool:
@@ -32,7 +47,8 @@ class RewardPool:
 
     def _new_pool(self):
         # spawn, not fork: the trainer has threads (rollout loop, torch) and forking those can deadlock.
-        self._pool = concurrent.futures.ProcessPoolExecutor(self.num_workers, mp_context=multiprocessing.get_context("spawn"))
+        self._pool = concurrent.futures.ProcessPoolExecutor(self.num_workers, mp_context=multiprocessing.get_context("spawn"),
+                                                            initializer=_exit_with_parent, initargs=(os.getpid(),))
         # Start the workers now, and import the reward function's module in them (`preload`, pickled
         # by reference): their start-up must not count against a call's time bound.
         self._warm = [self._pool.submit(_ready, self.preload) for _ in range(self.num_workers)]
