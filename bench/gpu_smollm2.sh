@@ -23,7 +23,8 @@
 #   lora     (after kit and part, instead of learn) join + build, then LoRA rank 8 and 32 against full
 #            fine-tuning on calc (GPU 0) and reflect (GPU 1), 2 seeds each, the shipped configs with lr x10
 #            for LoRA; the six runs of a task share its GPU (SGLang's static pool 0.12 of what is free at
-#            each start, starts $STAGGER s apart so that no server sizes its pool while another is starting)
+#            each start, starts $STAGGER s apart so that no server sizes its pool while another is starting;
+#            ONLY=<regex of run names> runs those alone on GPU 0)
 #   shapes   (after lora, or after kit with the bundled data built) LoRA rank 32 at Qwen2.5 shapes on one
 #            GPU each (random weights, bench/make_random_model.py): train_reflect.py with the 1.5B recipe's
 #            settings, SGLang beside the trainer; GPU 0: 1.5B full fine-tuning, 1.5B LoRA, 7B LoRA; GPU 1:
@@ -121,7 +122,10 @@ learn|async|tools|large|hard|lora)
         refl+=("$(run reflect_r${r}_s$seed train_reflect.py $F --seed $seed --lora_rank $r --lr 1e-4)")
       done
     done
-    if [ "$(ngpu)" -ge 2 ]; then side_by_side 0 "${calc[@]}"; side_by_side 1 "${refl[@]}"
+    if [ -n "${ONLY:-}" ]; then  # a regex of run names (e.g. 'calc_r8_s1'): those alone, on GPU 0
+      keep=(); for c in "${calc[@]}" "${refl[@]}"; do [[ $c =~ --run_dir\ $R/($ONLY)\  ]] && keep+=("$c"); done
+      side_by_side 0 "${keep[@]}"
+    elif [ "$(ngpu)" -ge 2 ]; then side_by_side 0 "${calc[@]}"; side_by_side 1 "${refl[@]}"
     else side_by_side 0 "${calc[@]}" "${refl[@]}"; fi
     exit 0
   fi
