@@ -417,25 +417,32 @@ def build_demonstrations(tokenizer, cfg: Config, items: list[dict], corpus_path:
     end_of_turn = end_of_turn_ids(tokenizer)
     tool_mask = 1 if loss_on_tool_tokens else 0
     rng = random.Random(seed)
-    examples = []
-    for item in items:
-        ids = build_prompt_ids(tokenizer, item["question"], cfg.apply_chat_template, prompt_template(cfg))
-        mask = [tool_mask] * len(ids)
-        direct = rng.random() < direct_frac
+    # Each demonstration as (text, trained) pieces after its prompt; every query searched and every piece
+    # tokenized in one call for all demonstrations (the same results as one at a time, a third of the time).
+    directs = [rng.random() < direct_frac for _ in items]
+    queries = [query for item, direct in zip(items, directs) if not direct for query in item["hop_queries"]]
+    results = iter(bm25_search(index, queries, cfg.topk) if queries else [])
+    pieces = []
+    for item, direct in zip(items, directs):
+        turns = []
         for query in ([] if direct else item["hop_queries"]):
-            model_text = f"<think> I need to search {query}. </think>\n<search> {query} </search>"
-            docs = bm25_search(index, [query], cfg.topk)[0]
-            tool_text = f"\n\n<information>{format_docs(docs, cfg.max_info_chars)}</information>\n\n"
-            model_ids = tokenizer(model_text, add_special_tokens=False)["input_ids"]
-            tool_ids = tokenizer(tool_text, add_special_tokens=False)["input_ids"]
-            ids += model_ids + tool_ids
-            mask += [1] * len(model_ids) + [tool_mask] * len(tool_ids)
+            turns.append((f"<think> I need to search {query}. </think>\n<search> {query} </search>", 1))
+            turns.append((f"\n\n<information>{format_docs(next(results), cfg.max_info_chars)}</information>\n\n",
+                          tool_mask))
         # a direct answer has its own words: the answer after "The answer is" is copied from results
         lead = "From memory:" if direct else "The answer is"
-        final = f"<think> {lead} {item['answer'][0]}. </think>\n<answer> {item['answer'][0]} </answer>"
-        final_ids = tokenizer(final, add_special_tokens=False)["input_ids"] + end_of_turn
-        ids += final_ids
-        mask += [1] * len(final_ids)
+        turns.append((f"<think> {lead} {item['answer'][0]}. </think>\n<answer> {item['answer'][0]} </answer>", 1))
+        pieces.append(turns)
+    texts = [text for turns in pieces for text, _ in turns]
+    token_ids = iter(tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
+    examples = []
+    for item, turns in zip(items, pieces):
+        ids = build_prompt_ids(tokenizer, item["question"], cfg.apply_chat_template, prompt_template(cfg))
+        mask = [tool_mask] * len(ids)
+        for k, (_, trained) in enumerate(turns):
+            piece_ids = next(token_ids) + (end_of_turn if k == len(turns) - 1 else [])  # the answer ends the turn
+            ids += piece_ids
+            mask += [trained] * len(piece_ids)
         if len(ids) <= cfg.max_tokens:
             examples.append({"input_ids": ids, "loss_mask": mask})
     return examples
