@@ -149,7 +149,7 @@ def test_two_grpo_steps_of_train_calc_on_smollm2_by_name_after_a_warm_start_buil
 
     def args(run_dir, max_steps):
         return [sys.executable, "train_calc.py", "--model_path", NAME, "--run_dir", run_dir,
-                "--max_steps", str(max_steps), "--batch_size", "2", "--group_size", "2", "--max_turns", "2",
+                "--max_steps", str(max_steps), "--batch_size", "1", "--group_size", "2", "--max_turns", "2",
                 "--max_new_tokens_per_turn", "24", "--max_tokens", "144", "--eval_every", "0", "--test_size", "2",
                 "--checkpoint_every", "0", "--lr", "1e-5", "--tensorboard", "False", "--warm_start_steps", "2",
                 "--warm_start_batch_size", "2", "--warm_start_lr", "1e-5"]

@@ -248,7 +248,8 @@ def test_a_server_that_never_answers_the_disk_update_fails_the_sync_within_its_b
     stub.daemon_threads = True
     threading.Thread(target=stub.serve_forever, daemon=True).start()
     address = f"http://127.0.0.1:{stub.server_port}"
-    actor = SimpleNamespace(device=torch.device("cpu"), world_size=1, save_hf=lambda path: None)
+    actor = SimpleNamespace(device=torch.device("cpu"), world_size=1, compute_dtype=torch.float32,
+                            save_hf=lambda path: None)
     bg = BackgroundLoop()
     client = InferenceClient([address], max_retries=0)
     try:
