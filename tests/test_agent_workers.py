@@ -8,6 +8,7 @@ import time
 import pytest
 
 from lib.agent_workers import AgentFailed, AgentWorkers, num_workers
+from tests.killed_trainer import after_sigkill, running
 
 # --- agents, importable by name in the workers ---
 _running = 0  # episodes running in this worker now
@@ -212,12 +213,8 @@ def test_num_workers_must_be_positive():
         AgentWorkers(echo_agent, 0)
 
 
-def test_workers_exit_when_the_trainer_is_killed(tmp_path):
-    import signal
-    import subprocess
-    import sys
-
-    trainer = subprocess.Popen([sys.executable, "-c", """
+def test_workers_exit_when_the_trainer_is_killed():
+    pids, left = after_sigkill("""
 import asyncio, sys, time
 from lib.agent_workers import AgentWorkers
 from tests.test_agent_workers import echo_agent
@@ -227,25 +224,8 @@ async def main():
     print(*sorted({r["pid"] for r in results}), flush=True)
     time.sleep(600)
 asyncio.run(main())
-"""], stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    try:
-        pids = [int(p) for p in trainer.stdout.readline().split()]
-        assert len(pids) == 2 and all(os.path.exists(f"/proc/{p}") for p in pids)
-    finally:
-        trainer.send_signal(signal.SIGKILL)
-        trainer.wait()
-    deadline = time.monotonic() + 20
-    while any(_running_process(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(_running_process(p) for p in pids)
-
-
-def _running_process(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"  # a zombie has exited; only its parent's wait is missing
-    except FileNotFoundError:
-        return False
+""")
+    assert len(pids) == 2 and not left
 
 
 @pytest.mark.parametrize("requested,beside_cpu_server,cores,expected", [
@@ -299,9 +279,9 @@ def test_a_worker_whose_cancelled_episode_does_not_end_is_killed_and_the_next_ep
         second = await asyncio.wait_for(workers.run("u", "k", {}, 1.0), 60)
         assert second != first
         deadline = time.monotonic() + 10
-        while _running_process(first) and time.monotonic() < deadline:
+        while running(first) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        assert not _running_process(first)
+        assert not running(first)
     run_with(workers, go)
 
 

@@ -117,30 +117,19 @@ def test_a_dying_worker_scores_zero_is_counted_and_the_pool_recovers(reward_pool
     assert asyncio.run(reward_pool.score(tr.reward_fn, "#### 7", "#### 7")) == 1.0
 
 
-def test_the_reward_workers_of_a_trainer_killed_with_sigkill_exit(tmp_path):
+def test_the_reward_workers_of_a_trainer_killed_with_sigkill_exit():
     """A killed trainer never shuts its pool down; its workers must not wait for it for ever."""
-    import signal
-    import subprocess
-    import sys
+    from tests.killed_trainer import after_sigkill
 
-    trainer = subprocess.Popen([sys.executable, "-c", """
-import asyncio, sys, time
+    workers, left = after_sigkill("""
+import asyncio, time
 from lib.reward_pool import RewardPool, _ready
 pool = RewardPool(num_workers=2, timeout_s=5.0, preload=_ready)
 asyncio.run(pool.score(_ready))  # the workers are up
 print(" ".join(str(pid) for pid in pool._pool._processes), flush=True)
 time.sleep(600)
-"""], cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), stdout=subprocess.PIPE, text=True)
-    try:
-        workers = [int(pid) for pid in trainer.stdout.readline().split()]
-        assert len(workers) == 2 and all(os.path.exists(f"/proc/{pid}") for pid in workers)
-    finally:
-        trainer.send_signal(signal.SIGKILL)
-        trainer.wait()
-    deadline = time.monotonic() + 10
-    while any(os.path.exists(f"/proc/{pid}") for pid in workers) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(os.path.exists(f"/proc/{pid}") for pid in workers), "reward workers outlived their trainer"
+""", timeout_s=10)
+    assert len(workers) == 2 and not left, "reward workers outlived their trainer"
 
 
 # --- episodes against a scripted server ---
