@@ -282,7 +282,7 @@ class ServerWeightSync:
         # LoRA: the servers' log-probs on `probe_ids` are checked against the trainer's after each sync
         # until a verdict (check_probe)
         self.probe_ids = list(probe_ids) if probe_ids and getattr(actor, "lora", False) else None
-        self.probe_checks, self.probe_metrics = 0, {}
+        self.probe_checks = 0
         self.server_base: list[torch.Tensor] | None = None  # each server's probe log-probs on the base model
         if method == "tensor" and actor.world_size > 1:
             raise ValueError("weight sync 'tensor' hands over one process's tensors: use 'nccl' under torchrun")
@@ -331,7 +331,6 @@ class ServerWeightSync:
             self.server_base = [torch.tensor(lp) for lp in served]
             noise = max((base - trainer).abs().mean().item() for base in self.server_base)
             metrics = {"lora/probe_base_gap": noise}
-        self.probe_metrics = metrics
         return metrics
 
     def check_probe(self, version) -> dict:
@@ -346,7 +345,7 @@ class ServerWeightSync:
         server whose move is off by more than PROBE_TOLERANCE + half the trainer's is stopped at once
         (nothing like the trainer's model). At most PROBE_MAX_CHECKS syncs are checked. Every rank calls
         it (the trainer's forwards are collective under FSDP); rank 0 asks the servers. Returns the
-        check's numbers (also in `probe_metrics`, logged under lora/)."""
+        check's numbers (logged under lora/)."""
         floor = PROBE_TOLERANCE.get(self.actor.compute_dtype, 2e-2)
         trainer = self.actor.probe_logprobs(self.probe_ids)
         base = self.actor.probe_logprobs(self.probe_ids, adapters=False)
@@ -357,13 +356,15 @@ class ServerWeightSync:
         metrics = {"lora/probe_trainer_moved": moved}
         if trainer_rank() == 0:
             adapter = self.client.lora_adapter if self.adapters_only else None
-            served = self.run(self.client.prompt_logprobs(self.probe_ids, adapter), timeout_s=self.timeout_s)
+            served = [torch.tensor(lp) for lp in self.run(self.client.prompt_logprobs(self.probe_ids, adapter),
+                                                          timeout_s=self.timeout_s)]
             baselines = self.server_base or [base] * len(served)
-            misses = [((torch.tensor(lp) - server_base) - trainer_move).abs().mean().item() if len(lp) == len(trainer)
-                      else float("inf") for lp, server_base in zip(served, baselines)]
-            metrics["lora/probe_move_miss"] = max(misses)
-            metrics["lora/probe_server_gap"] = max((torch.tensor(lp) - trainer).abs().mean().item()
-                                                   if len(lp) == len(trainer) else float("inf") for lp in served)
+            misses, gaps = [], []  # per server; a wrong number of log-probs misses by everything
+            for lp, server_base in zip(served, baselines):
+                fits = len(lp) == len(trainer)
+                misses.append(((lp - server_base) - trainer_move).abs().mean().item() if fits else float("inf"))
+                gaps.append((lp - trainer).abs().mean().item() if fits else float("inf"))
+            metrics["lora/probe_move_miss"], metrics["lora/probe_server_gap"] = max(misses), max(gaps)
             allowed = 0.5 * (moved + floor) if decides else 0.5 * moved + floor
             for address, miss in zip(self.client.addresses, misses):
                 if miss > allowed:
@@ -387,7 +388,6 @@ class ServerWeightSync:
                       f"by only {moved:.3g} (< 3 x {floor:g}): whether the servers apply them could not be told "
                       f"apart from agreement; raise lr or lora_alpha if they are meant to learn", file=sys.stderr)
             self.probe_ids = None
-        self.probe_metrics = metrics
         return metrics
 
     def _sync_full(self, version, what: str, flush_cache: bool) -> float:
