@@ -31,7 +31,8 @@
 #            14B LoRA (static split), 32B LoRA (sleep mode); the GPU's memory polled every second
 #   wait S   sleep up to S seconds while runs go on, printing their progress
 #   collect  the runs' metrics, logs, traces (heads) and the TRL result into $OUT/smollm2_runs.tgz
-# One run per GPU (two SGLang servers on one GPU trip SGLang's memory check); with fewer GPUs
+# One run per GPU (two SGLang servers started at once on one GPU trip its memory check; `lora` starts
+# its six a GPU $STAGGER s apart); with fewer GPUs
 # than runs, a GPU's runs go one after another.
 #   OUT=$OUT bash bench/gpu_smollm2.sh kit|part|learn|compare|wait 540|collect
 set -u
