@@ -30,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 from lib.async_rollout import gather_groups
-from lib.chat_format import closing_ids
+from lib.chat_format import closing_ids, encode, encode_batch, render_text
 from lib.deadlines import with_deadline
 from lib.client import InferenceClient
 from lib.config import load_config
@@ -99,12 +99,15 @@ def prompt_template(cfg) -> str:
     return PROMPTS[cfg.prompt] if cfg.use_tool or cfg.prompt == "short" else NO_TOOL_PROMPT_TEMPLATE
 
 
-def build_prompt_ids(tokenizer, question: str, apply_chat_template: bool, template: str = PROMPT_TEMPLATE) -> list[int]:
+def prompt_text(tokenizer, question: str, apply_chat_template: bool, template: str = PROMPT_TEMPLATE) -> str:
     text = template.format(question=question)
     if apply_chat_template and tokenizer.chat_template:
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
-                                                  add_generation_prompt=True, return_dict=False))
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+        return render_text(tokenizer, [{"role": "user", "content": text}], add_generation_prompt=True)
+    return text
+
+
+def build_prompt_ids(tokenizer, question: str, apply_chat_template: bool, template: str = PROMPT_TEMPLATE) -> list[int]:
+    return encode(tokenizer, prompt_text(tokenizer, question, apply_chat_template, template))
 
 
 # --- parsers ---
@@ -433,11 +436,11 @@ def build_demonstrations(tokenizer, cfg: Config, items: list[dict], corpus_path:
         lead = "From memory:" if direct else "The answer is"
         turns.append((f"<think> {lead} {item['answer'][0]}. </think>\n<answer> {item['answer'][0]} </answer>", 1))
         pieces.append(turns)
-    texts = [text for turns in pieces for text, _ in turns]
-    token_ids = iter(tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
+    texts = [prompt_text(tokenizer, item["question"], cfg.apply_chat_template, prompt_template(cfg)) for item in items]
+    token_ids = iter(encode_batch(tokenizer, texts + [text for turns in pieces for text, _ in turns]))
+    prompts = [next(token_ids) for _ in items]
     examples = []
-    for item, turns in zip(items, pieces):
-        ids = build_prompt_ids(tokenizer, item["question"], cfg.apply_chat_template, prompt_template(cfg))
+    for item, turns, ids in zip(items, pieces, prompts):
         mask = [tool_mask] * len(ids)
         for k, (_, trained) in enumerate(turns):
             piece_ids = next(token_ids) + (end_of_turn if k == len(turns) - 1 else [])  # the answer ends the turn
