@@ -224,7 +224,11 @@ def _train(base_model_dir, examples, out_dir, *, steps, lr, batch_size, warmup_s
     # summed: the activations of 16 rows of 700 tokens of a 135M model take over 20 GB in fp32, more
     # than a laptop has. The loss is normalised by the whole batch's trained tokens, as in one pass.
     # On a CPU small ones are also faster (their activations stay in cache; bench/bench_warm_start.py).
-    tokens_per_mb = max_tokens_per_mb or (16384 if str(device).startswith("cuda") else 1024)
+    # On a GPU the fp32 logits bound them: 16,384 tokens at SmolLM2's 49k vocabulary (3 GB of logits),
+    # fewer at a larger one (Gemma 3's 262k: 16,384 tokens took 108 GB of an H200 with log-softmax and grads).
+    vocab = model.get_output_embeddings().weight.shape[0]
+    gpu_tokens = max(1024, min(16384, (1 << 32) // (4 * vocab) // 1024 * 1024))
+    tokens_per_mb = max_tokens_per_mb or (gpu_tokens if str(device).startswith("cuda") else 1024)
     progress = tqdm(range(steps), desc=what, mininterval=5)
     for step in progress:
         batch = [examples[rng.randrange(len(examples))] for _ in range(batch_size)]
