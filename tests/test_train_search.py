@@ -332,7 +332,7 @@ def test_two_steps_then_resume_from_checkpoint(tmp_path):
     args = [sys.executable, "train_search.py", "--run_dir", run_dir, "--batch_size", "2", "--group_size", "2",
             "--max_turns", "2", "--max_new_tokens_per_turn", "16", "--max_tokens", "384", "--eval_every", "0", "--test_size", "2",
             "--warm_start_steps", "2", "--warm_start_batch_size", "2", "--warm_start_direct_steps", "2",
-            "--checkpoint_every", "1", "--lr", "1e-4"]
+            "--warm_start_worlds", "0", "--checkpoint_every", "1", "--lr", "1e-4"]
     first = subprocess.run(args + ["--max_steps", "2", "--learnability_probe", "True", "--eval_size", "2"], cwd=REPO,
                            capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -357,7 +357,8 @@ def test_two_steps_then_resume_from_checkpoint(tmp_path):
 
 COMMON = ["--batch_size", "2", "--group_size", "2", "--max_turns", "2", "--max_new_tokens_per_turn", "16", "--max_tokens", "384",
           "--eval_every", "0", "--test_size", "2", "--warm_start_steps", "2", "--warm_start_batch_size", "2",
-          "--warm_start_direct_steps", "2", "--checkpoint_every", "1", "--lr", "1e-4", "--max_steps", "2", "--tensorboard", "False"]
+          "--warm_start_direct_steps", "2", "--checkpoint_every", "1", "--lr", "1e-4", "--max_steps", "2", "--tensorboard", "False",
+          "--warm_start_worlds", "0"]  # the warm-start split's demonstrations only: a cheap key for the tests' warm start
 
 
 def train_rows(run_dir):

@@ -212,7 +212,8 @@ def test_traces_written_before_per_token_records_still_render(tmp_path):
 TINY = ["--max_steps", "2", "--batch_size", "2", "--trace_groups", "2", "--eval_every", "0", "--checkpoint_every", "0",
         "--tensorboard", "False", "--lr", "1e-4"]
 SEARCH = ["--group_size", "4", "--max_turns", "2", "--max_new_tokens_per_turn", "16", "--max_tokens", "384",
-          "--test_size", "2", "--warm_start_steps", "2", "--warm_start_batch_size", "2", "--warm_start_direct_steps", "2"]
+          "--test_size", "2", "--warm_start_steps", "2", "--warm_start_batch_size", "2", "--warm_start_direct_steps", "2",
+          "--warm_start_worlds", "0"]
 REFLECT = ["--group_size", "2", "--max_turns", "2", "--max_new_tokens_per_turn", "24", "--eval_size", "4", "--test_size", "4",
            "--warm_start_steps", "4", "--warm_start_batch_size", "4", "--warm_start_direct_steps", "2",
            "--trainer_threads", "1", "--warm_start_problems", "2000"]
