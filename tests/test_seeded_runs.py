@@ -18,7 +18,7 @@ RECORD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "seeded_runs.j
 COMMON = dict(max_steps=3, batch_size=2, group_size=2, eval_every=0, eval_size=4, test_size=4, checkpoint_every=0,
               tensorboard=False, warm_start_steps=4, warm_start_batch_size=4, ppo_minibatches=2, trainer_threads=1,
               server_threads=1, seeded_sampling=True)
-SCRIPTS = {"train_calc": {}, "train_tir": {}, "train_search": dict(max_turns=3, warm_start_direct_steps=2),
+SCRIPTS = {"train_calc": {}, "train_tir": {}, "train_search": dict(max_turns=3, warm_start_direct_steps=2, warm_start_worlds=0),
            "train_reflect": dict(max_turns=2, warm_start_direct_steps=2, warm_start_problems=2000)}
 KEYS = ("step", "rollout/reward", "rollout/gen_tokens", "loss/loss", "loss/grad_norm")
 
