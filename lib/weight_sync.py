@@ -284,6 +284,7 @@ class ServerWeightSync:
         self.probe_ids = list(probe_ids) if probe_ids and getattr(actor, "lora", False) else None
         self.probe_checks = 0
         self.server_base: list[torch.Tensor] | None = None  # each server's probe log-probs on the base model
+        self.trainer_base: torch.Tensor | None = None  # the trainer's, adapters on at their start (B = 0)
         if method == "tensor" and actor.world_size > 1:
             raise ValueError("weight sync 'tensor' hands over one process's tensors: use 'nccl' under torchrun")
         from lib.launch import free_port
@@ -313,18 +314,26 @@ class ServerWeightSync:
         return self.probe_ids is not None
 
     def calibrate_probe(self) -> dict:
-        """Before the first LoRA sync, while every server serves the base model: each server's own
-        log-probs on the probe, the baseline its later moves are measured from (check_probe). Their
-        gap to the trainer's base log-probs is the servers' numerical noise (SGLang's bf16 kernels
-        differ from the trainer's by ~0.05 a token on a 135M model), which an adapter's early moves do
-        not exceed: comparing moves, not values, cancels it. Every rank calls it (the trainer's forward
-        is collective under FSDP); rank 0 asks the servers and keeps their baselines."""
+        """Before any update, while the adapters are at their start (B = 0: the base model): each
+        server's own log-probs on the probe, and the trainer's, the baselines their later moves are
+        measured from (check_probe). Both are taken on the path the later ones take: the trainer with
+        its adapters on, and with adapter sync the servers serving the start adapter (loaded here as
+        version 0; requests name it from now on): switching kernels (a server's LoRA kernels, the
+        trainer's compiled graph with or without adapters) moves bf16 log-probs by itself (0.01 a
+        token on a random 7B in the trainer). The servers' gap to the trainer's baseline is their
+        numerical noise (SGLang's bf16 kernels differ from the trainer's by ~0.05 a token on a 135M
+        model, 0.10 on gemma-3-270m), which an adapter's early moves do not exceed: comparing moves,
+        not values, cancels it. Every rank calls it (the trainer's forward is collective under FSDP);
+        rank 0 asks the servers and keeps their baselines."""
         if self.probe_ids is None:
             return {}
-        trainer = self.actor.probe_logprobs(self.probe_ids, adapters=False)
+        if self.adapters_only:
+            self._bounded(sync_adapter(self.actor, self.client, self.disk_dir, 0), "loading the start LoRA adapter")
+        trainer = self.trainer_base = self.actor.probe_logprobs(self.probe_ids)
         metrics = {}
         if trainer_rank() == 0:
-            served = self.run(self.client.prompt_logprobs(self.probe_ids, None), timeout_s=self.timeout_s)
+            adapter = self.client.lora_adapter if self.adapters_only else None
+            served = self.run(self.client.prompt_logprobs(self.probe_ids, adapter), timeout_s=self.timeout_s)
             if any(len(lp) != len(trainer) for lp in served):
                 raise ServerIgnoresAdapter(f"a server answered the LoRA probe ({len(trainer)} tokens) with a different "
                                            f"number of log-probs: it does not serve this model's tokens")
@@ -335,9 +344,9 @@ class ServerWeightSync:
 
     def check_probe(self, version) -> dict:
         """After a LoRA sync, once generation goes on (the probe is a /generate call): do the servers'
-        log-probs on the probe move with the trainer's? The trainer's move is its adapted minus its
-        base log-probs; a server's is its log-probs now minus at calibration (calibrate_probe; without
-        one, minus the trainer's base). Once the trainer has moved more than 3x PROBE_TOLERANCE on
+        log-probs on the probe move with the trainer's? The trainer's move is its log-probs now minus
+        at calibration (calibrate_probe; without one, minus its base model's), a server's likewise
+        (without one, minus the trainer's base). Once the trainer has moved more than 3x PROBE_TOLERANCE on
         average, each server's move must match it to half its size plus half the floor (mean |server
         move - trainer move| <= 0.5 x (mean |trainer move| + floor): the kernels' noise does not cancel
         exactly), else ServerIgnoresAdapter: a server that ignores the adapter
@@ -348,7 +357,8 @@ class ServerWeightSync:
         check's numbers (logged under lora/)."""
         floor = PROBE_TOLERANCE.get(self.actor.compute_dtype, 2e-2)
         trainer = self.actor.probe_logprobs(self.probe_ids)
-        base = self.actor.probe_logprobs(self.probe_ids, adapters=False)
+        base = self.trainer_base if self.trainer_base is not None else self.actor.probe_logprobs(self.probe_ids,
+                                                                                                adapters=False)
         trainer_move = trainer - base
         moved = trainer_move.abs().mean().item()
         decides = moved > 3 * floor

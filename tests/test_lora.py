@@ -306,35 +306,48 @@ def test_adapters_travel_in_the_trainers_compute_dtype(server, model_dir, tmp_pa
 class NoisyServer:
     """A client whose one server serves the trainer's log-probs plus a fixed per-token error (the numerical
     noise of bf16 kernels unlike the trainer's), with the trainer's adapters applied `scale` times (1: it
-    follows them; 0: it ignores them)."""
+    follows them; 0: it ignores them), and `path_noise` more whenever a request names an adapter (its
+    LoRA kernels round otherwise than its base path, even with an adapter of B = 0)."""
     addresses = ["noisy"]
-    lora_adapter = "policy-v1"
 
-    def __init__(self, actor, noise: float, scale: float = 1.0):
-        self.actor, self.scale = actor, scale
+    def __init__(self, actor, noise: float, scale: float = 1.0, path_noise: float = 0.0):
+        self.actor, self.scale, self.lora_adapter = actor, scale, None
         self.noise = noise * torch.randn(len(BATCH[0]) - 1, generator=torch.Generator().manual_seed(0))
+        self.path_noise = path_noise * torch.randn(len(BATCH[0]) - 1, generator=torch.Generator().manual_seed(1))
+
+    async def load_lora_adapter(self, name, path):
+        return [{"loaded_adapters": {name: path}}]
+
+    def set_lora_adapter(self, name):
+        self.lora_adapter = name
 
     async def prompt_logprobs(self, ids, lora_path=None):
         base = self.actor.probe_logprobs(ids, adapters=False)
         move = self.actor.probe_logprobs(ids) - base if lora_path is not None else 0.0
-        return [(base + self.scale * move + self.noise).tolist()]
+        path = self.path_noise if lora_path is not None else 0.0
+        return [(base + self.scale * move + self.noise + path).tolist()]
 
 
 def test_the_probe_compares_the_servers_moves_with_the_trainers_so_numerical_noise_is_not_an_ignored_adapter(
-        model_dir):
+        model_dir, tmp_path):
     actor = lora_actor(model_dir)
     bg = BackgroundLoop()
     try:
-        def probe_sync(scale: float, calibrated: bool = True) -> ServerWeightSync:
-            sync = ServerWeightSync("disk", actor, NoisyServer(actor, noise=0.15, scale=scale), bg.run,
-                                    num_servers=1, disk_dir="unused", probe_ids=BATCH[0])
-            if calibrated:  # while the adapters are B = 0: the server serves the base model
+        def probe_sync(scale: float, calibrated: bool = True, path_noise: float = 0.0) -> ServerWeightSync:
+            server = NoisyServer(actor, noise=0.15, scale=scale, path_noise=path_noise)
+            sync = ServerWeightSync("disk", actor, server, bg.run, num_servers=1, disk_dir=str(tmp_path / "adapters"),
+                                    probe_ids=BATCH[0])
+            if calibrated:  # while the adapters are B = 0, the start adapter loaded as version 0 and served
                 assert sync.calibrate_probe()["lora/probe_base_gap"] > 0.05
+                assert server.lora_adapter == "policy-v0" and os.path.isdir(tmp_path / "adapters" / "adapter-v0")
+            server.set_lora_adapter("policy-v1")  # as the first sync would
             return sync
 
         # adapters that barely move the log-probs yet (below the fp32 floor of 1e-3): no verdict, and a
         # noisy server that follows them is not stopped
-        following, ignoring = probe_sync(1.0), probe_sync(0.0)
+        # every baseline is taken before the adapters move, as a run takes it at start-up
+        following, ignoring, doubling = probe_sync(1.0), probe_sync(0.0), probe_sync(2.0)
+        kernel_noisy, uncalibrated = probe_sync(1.0, path_noise=0.15), probe_sync(1.0, calibrated=False)
         randomise_adapters(actor, seed=3)
         for _, module in lora_modules(actor.model):
             module.lora_B["default"].weight.data *= 0.0005
@@ -349,10 +362,13 @@ def test_the_probe_compares_the_servers_moves_with_the_trainers_so_numerical_noi
         with pytest.raises(ServerIgnoresAdapter, match="does not apply LoRA adapter 'policy-v1'"):
             ignoring.check_probe(2)
         with pytest.raises(ServerIgnoresAdapter, match="does not move its log-probs"):
-            probe_sync(2.0).check_probe(2)  # the adapter applied at twice its scale (a lora_alpha mismatch)
+            doubling.check_probe(2)  # the adapter applied at twice its scale (a lora_alpha mismatch)
+        # a server whose LoRA kernels add their own 0.15 a token: calibrated on the start adapter, it cancels
+        metrics = kernel_noisy.check_probe(2)
+        assert metrics["lora/probe_move_miss"] < 1e-5 and metrics["lora/probe_server_gap"] > 0.1
         # without the baseline, the same following server's noise reads as a server off the trainer's model
         with pytest.raises(ServerIgnoresAdapter):
-            probe_sync(1.0, calibrated=False).check_probe(2)
+            uncalibrated.check_probe(2)
     finally:
         bg.close()
 
