@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from lib.async_rollout import gather_groups
-from lib.chat_format import encode, encode_batch
+from lib.chat_format import encode, encode_batch, render_text
 from lib.deadlines import with_deadline
 from lib.client import InferenceClient
 from lib.config import load_config
@@ -65,14 +65,13 @@ REFLECTION = "Your answer is either wrong or not parsable to the reference answe
 
 
 def render_ids(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return encode(tokenizer, render_text(tokenizer, messages, add_generation_prompt=add_generation_prompt))
 
 
 def prompt_text(tokenizer, question: str, apply_chat_template: bool) -> str:
     text = PROMPT_TEMPLATE.format(question=question)
     if apply_chat_template and tokenizer.chat_template:
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+        return render_text(tokenizer, [{"role": "user", "content": text}], add_generation_prompt=True)
     return text
 
 

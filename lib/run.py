@@ -405,8 +405,8 @@ def _open(run: Run, build_model, load_splits, tokenizer_texts):
                                        timeout_s=cfg.weight_sync_timeout_s, lora_sync=cfg.lora_sync,
                                        probe_ids=run.tokenizer(LORA_PROBE_TEXT)["input_ids"][:64])
 
-    # LoRA: the servers' log-probs on the probe while they serve the base model, from which their moves
-    # after each sync are measured (do they move with the trainer's adapters?)
+    # LoRA: the servers' and the trainer's log-probs on the probe while the adapters are at their start (the
+    # base model; served as adapter version 0), from which their moves after each sync are measured
     probe_noise = run.weight_sync.calibrate_probe()
     if probe_noise:
         print(f"LoRA probe: on the base model the servers are within {probe_noise['lora/probe_base_gap']:.2g} of the "
