@@ -24,15 +24,17 @@
 #            fine-tuning on calc (GPU 0) and reflect (GPU 1), 2 seeds each, the shipped configs with lr x10
 #            for LoRA; the six runs of a task share its GPU (SGLang's static pool 0.12 of what is free at
 #            each start, starts $STAGGER s apart so that no server sizes its pool while another is starting;
-#            ONLY=<regex of run names> runs those alone on GPU 0)
+#            ONLY=<regex of run names> runs those alone on GPU $LORA_GPU, default 0; R32_LR: rank 32's lr)
 #   shapes   (after lora, or after kit with the bundled data built) LoRA rank 32 at Qwen2.5 shapes on one
 #            GPU each (random weights, bench/make_random_model.py): train_reflect.py with the 1.5B recipe's
 #            settings, SGLang beside the trainer; GPU 0: 1.5B full fine-tuning, 1.5B LoRA, 7B LoRA; GPU 1:
-#            14B LoRA (static split), 32B LoRA (sleep mode); the GPU's memory polled every second;
+#            14B LoRA (static split), 32B LoRA (sleep mode, the trainer's frozen base in host memory while
+#            SGLang generates: --trainer_offload_base); the GPU's memory polled every second;
 #            SHAPES_ONLY=<regex, e.g. '7b|32b'> runs those one after another on GPU $SHAPES_GPU
 #   gpart    carry .gwN: keep the Nth of gemma-3-270m's four part wheels in /tmp/gw (four calls)
 #   gemma    (after kit and the four gpart calls) build gemma-3-270m by name, then search on it with SGLang:
-#            2 seeds, LoRA r32, zero-shot, the no-tool baseline, side by side on two GPUs (or all on $GEMMA_GPU)
+#            2 seeds, LoRA r32, zero-shot, the no-tool baseline, side by side on two GPUs (three of four; or all
+#            on $GEMMA_GPU)
 #   wait S   sleep up to S seconds while runs go on, printing their progress
 #   collect  the runs' metrics, logs, traces (heads) and the TRL result into $OUT/smollm2_runs.tgz
 # One run per GPU (two SGLang servers started at once on one GPU trip its memory check; `lora` starts
@@ -111,7 +113,9 @@ gemma)  # after kit and the four gpart calls: build gemma-3-270m by name from th
   a=("$(run gemma_s0 train_search.py $G --seed 0)" "$(run gemma_r32_s0 train_search.py $G --seed 0 --lora_rank 32 --lr 1e-4)"
      "$(run gemma_zeroshot train_search.py $G --seed 0 --warm_start_steps 0 --max_steps 0 --test_at_start False)")
   b=("$(run gemma_s1 train_search.py $G --seed 1)" "$(run gemma_notool_s0 train_search.py $G --seed 0 --use_tool False --warm_start_steps 200)")
-  if [ -z "${GEMMA_GPU:-}" ] && [ "$(ngpu)" -ge 2 ]; then side_by_side 0 "${a[@]}"; side_by_side 1 "${b[@]}"
+  if [ -z "${GEMMA_GPU:-}" ] && [ "$(ngpu)" -ge 4 ]; then  # GPU 3 stays free (for `shapes`)
+    side_by_side 0 "${a[0]}" "${a[2]}"; side_by_side 1 "${b[@]}"; side_by_side 2 "${a[1]}"
+  elif [ -z "${GEMMA_GPU:-}" ] && [ "$(ngpu)" -ge 2 ]; then side_by_side 0 "${a[@]}"; side_by_side 1 "${b[@]}"
   else side_by_side ${GEMMA_GPU:-0} "${a[@]}" "${b[@]}"; fi
   ;;
 learn|async|tools|large|hard|lora)
@@ -142,13 +146,14 @@ learn|async|tools|large|hard|lora)
       calc+=("$(run calc_full_s$seed train_calc.py $C --seed $seed)")
       refl+=("$(run reflect_full_s$seed train_reflect.py $F --seed $seed)")
       for r in 8 32; do
-        calc+=("$(run calc_r${r}_s$seed train_calc.py $C --seed $seed --lora_rank $r --lr 1e-4)")
+        lr=1e-4; [ $r = 32 ] && lr=${R32_LR:-1e-4}  # rank 32's adapters scale by alpha / 32 = 1 (rank 8's by 4)
+        calc+=("$(run calc_r${r}_s$seed train_calc.py $C --seed $seed --lora_rank $r --lr $lr)")
         refl+=("$(run reflect_r${r}_s$seed train_reflect.py $F --seed $seed --lora_rank $r --lr 1e-4)")
       done
     done
-    if [ -n "${ONLY:-}" ]; then  # a regex of run names (e.g. 'calc_r8_s1'): those alone, on GPU 0
+    if [ -n "${ONLY:-}" ]; then  # a regex of run names (e.g. 'calc_r8_s1'): those alone, on GPU ${LORA_GPU:-0}
       keep=(); for c in "${calc[@]}" "${refl[@]}"; do [[ $c =~ --run_dir\ $R/($ONLY)\  ]] && keep+=("$c"); done
-      side_by_side 0 "${keep[@]}"
+      side_by_side ${LORA_GPU:-0} "${keep[@]}"
     elif [ "$(ngpu)" -ge 2 ]; then side_by_side 0 "${calc[@]}"; side_by_side 1 "${refl[@]}"
     else side_by_side 0 "${calc[@]}" "${refl[@]}"; fi
     exit 0
@@ -231,7 +236,7 @@ shapes)
   g0=("$(shape shape_1.5b_full 1.5b --mem_fraction_static 0.3)" "$(shape shape_1.5b_r32 1.5b --mem_fraction_static 0.3 --lora_rank 32 --lr 1e-5)"
       "$(shape shape_7b_r32 7b --mem_fraction_static 0.3 --lora_rank 32 --lr 1e-5)")
   g1=("$(shape shape_14b_r32 14b --mem_fraction_static 0.26 --max_tokens_per_mb 8192 --lora_rank 32 --lr 1e-5)" "rm -rf /tmp/q14b"
-      "$(shape shape_32b_r32 32b --mem_fraction_static 0.5 --colocate_sleep True --max_tokens_per_mb 8192 --lora_rank 32 --lr 1e-5)")
+      "$(shape shape_32b_r32 32b --mem_fraction_static 0.5 --colocate_sleep True --trainer_offload_base True --max_tokens_per_mb 8192 --lora_rank 32 --lr 1e-5)")
   if [ -n "${SHAPES_ONLY:-}" ]; then  # a regex of run names (e.g. '7b|32b'): those, in order, on GPU $SHAPES_GPU (default 0)
     keep=(); for c in "${g0[@]}" "${g1[@]}"; do [[ $c =~ --run_dir\ $R/shape_($SHAPES_ONLY)[_\ ] ]] && keep+=("$c" "rm -rf /tmp/q[0-9]*"); done
     lane ${SHAPES_GPU:-0} "${keep[@]}"

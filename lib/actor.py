@@ -227,6 +227,8 @@ class Actor:
         # The schedule counts training steps when update() is given `step` (a script's step: skipped
         # updates and steps with several mini-batches or none count once each), else update() calls.
         self._schedule_step: int | None = None
+        self._parked: list | None = None  # park_base(): the frozen base's parameters, now in host memory
+        self._host_base: list | None = None  # their page-locked host buffers, made once
         self.num_nonfinite_grad_steps = 0  # updates skipped for a non-finite gradient norm, in this process
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda n: _lr_factor(n if self._schedule_step is None else self._schedule_step,
@@ -279,10 +281,52 @@ class Actor:
         return {k: batch[k][idx][:, :length].to(self.device) if batch[k].dim() > 1 else batch[k][idx].to(self.device)
                 for k in keys if k in batch}
 
+    # --- LoRA on one GPU: the frozen base out of the GPU while a server beside it generates ---
+
+    @torch.no_grad()
+    def park_base(self) -> None:
+        """LoRA, one process: the frozen base's weights go to (page-locked) host memory, the adapters and
+        their optimizer stay. The next call that runs the model (log-probs, update, probe, export)
+        brings them back first. For a server that shares the GPU and generates in between (colocate_sleep):
+        a 32B base is 64 GB that its cache gets instead; it costs two copies of the base a step."""
+        if not self.lora or self.world_size > 1:
+            raise ValueError("park_base moves LoRA's frozen base to host memory: it needs lora_rank > 0 on one "
+                             "process (full fine-tuning trains every weight; under FSDP each rank holds a shard)")
+        if self._parked is not None:
+            return
+        frozen = [p for p in self.model.parameters() if not p.requires_grad]
+        if self._host_base is None:
+            pin = self.device.type == "cuda"
+            self._host_base = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for p in frozen]
+        for param, host in zip(frozen, self._host_base):
+            host.copy_(param.data, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for param, host in zip(frozen, self._host_base):
+            param.data = host  # the same Parameter objects (ties, peft and compiled layers see them)
+        self._parked = frozen
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # back to the driver, for the server
+
+    @torch.no_grad()
+    def _unpark_base(self) -> None:
+        if self._parked is None:
+            return
+        for param in self._parked:
+            param.data = param.data.to(self.device, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._parked = None
+
+    @property
+    def base_parked(self) -> bool:
+        return self._parked is not None
+
     @torch.no_grad()
     def compute_logprobs(self, batch: dict, policy: PolicyForward | None = None) -> torch.Tensor:
         """logprobs [B, T] of `batch["input_ids"]` under the current weights (no grad), micro-batched
         by token budget and packed; returned on the batch's device."""
+        self._unpark_base()
         policy = policy or self.policy
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
         out = torch.zeros(input_ids.shape, dtype=torch.float32)
@@ -311,6 +355,7 @@ class Actor:
         `step` (0-based training step): the learning rate is the schedule's at that step, so the
         schedule ends where the run does, whatever updates were skipped or split into mini-batches.
         """
+        self._unpark_base()
         if step is not None:
             self._schedule_step = int(step)
             for group, base_lr, factor in zip(self.optimizer.param_groups, self.scheduler.base_lrs,
@@ -457,6 +502,7 @@ class Actor:
         iterator in step; all ranks get the full tensors. Tied weights appear once."""
         dtype = dtype or self.compute_dtype
         if self.lora:  # the adapters folded into the base: what a server without adapters serves
+            self._unpark_base()
             yield from merged_named_parameters(self.model, dtype)
             return
         # With master weights the bf16 parameters are the master's cast: hand them out uncopied.
@@ -467,6 +513,7 @@ class Actor:
 
     def _full_state_dict(self, dtype: torch.dtype) -> dict:
         if self.lora:  # every rank gathers (collective); rank 0 writes
+            self._unpark_base()
             merged = {k: v.cpu() for k, v in merged_named_parameters(self.model, dtype)}
             return merged if self.rank == 0 else {}
         if self.world_size == 1:
@@ -505,6 +552,7 @@ class Actor:
     def probe_logprobs(self, input_ids: list[int], adapters: bool = True) -> torch.Tensor:
         """logprobs [T - 1] of tokens 1.. of `input_ids` at temperature 1 (what a server reports as its
         prompt log-probs), under the current weights, or with `adapters=False` the LoRA base alone."""
+        self._unpark_base()
         ids = torch.tensor([input_ids], device=self.device)
         self.policy.eval()
         with adapters_disabled(self.model) if not adapters else contextlib.nullcontext(), self._autocast():

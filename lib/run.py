@@ -143,6 +143,8 @@ class RunConfig:
     weight_sync_master_address: str = "127.0.0.1"  # nccl: the trainer's address as the servers reach it
     weight_sync_timeout_s: float = 600.0  # a sync (or the group's set-up) past this stops the run, naming what it waited on
     colocate_sleep: bool = False  # sync mode, SGLang on the trainer's GPU: the server lends its memory during the update
+    # LoRA with colocate_sleep: the frozen base waits in host memory while the server generates (a 32B base on one GPU)
+    trainer_offload_base: bool = False
     # == async mode ==
     # a group starts only if a step within max_staleness versions will train it (nothing generated
     # is dropped as stale), and the trainer takes the oldest groups first (lib/async_rollout.py)
@@ -227,6 +229,10 @@ def check_config(cfg: RunConfig):
         raise ValueError("server 'external' needs server_addrs: --server_addrs '[\"http://host:port\"]'")
     if cfg.colocate_sleep and cfg.mode != "sync":
         raise ValueError("colocate_sleep needs mode sync: in async mode the server generates while the trainer works")
+    if cfg.trainer_offload_base and not (cfg.lora_rank > 0 and cfg.colocate_sleep):
+        raise ValueError("trainer_offload_base parks LoRA's frozen base in host memory while a server on the trainer's "
+                         "GPU generates: it needs --lora_rank > 0 and --colocate_sleep True (without sleep mode the "
+                         "server's memory is fixed at start-up and gains nothing from it)")
     if cfg.weight_sync == "nccl" and cfg.dp_size > 1:
         raise ValueError("weight_sync nccl sends to each server's TP ranks: use num_servers instead of dp_size")
     check_lora_settings(cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules, cfg.lora_dropout)
@@ -430,6 +436,8 @@ def _open(run: Run, build_model, load_splits, tokenizer_texts):
         if is_main:
             print(f"resumed from step {run.step} (policy version {run.version}, data position "
                   f"{run.data_position}); server sampling seed {sampling_seed}")
+    if cfg.trainer_offload_base:  # the server generates next (evaluations, the first rollout): the base waits on the host
+        run.actor.park_base()
     if is_main:
         run.client.set_version(run.version)
         # One run per file: a fresh start moves an earlier run's rows aside, a resume drops the rows of
@@ -693,7 +701,7 @@ def sync_weights(run: Run, trained: bool) -> dict:
     """5. weight sync: pause generation, push the new weights, continue; bump the version. A step
     with nothing trained leaves the weights and the version as they are (a server that lent its
     memory, colocate_sleep, gets the same weights back)."""
-    cfg, t3 = run.cfg, time.time()
+    cfg, t3, probe_trainer, park_s = run.cfg, time.time(), None, None
     if trained or cfg.colocate_sleep:
         run.version += int(trained)
         # sync mode has nothing in flight: "abort" leaves SGLang in a state it can always flush
@@ -707,6 +715,12 @@ def sync_weights(run: Run, trained: bool) -> dict:
         # a held request keeps its KV (and SGLang can flush only an idle server: its scheduler
         # dies on a failed flush), so the prefix cache is flushed only where nothing is held
         run.weight_sync.sync(run.version, flush_cache=pause_mode == "abort")
+        if cfg.trainer_offload_base:  # the probe's trainer side needs the base: taken before it leaves the GPU
+            if trained and run.weight_sync.probe_due:
+                probe_trainer = run.weight_sync.trainer_probe()
+            t_park = time.time()
+            run.actor.park_base()  # host memory until the next step's log-probs; the server's cache gets the GPU
+            park_s = time.time() - t_park
         if cfg.colocate_sleep and run.is_main:
             run.bg.run(run.client.resume_memory_occupation(["kv_cache", "cuda_graph"]))
         if run.is_main:
@@ -714,8 +728,10 @@ def sync_weights(run: Run, trained: bool) -> dict:
                 run.producer.set_version(run.version)
             run.bg.run(run.client.continue_generation(run.version))  # requests cut or held by the pause go on
     metrics = {"perf/sync_s": time.time() - t3}
+    if park_s is not None:
+        metrics["perf/park_base_s"] = park_s  # in sync_s; the way back is in the next step's logp_s
     if trained and run.weight_sync.probe_due:  # LoRA: do the servers follow the trainer's adapters? (a /generate)
-        metrics.update(run.weight_sync.check_probe(run.version))
+        metrics.update(run.weight_sync.check_probe(run.version, trainer=probe_trainer))
     return metrics
 
 

@@ -342,7 +342,11 @@ class ServerWeightSync:
             metrics = {"lora/probe_base_gap": noise}
         return metrics
 
-    def check_probe(self, version) -> dict:
+    def trainer_probe(self) -> torch.Tensor:
+        """The trainer's log-probs on the probe now (for check_probe, when they must be taken earlier)."""
+        return self.actor.probe_logprobs(self.probe_ids)
+
+    def check_probe(self, version, trainer: torch.Tensor | None = None) -> dict:
         """After a LoRA sync, once generation goes on (the probe is a /generate call): do the servers'
         log-probs on the probe move with the trainer's? The trainer's move is its log-probs now minus
         at calibration (calibrate_probe; without one, minus its base model's), a server's likewise
@@ -353,10 +357,11 @@ class ServerWeightSync:
         moves by 0, one that scales it wrong by the wrong amount; the check then stops. Before that a
         server whose move is off by more than PROBE_TOLERANCE + half the trainer's is stopped at once
         (nothing like the trainer's model). At most PROBE_MAX_CHECKS syncs are checked. Every rank calls
-        it (the trainer's forwards are collective under FSDP); rank 0 asks the servers. Returns the
-        check's numbers (logged under lora/)."""
+        it (the trainer's forwards are collective under FSDP); rank 0 asks the servers. `trainer`: the
+        trainer's log-probs on the probe at this version if taken already (trainer_probe; lib takes them
+        before LoRA's base leaves the GPU). Returns the check's numbers (logged under lora/)."""
         floor = PROBE_TOLERANCE.get(self.actor.compute_dtype, 2e-2)
-        trainer = self.actor.probe_logprobs(self.probe_ids)
+        trainer = self.trainer_probe() if trainer is None else trainer
         base = self.trainer_base if self.trainer_base is not None else self.actor.probe_logprobs(self.probe_ids,
                                                                                                 adapters=False)
         trainer_move = trainer - base

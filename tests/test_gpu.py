@@ -183,6 +183,35 @@ def test_offloaded_optimizer_on_a_gpu_takes_the_in_memory_steps_bit_for_bit_and_
         assert torch.equal(param, master.cuda().to(torch.bfloat16))
 
 
+def test_a_parked_lora_base_leaves_the_gpu_pinned_and_the_next_step_is_the_unparked_actors(head_dim_64_model):
+    # trainer_offload_base: the frozen bf16 base goes to page-locked host memory between updates (the GPU's memory
+    # then holds the adapters and their optimizer alone) and the next log-probs and step are bit for bit an actor's
+    # that never parked, on compiled layers and lib's varlen kernel
+    from lib.lora import DEFAULT_TARGET_MODULES
+
+    batch = _random_batch([200, 37, 150, 90])
+    batch["logprobs"] = torch.full(batch["input_ids"].shape, -7.0) * batch["loss_mask"]
+    lora = dict(lr=1e-3, dtype="bfloat16", device="cuda:0", lora_rank=8, lora_alpha=32.0,
+                lora_target_modules=list(DEFAULT_TARGET_MODULES))
+    plain, parked = Actor(head_dim_64_model, **lora), Actor(head_dim_64_model, **lora)
+    stats = [[a.update(dict(batch), step=0)] for a in (plain, parked)]
+    frozen_bytes = sum(p.numel() * p.element_size() for p in parked.model.parameters() if not p.requires_grad)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    parked.park_base()
+    freed = before - torch.cuda.memory_allocated()
+    assert frozen_bytes > 0 and frozen_bytes <= freed <= frozen_bytes + 512 * len(parked._host_base)  # block rounding
+    assert all(h.is_pinned() for h in parked._host_base)
+    assert torch.equal(parked.compute_logprobs(batch), plain.compute_logprobs(batch))
+    assert abs(torch.cuda.memory_allocated() - before) < 2**20  # all of it back on the GPU
+    for step in (1, 2):
+        parked.park_base()
+        for a, s in zip((plain, parked), stats):
+            s.append(a.update(dict(batch), step=step))
+    assert [s["grad_norm"] for s in stats[0]] == [s["grad_norm"] for s in stats[1]]
+    assert torch.equal(parked.compute_logprobs(batch), plain.compute_logprobs(batch))
+
+
 def test_cpu_server_on_cuda_logprobs_match_forward(model_dir):
     from transformers import AutoModelForCausalLM
 

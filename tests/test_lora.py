@@ -150,6 +150,35 @@ def test_a_lora_checkpoint_holds_the_adapters_alone_and_resumes_exactly(model_di
     assert torch.equal(actor.compute_logprobs(batch), resumed.compute_logprobs(batch))
 
 
+def test_a_parked_base_waits_in_host_buffers_and_comes_back_for_every_use_unchanged(model_dir, tmp_path):
+    # trainer_offload_base: between updates the frozen base lives in (on GPUs page-locked) host buffers; the next
+    # log-probs, update, probe or export bring it back. On CPU the move is a copy: what is checked here is that
+    # the parameters really sit in the buffers and that every use after a park is the unparked actor's.
+    plain, parked = lora_actor(model_dir), lora_actor(model_dir)
+    for actor in (plain, parked):
+        randomise_adapters(actor, seed=5)
+    batch = rows(BATCH)
+    frozen = [p for p in parked.model.parameters() if not p.requires_grad]
+    parked.park_base()
+    assert parked.base_parked and len(parked._host_base) == len(frozen) > 0
+    assert all(p.data_ptr() == h.data_ptr() for p, h in zip(frozen, parked._host_base))
+    assert torch.equal(parked.compute_logprobs(batch), plain.compute_logprobs(batch)) and not parked.base_parked
+    for step in range(2):
+        parked.park_base()
+        stats = [actor.update(dict(batch), step=step) for actor in (plain, parked)]
+        assert stats[1]["grad_norm"] == stats[0]["grad_norm"] > 0
+    parked.park_base()
+    assert torch.equal(parked.probe_logprobs(BATCH[0]), plain.probe_logprobs(BATCH[0]))
+    parked.park_base()
+    merged = dict(parked.named_full_parameters(torch.float32))
+    for name, tensor in plain.named_full_parameters(torch.float32):
+        assert torch.equal(merged[name], tensor), name
+    with pytest.raises(ValueError, match="lora_rank > 0"):
+        Actor(model_dir, device="cpu").park_base()
+    with pytest.raises(ValueError, match="colocate_sleep"):
+        check_config(RunConfig(lora_rank=4, trainer_offload_base=True))
+
+
 # --- the CPU server ---
 
 @pytest.fixture(scope="module")
