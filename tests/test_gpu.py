@@ -193,7 +193,11 @@ def test_a_parked_lora_base_leaves_the_gpu_pinned_and_the_next_step_is_the_unpar
     batch["logprobs"] = torch.full(batch["input_ids"].shape, -7.0) * batch["loss_mask"]
     lora = dict(lr=1e-3, dtype="bfloat16", device="cuda:0", lora_rank=8, lora_alpha=32.0,
                 lora_target_modules=list(DEFAULT_TARGET_MODULES))
-    plain, parked = Actor(head_dim_64_model, **lora), Actor(head_dim_64_model, **lora)
+    actors = []
+    for _ in range(2):  # the same adapters' start (peft draws A at random)
+        torch.manual_seed(0)
+        actors.append(Actor(head_dim_64_model, **lora))
+    plain, parked = actors
     stats = [[a.update(dict(batch), step=0)] for a in (plain, parked)]
     frozen_bytes = sum(p.numel() * p.element_size() for p in parked.model.parameters() if not p.requires_grad)
     torch.cuda.synchronize()
