@@ -56,8 +56,9 @@ class ServerIgnoresAdapter(RuntimeError):
 ADAPTER_PREFIX = "policy-v"  # adapter names on the servers: policy-v<version>
 KEEP_ADAPTERS = 2  # the newest adapters kept loaded (a request held by an in_place pause keeps its own)
 # The probe's numerical floor, by the trainer's dtype (fp32 agrees to ~1e-6 on CPU; bf16 kernels differ
-# by ~1e-2 a token): the adapters must move the trainer's log-probs by 3x this for a verdict on whether
-# the servers follow; and how many syncs are checked before giving up on a verdict.
+# by ~1e-2 a token), raised to the servers' gap measured at calibration: the adapters must move the
+# trainer's log-probs by 3x it for a verdict on whether the servers follow; and how many syncs are
+# checked before giving up on a verdict.
 PROBE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 2e-2}
 PROBE_MAX_CHECKS = 20
 
@@ -285,6 +286,8 @@ class ServerWeightSync:
         self.probe_checks = 0
         self.server_base: list[torch.Tensor] | None = None  # each server's probe log-probs on the base model
         self.trainer_base: torch.Tensor | None = None  # the trainer's, adapters on at their start (B = 0)
+        # the servers' noise: mean |server - trainer| a token at calibration, the largest (every rank has it)
+        self.probe_noise: float | None = None
         if method == "tensor" and actor.world_size > 1:
             raise ValueError("weight sync 'tensor' hands over one process's tensors: use 'nccl' under torchrun")
         from lib.launch import free_port
@@ -340,6 +343,11 @@ class ServerWeightSync:
             self.server_base = [torch.tensor(lp) for lp in served]
             noise = max((base - trainer).abs().mean().item() for base in self.server_base)
             metrics = {"lora/probe_base_gap": noise}
+        self.probe_noise = metrics.get("lora/probe_base_gap")
+        if trainer_world_size() > 1:  # every rank decides alike when the check ends (its forwards are collective)
+            shared = [self.probe_noise]
+            dist.broadcast_object_list(shared, src=0)
+            self.probe_noise = shared[0]
         return metrics
 
     def trainer_probe(self) -> torch.Tensor:
@@ -350,23 +358,27 @@ class ServerWeightSync:
         """After a LoRA sync, once generation goes on (the probe is a /generate call): do the servers'
         log-probs on the probe move with the trainer's? The trainer's move is its log-probs now minus
         at calibration (calibrate_probe; without one, minus its base model's), a server's likewise
-        (without one, minus the trainer's base). Once the trainer has moved more than 3x PROBE_TOLERANCE on
-        average, each server's move must match it to half its size plus half the floor (mean |server
-        move - trainer move| <= 0.5 x (mean |trainer move| + floor): the kernels' noise does not cancel
-        exactly), else ServerIgnoresAdapter: a server that ignores the adapter
-        moves by 0, one that scales it wrong by the wrong amount; the check then stops. Before that a
-        server whose move is off by more than PROBE_TOLERANCE + half the trainer's is stopped at once
-        (nothing like the trainer's model). At most PROBE_MAX_CHECKS syncs are checked. Every rank calls
-        it (the trainer's forwards are collective under FSDP); rank 0 asks the servers. `trainer`: the
-        trainer's log-probs on the probe at this version if taken already (trainer_probe; lib takes them
-        before LoRA's base leaves the GPU). Returns the check's numbers (logged under lora/)."""
+        (without one, minus the trainer's base). The servers' kernels do not cancel out of a move: the
+        adapters change their rounding token by token, so a server that follows exactly still misses
+        the trainer's move by about its calibrated gap N (SmolLM2 on SGLang 0.5.15, bf16: gap 0.046,
+        miss 0.06 whether the trainer moved 0.04 or 0.24; bench/check_lora_probe.py). So the noise
+        n = max(N, PROBE_TOLERANCE) sets both bounds: once the trainer has moved more than 3n on
+        average, each server's mean |server move - trainer move| must be within half of (move + n),
+        else ServerIgnoresAdapter (a server that ignores the adapter misses by the whole move, one that
+        applies it at twice its scale by the move again), and the check ends; before that only a server
+        off by more than half the move + 2n is stopped (nothing like the trainer's model). At most
+        PROBE_MAX_CHECKS syncs are checked. Every rank calls it (the trainer's forwards are collective
+        under FSDP); rank 0 asks the servers. `trainer`: the trainer's log-probs on the probe at this
+        version if taken already (trainer_probe; lib takes them before LoRA's base leaves the GPU).
+        Returns the check's numbers (logged under lora/)."""
         floor = PROBE_TOLERANCE.get(self.actor.compute_dtype, 2e-2)
         trainer = self.trainer_probe() if trainer is None else trainer
         base = self.trainer_base if self.trainer_base is not None else self.actor.probe_logprobs(self.probe_ids,
                                                                                                 adapters=False)
         trainer_move = trainer - base
         moved = trainer_move.abs().mean().item()
-        decides = moved > 3 * floor
+        noise = max(floor, self.probe_noise or 0.0)
+        decides = moved > 3 * noise
         self.probe_checks += 1
         metrics = {"lora/probe_trainer_moved": moved}
         if trainer_rank() == 0:
@@ -380,7 +392,7 @@ class ServerWeightSync:
                 misses.append(((lp - server_base) - trainer_move).abs().mean().item() if fits else float("inf"))
                 gaps.append((lp - trainer).abs().mean().item() if fits else float("inf"))
             metrics["lora/probe_move_miss"], metrics["lora/probe_server_gap"] = max(misses), max(gaps)
-            allowed = 0.5 * (moved + floor) if decides else 0.5 * moved + floor
+            allowed = 0.5 * (moved + noise) if decides else 0.5 * moved + 2 * noise
             for address, miss in zip(self.client.addresses, misses):
                 if miss > allowed:
                     raise ServerIgnoresAdapter(
@@ -400,7 +412,7 @@ class ServerWeightSync:
         elif self.probe_checks >= PROBE_MAX_CHECKS:
             if trainer_rank() == 0:
                 print(f"warning: LoRA: after {self.probe_checks} syncs the adapters still move the probe's log-probs "
-                      f"by only {moved:.3g} (< 3 x {floor:g}): whether the servers apply them could not be told "
+                      f"by only {moved:.3g} (< 3 x {noise:.3g}, the servers' noise): whether the servers apply them could not be told "
                       f"apart from agreement; raise lr or lora_alpha if they are meant to learn", file=sys.stderr)
             self.probe_ids = None
         return metrics

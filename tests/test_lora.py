@@ -332,6 +332,9 @@ def test_adapters_travel_in_the_trainers_compute_dtype(server, model_dir, tmp_pa
         bg.close()
 
 
+PROBE = [(7 + 37 * i) % 500 + 3 for i in range(64)]  # the probe's length in a run (64 tokens)
+
+
 class NoisyServer:
     """A client whose one server serves the trainer's log-probs plus a fixed per-token error (the numerical
     noise of bf16 kernels unlike the trainer's), with the trainer's adapters applied `scale` times (1: it
@@ -339,10 +342,11 @@ class NoisyServer:
     LoRA kernels round otherwise than its base path, even with an adapter of B = 0)."""
     addresses = ["noisy"]
 
-    def __init__(self, actor, noise: float, scale: float = 1.0, path_noise: float = 0.0):
+    def __init__(self, actor, noise: float, scale: float = 1.0, path_noise: float = 0.0, fresh_noise: float = 0.0):
         self.actor, self.scale, self.lora_adapter = actor, scale, None
-        self.noise = noise * torch.randn(len(BATCH[0]) - 1, generator=torch.Generator().manual_seed(0))
-        self.path_noise = path_noise * torch.randn(len(BATCH[0]) - 1, generator=torch.Generator().manual_seed(1))
+        self.noise = noise * torch.randn(len(PROBE) - 1, generator=torch.Generator().manual_seed(0))
+        self.path_noise = path_noise * torch.randn(len(PROBE) - 1, generator=torch.Generator().manual_seed(1))
+        self.fresh_noise = fresh_noise  # drawn anew for every adapter (rounding that changes with the weights)
 
     async def load_lora_adapter(self, name, path):
         return [{"loaded_adapters": {name: path}}]
@@ -354,7 +358,9 @@ class NoisyServer:
         base = self.actor.probe_logprobs(ids, adapters=False)
         move = self.actor.probe_logprobs(ids) - base if lora_path is not None else 0.0
         path = self.path_noise if lora_path is not None else 0.0
-        return [(base + self.scale * move + self.noise + path).tolist()]
+        seed = 2 + int(lora_path.rsplit("v", 1)[-1]) if lora_path is not None else 99
+        fresh = self.fresh_noise * torch.randn(len(ids) - 1, generator=torch.Generator().manual_seed(seed))
+        return [(base + self.scale * move + self.noise + path + fresh).tolist()]
 
 
 def test_the_probe_compares_the_servers_moves_with_the_trainers_so_numerical_noise_is_not_an_ignored_adapter(
@@ -362,12 +368,13 @@ def test_the_probe_compares_the_servers_moves_with_the_trainers_so_numerical_noi
     actor = lora_actor(model_dir)
     bg = BackgroundLoop()
     try:
-        def probe_sync(scale: float, calibrated: bool = True, path_noise: float = 0.0) -> ServerWeightSync:
-            server = NoisyServer(actor, noise=0.15, scale=scale, path_noise=path_noise)
+        def probe_sync(scale: float, calibrated: bool = True, path_noise: float = 0.0, noise: float = 0.05,
+                       fresh_noise: float = 0.0) -> ServerWeightSync:
+            server = NoisyServer(actor, noise=noise, scale=scale, path_noise=path_noise, fresh_noise=fresh_noise)
             sync = ServerWeightSync("disk", actor, server, bg.run, num_servers=1, disk_dir=str(tmp_path / "adapters"),
-                                    probe_ids=BATCH[0])
+                                    probe_ids=PROBE)
             if calibrated:  # while the adapters are B = 0, the start adapter loaded as version 0 and served
-                assert sync.calibrate_probe()["lora/probe_base_gap"] > 0.05
+                assert sync.calibrate_probe()["lora/probe_base_gap"] > 0.03
                 assert server.lora_adapter == "policy-v0" and os.path.isdir(tmp_path / "adapters" / "adapter-v0")
             server.set_lora_adapter("policy-v1")  # as the first sync would
             return sync
@@ -376,17 +383,29 @@ def test_the_probe_compares_the_servers_moves_with_the_trainers_so_numerical_noi
         # noisy server that follows them is not stopped
         # every baseline is taken before the adapters move, as a run takes it at start-up
         following, ignoring, doubling = probe_sync(1.0), probe_sync(0.0), probe_sync(2.0)
-        kernel_noisy, uncalibrated = probe_sync(1.0, path_noise=0.15), probe_sync(1.0, calibrated=False)
+        kernel_noisy, uncalibrated = probe_sync(1.0, path_noise=0.15), probe_sync(1.0, calibrated=False, noise=0.15)
+        # SGLang's kind of noise: a fresh rounding pattern with every adapter, which a move does not cancel
+        fresh, fresh_ignoring = probe_sync(1.0, fresh_noise=0.04), probe_sync(0.0, fresh_noise=0.04)
         randomise_adapters(actor, seed=3)
         for _, module in lora_modules(actor.model):
             module.lora_B["default"].weight.data *= 0.0005
         assert following.check_probe(1)["lora/probe_trainer_moved"] < 1e-3 and following.probe_due
         assert ignoring.check_probe(1) and ignoring.probe_due  # its miss (the small move) is within the floor
+        # a move of the size of the servers' noise: the server that follows misses it by about its noise,
+        # as much as one that ignores it; neither is stopped yet (the bounds before the calibrated noise
+        # set them, half the move + the fp32 floor, stopped the follower)
+        randomise_adapters(actor, seed=3)
+        for _, module in lora_modules(actor.model):
+            module.lora_B["default"].weight.data *= 0.03
+        metrics = fresh.check_probe(1)
+        moved, miss = metrics["lora/probe_trainer_moved"], metrics["lora/probe_move_miss"]
+        assert 0.02 < moved < 0.1 and miss > 0.5 * moved + 1e-3 and fresh.probe_due
+        assert fresh_ignoring.check_probe(1) and fresh_ignoring.probe_due
         # adapters that moved the log-probs by ~0.16: the server that follows them is told apart from noise
         # 0.1 a token larger than the move's half, and the checks stop
         randomise_adapters(actor, seed=3)
         metrics = following.check_probe(2)
-        assert metrics["lora/probe_trainer_moved"] > 0.1 and metrics["lora/probe_server_gap"] > 0.1
+        assert metrics["lora/probe_trainer_moved"] > 0.1 and metrics["lora/probe_server_gap"] > 0.03
         assert metrics["lora/probe_move_miss"] < 1e-5 and not following.probe_due
         with pytest.raises(ServerIgnoresAdapter, match="does not apply LoRA adapter 'policy-v1'"):
             ignoring.check_probe(2)
@@ -398,6 +417,14 @@ def test_the_probe_compares_the_servers_moves_with_the_trainers_so_numerical_noi
         # without the baseline, the same following server's noise reads as a server off the trainer's model
         with pytest.raises(ServerIgnoresAdapter):
             uncalibrated.check_probe(2)
+        # a move well past the noise: the follower with fresh noise is told apart from the one that ignores
+        for _, module in lora_modules(actor.model):
+            module.lora_B["default"].weight.data *= 3.0
+        metrics = fresh.check_probe(3)
+        assert metrics["lora/probe_trainer_moved"] > 3 * fresh.probe_noise and not fresh.probe_due
+        assert metrics["lora/probe_move_miss"] > 0.03  # its noise, not cancelled
+        with pytest.raises(ServerIgnoresAdapter, match="does not apply LoRA adapter 'policy-v1'"):
+            fresh_ignoring.check_probe(3)
     finally:
         bg.close()
 
