@@ -129,7 +129,7 @@ def test_smollm2_builds_once_into_a_loadable_hf_dir_with_its_chat_template_and_e
 
 
 @pytest.mark.slow
-def test_two_grpo_steps_of_train_calc_on_smollm2_by_name_after_a_warm_start_built_once(tmp_path):
+def test_a_grpo_step_of_train_calc_on_smollm2_by_name_after_a_warm_start_built_once(tmp_path):
     """The real-model path on CPU, as CI runs it: the name resolves to the cached directory, the warm
     start is built from that model (its chat template, its end-of-turn) and reused by the next run,
     prompts are rendered in SmolLM2's own chat template, a turn ends on any of its EOS ids, and trainer
@@ -153,7 +153,9 @@ def test_two_grpo_steps_of_train_calc_on_smollm2_by_name_after_a_warm_start_buil
                 "--max_new_tokens_per_turn", "24", "--max_tokens", "144", "--eval_every", "0", "--test_size", "2",
                 "--checkpoint_every", "0", "--lr", "1e-5", "--tensorboard", "False", "--warm_start_steps", "2",
                 "--warm_start_batch_size", "2", "--warm_start_lr", "1e-5"]
-    done = subprocess.run(args(run_dir, 2), cwd=repo, env=env, capture_output=True, text=True, timeout=900)
+    # one step: at this lr and warm start the group's rewards are equal (a zero-advantage update), so a second
+    # step would check the same weights again
+    done = subprocess.run(args(run_dir, 1), cwd=repo, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     built = re.search(r"warm start built in \d+ s: (\S+)", done.stdout)
     assert built, done.stdout[-2000:]
@@ -161,7 +163,7 @@ def test_two_grpo_steps_of_train_calc_on_smollm2_by_name_after_a_warm_start_buil
         assert json.load(f)["base"] == str(cache / "models" / os.path.basename(model_names.model_cache_dir(NAME)))
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     train_rows = [r for r in rows if "rollout/reward" in r]
-    assert [r["step"] for r in train_rows] == [1, 2]
+    assert [r["step"] for r in train_rows] == [1]
     for r in train_rows:
         assert r["logprob/server_trainer_abs_diff_max"] < 1e-3 and r["rollout/failed_groups"] == 0
     traces = [json.loads(line) for line in open(os.path.join(run_dir, "traces.jsonl"))]
