@@ -22,7 +22,7 @@ from lib.grpo import CAP_MODES, LOSS_AGGS, merge_stats, ppo_loss
 from lib.logprobs import PolicyForward, compute_logprobs
 from lib.lora import (DEFAULT_TARGET_MODULES, add_lora, adapters_disabled, check_lora_settings,
                       merged_named_parameters, save_adapter)
-from lib.offload_adamw import into_host_buffers, offloaded_adamw_step
+from lib.offload_adamw import HostBuffer, into_host_buffers, offloaded_adamw_step
 from lib.padding import sequence_lengths, split_by_token_budget
 from lib.ranks import trainer_rank, trainer_world_size
 
@@ -228,7 +228,8 @@ class Actor:
         # updates and steps with several mini-batches or none count once each), else update() calls.
         self._schedule_step: int | None = None
         self._parked: list | None = None  # park_base(): the frozen base's parameters, now in host memory
-        self._host_base: list | None = None  # their page-locked host buffers, made once
+        self._host_base: list | None = None  # their copies in host memory (views of _base_buffers), made once
+        self._base_buffers: list = []
         self.num_nonfinite_grad_steps = 0  # updates skipped for a non-finite gradient norm, in this process
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda n: _lr_factor(n if self._schedule_step is None else self._schedule_step,
@@ -285,23 +286,29 @@ class Actor:
 
     @torch.no_grad()
     def park_base(self) -> None:
-        """LoRA, one process: the frozen base's weights go to (page-locked) host memory, the adapters and
-        their optimizer stay. The next call that runs the model (log-probs, update, probe, export)
-        brings them back first. For a server that shares the GPU and generates in between (colocate_sleep):
-        a 32B base is 64 GB that its cache gets instead; it costs two copies of the base a step."""
+        """LoRA, one process: the frozen base's weights go to host memory (page-locked on GPUs), the
+        adapters and their optimizer stay. The next call that runs the model (log-probs, update,
+        probe) brings them back first; exports and merged syncs merge tensor by tensor from there. For a
+        server that shares the GPU and works in between (colocate_sleep): a 32B base is 64 GB that
+        its weights and cache get instead. The base never changes, so it is copied out once, at the
+        first park; each later park drops the GPU copy and each return copies it in (one copy a step)."""
         if not self.lora or self.world_size > 1:
             raise ValueError("park_base moves LoRA's frozen base to host memory: it needs lora_rank > 0 on one "
                              "process (full fine-tuning trains every weight; under FSDP each rank holds a shard)")
         if self._parked is not None:
             return
         frozen = [p for p in self.model.parameters() if not p.requires_grad]
-        if self._host_base is None:
-            pin = self.device.type == "cuda"
-            self._host_base = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for p in frozen]
-        for param, host in zip(frozen, self._host_base):
-            host.copy_(param.data, non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self._host_base is None:  # one flat buffer a dtype, not a pinned block each: pin_memory() rounds
+            self._host_base = [None] * len(frozen)  # every block up to a power of two (lib/offload_adamw.py)
+            for dtype in dict.fromkeys(p.dtype for p in frozen):
+                index = [i for i, p in enumerate(frozen) if p.dtype == dtype]
+                buffer = HostBuffer(sum(frozen[i].numel() for i in index), self.device.type == "cuda", dtype)
+                self._base_buffers.append(buffer)
+                for i, view in zip(index, buffer.views([frozen[i].shape for i in index])):
+                    view.copy_(frozen[i].data, non_blocking=True)
+                    self._host_base[i] = view
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
         for param, host in zip(frozen, self._host_base):
             param.data = host  # the same Parameter objects (ties, peft and compiled layers see them)
         self._parked = frozen
@@ -502,8 +509,7 @@ class Actor:
         iterator in step; all ranks get the full tensors. Tied weights appear once."""
         dtype = dtype or self.compute_dtype
         if self.lora:  # the adapters folded into the base: what a server without adapters serves
-            self._unpark_base()
-            yield from merged_named_parameters(self.model, dtype)
+            yield from merged_named_parameters(self.model, dtype, device=self.device)  # parked: a tensor at a time
             return
         # With master weights the bf16 parameters are the master's cast: hand them out uncopied.
         source = self.model if next(self.model.parameters()).dtype == dtype else self.master_model
@@ -513,8 +519,7 @@ class Actor:
 
     def _full_state_dict(self, dtype: torch.dtype) -> dict:
         if self.lora:  # every rank gathers (collective); rank 0 writes
-            self._unpark_base()
-            merged = {k: v.cpu() for k, v in merged_named_parameters(self.model, dtype)}
+            merged = {k: v.cpu() for k, v in merged_named_parameters(self.model, dtype, device=self.device)}
             return merged if self.rank == 0 else {}
         if self.world_size == 1:
             return {k: v.detach().to(dtype) for k, v in self.master_model.state_dict().items()}

@@ -120,14 +120,17 @@ def save_adapter(model: nn.Module, path: str, base_model_path: str, write: bool 
 
 
 @torch.no_grad()
-def merged_named_parameters(model: nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_named_parameters(model: nn.Module, dtype: torch.dtype,
+                            device: torch.device | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, full tensor in `dtype`) of every base parameter, each adapted weight with its
-    adapter folded in (W + scale * B @ A, in float32). Tied weights appear once, as named_parameters."""
+    adapter folded in (W + scale * B @ A, in float32), on `device` (default: where each lives; a base
+    parked in host memory comes over a tensor at a time). Tied weights appear once, as named_parameters."""
     adapted = dict(lora_modules(model))
     for name, param in model.named_parameters():
         if ".lora_" in name:
             continue
         tensor = _full(param).detach()
+        tensor = tensor.to(device) if device is not None else tensor
         module_name, _, leaf = name.rpartition(".base_layer.")
         if module_name in adapted and leaf == "weight":
             module = adapted[module_name]

@@ -19,14 +19,14 @@ from torch.optim.adamw import adamw
 
 
 class HostBuffer:
-    """One flat fp32 CPU buffer, page-locked in place (cudaHostRegister) while this object lives, when
+    """One flat CPU buffer (fp32 unless `dtype`), page-locked in place (cudaHostRegister) while this object lives, when
     `page_locked` and a GPU is there (asynchronous copies need page-locked memory). Not torch's pinned allocator
     (`pin_memory()`): it rounds every block up to a power of two, which at 7B shapes turns the 84 GB
     of master weights and moments into ~165 GB, more than the machine holds. Keep this object
     alive as long as the views `views()` hands out are used."""
 
-    def __init__(self, numel: int, page_locked: bool = True):
-        self.tensor = torch.zeros(numel, dtype=torch.float32)
+    def __init__(self, numel: int, page_locked: bool = True, dtype: torch.dtype = torch.float32):
+        self.tensor = torch.zeros(numel, dtype=dtype)
         self._registered = None
         if page_locked and torch.cuda.is_available() and numel:
             nbytes = numel * self.tensor.element_size()

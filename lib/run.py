@@ -233,6 +233,9 @@ def check_config(cfg: RunConfig):
         raise ValueError("trainer_offload_base parks LoRA's frozen base in host memory while a server on the trainer's "
                          "GPU generates: it needs --lora_rank > 0 and --colocate_sleep True (without sleep mode the "
                          "server's memory is fixed at start-up and gains nothing from it)")
+    if cfg.trainer_offload_base and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("trainer_offload_base is for one trainer process: under torchrun each rank holds a shard of "
+                         "the base already")
     if cfg.weight_sync == "nccl" and cfg.dp_size > 1:
         raise ValueError("weight_sync nccl sends to each server's TP ranks: use num_servers instead of dp_size")
     check_lora_settings(cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules, cfg.lora_dropout)
@@ -709,18 +712,18 @@ def sync_weights(run: Run, trained: bool) -> dict:
         if run.is_main:
             run.bg.run(run.client.pause_generation(pause_mode))
         if cfg.colocate_sleep:  # the server takes its memory back: weights first (the sync fills them), then its cache
+            if cfg.trainer_offload_base:  # the trainer's base leaves first (the probe's trainer side runs it: before)
+                if trained and run.weight_sync.probe_due:
+                    probe_trainer = run.weight_sync.trainer_probe()
+                t_park = time.time()
+                run.actor.park_base()  # host memory until the next step's log-probs (a merged sync streams from it)
+                park_s = time.time() - t_park
             torch.cuda.empty_cache()  # what the update freed goes back to the driver, for the server
             if run.is_main:
                 run.bg.run(run.client.resume_memory_occupation(["weights"]))
         # a held request keeps its KV (and SGLang can flush only an idle server: its scheduler
         # dies on a failed flush), so the prefix cache is flushed only where nothing is held
         run.weight_sync.sync(run.version, flush_cache=pause_mode == "abort")
-        if cfg.trainer_offload_base:  # the probe's trainer side needs the base: taken before it leaves the GPU
-            if trained and run.weight_sync.probe_due:
-                probe_trainer = run.weight_sync.trainer_probe()
-            t_park = time.time()
-            run.actor.park_base()  # host memory until the next step's log-probs; the server's cache gets the GPU
-            park_s = time.time() - t_park
         if cfg.colocate_sleep and run.is_main:
             run.bg.run(run.client.resume_memory_occupation(["kv_cache", "cuda_graph"]))
         if run.is_main:

@@ -61,6 +61,8 @@ KEEP_ADAPTERS = 2  # the newest adapters kept loaded (a request held by an in_pl
 # checked before giving up on a verdict.
 PROBE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 2e-2}
 PROBE_MAX_CHECKS = 20
+# a server further than this from the trainer on the base model (mean |log-prob gap| a token) serves another model
+PROBE_MAX_BASE_GAP = 1.0
 
 
 _waiting: dict[int, str] = {}  # what the trainer's side of a sync is waiting on now (id of its wait -> what)
@@ -333,22 +335,28 @@ class ServerWeightSync:
         if self.adapters_only:
             self._bounded(sync_adapter(self.actor, self.client, self.disk_dir, 0), "loading the start LoRA adapter")
         trainer = self.trainer_base = self.actor.probe_logprobs(self.probe_ids)
-        metrics = {}
+        noise, error = None, None
         if trainer_rank() == 0:
             adapter = self.client.lora_adapter if self.adapters_only else None
             served = self.run(self.client.prompt_logprobs(self.probe_ids, adapter), timeout_s=self.timeout_s)
             if any(len(lp) != len(trainer) for lp in served):
-                raise ServerIgnoresAdapter(f"a server answered the LoRA probe ({len(trainer)} tokens) with a different "
-                                           f"number of log-probs: it does not serve this model's tokens")
-            self.server_base = [torch.tensor(lp) for lp in served]
-            noise = max((base - trainer).abs().mean().item() for base in self.server_base)
-            metrics = {"lora/probe_base_gap": noise}
-        self.probe_noise = metrics.get("lora/probe_base_gap")
+                error = (f"a server answered the LoRA probe ({len(trainer)} tokens) with a different number of "
+                         f"log-probs: it does not serve this model's tokens")
+            else:
+                self.server_base = [torch.tensor(lp) for lp in served]
+                noise = max((base - trainer).abs().mean().item() for base in self.server_base)
+                if noise > PROBE_MAX_BASE_GAP:
+                    error = (f"on the base model a server's log-probs on the LoRA probe are {noise:.3g} a token from "
+                             f"the trainer's (numerical noise is ~0.05-0.15; above {PROBE_MAX_BASE_GAP}): it does not "
+                             f"serve the trainer's base model ({self.actor.model_path})")
         if trainer_world_size() > 1:  # every rank decides alike when the check ends (its forwards are collective)
-            shared = [self.probe_noise]
+            shared = [noise, error]
             dist.broadcast_object_list(shared, src=0)
-            self.probe_noise = shared[0]
-        return metrics
+            noise, error = shared
+        if error:
+            raise ServerIgnoresAdapter(error)
+        self.probe_noise = noise
+        return {"lora/probe_base_gap": noise} if trainer_rank() == 0 else {}
 
     def trainer_probe(self) -> torch.Tensor:
         """The trainer's log-probs on the probe now (for check_probe, when they must be taken earlier)."""

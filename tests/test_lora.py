@@ -417,14 +417,20 @@ def test_the_probe_compares_the_servers_moves_with_the_trainers_so_numerical_noi
         # without the baseline, the same following server's noise reads as a server off the trainer's model
         with pytest.raises(ServerIgnoresAdapter):
             uncalibrated.check_probe(2)
-        # a move well past the noise: the follower with fresh noise is told apart from the one that ignores
+        # a move well past the noise, a later adapter (its own draw of the noise): the follower is told apart
+        # from the one that ignores
         for _, module in lora_modules(actor.model):
             module.lora_B["default"].weight.data *= 3.0
+        for sync in (fresh, fresh_ignoring):
+            sync.client.set_lora_adapter("policy-v3")
         metrics = fresh.check_probe(3)
         assert metrics["lora/probe_trainer_moved"] > 3 * fresh.probe_noise and not fresh.probe_due
         assert metrics["lora/probe_move_miss"] > 0.03  # its noise, not cancelled
-        with pytest.raises(ServerIgnoresAdapter, match="does not apply LoRA adapter 'policy-v1'"):
+        with pytest.raises(ServerIgnoresAdapter, match="does not apply LoRA adapter 'policy-v3'"):
             fresh_ignoring.check_probe(3)
+        # a server a whole nat a token off on the base model serves another model: stopped at calibration
+        with pytest.raises(ServerIgnoresAdapter, match="does not serve the trainer's base model"):
+            probe_sync(1.0, noise=2.0)
     finally:
         bg.close()
 
