@@ -507,7 +507,10 @@ def test_fsdp2_lora_update_on_two_processes_equals_the_single_process_update(mod
 def test_two_lora_grpo_steps_of_train_calc_then_a_resume_with_trained_adapters(tmp_path, ranks):
     run_dir = str(tmp_path / "run")
     launcher = [sys.executable] + (["-m", "torch.distributed.run", "--nproc_per_node", "2"] if ranks > 1 else [])
-    shape = ["--batch_size", "3", "--group_size", "3", "--ppo_minibatches", "2"] if ranks > 1 else []
+    # one process: also sleep mode with the frozen base parked in host memory while the server works (the CPU
+    # server's release and resume mark it released; the run's order of park, probe, sync and resume is the GPU's)
+    shape = (["--batch_size", "3", "--group_size", "3", "--ppo_minibatches", "2"] if ranks > 1
+             else ["--colocate_sleep", "True", "--trainer_offload_base", "True"])
     args = [*launcher, "train_calc.py", "--run_dir", run_dir, *SMALL, *shape, "--warm_start_steps", "2",
             "--warm_start_batch_size", "2", "--lr", "1e-3", "--checkpoint_every", "1", "--lora_rank", "8"]
     first = subprocess.run(args + ["--max_steps", "2"], cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -517,6 +520,7 @@ def test_two_lora_grpo_steps_of_train_calc_then_a_resume_with_trained_adapters(t
     for r in rows:  # the adapter of each version served, the server's log-probs the trainer's (as full fine-tuning's)
         assert r["logprob/server_trainer_abs_diff_max"] < 1e-3 and r["rollout/failed_groups"] == 0
         assert r["lora/probe_server_gap"] < 1e-4
+        assert ("perf/park_base_s" in r) == (ranks == 1)
     adapter_dir = os.path.join(run_dir, "weights", "adapter-v2")
     assert sorted(os.listdir(adapter_dir)) == ["adapter_config.json", "adapter_model.safetensors"]
     assert os.path.exists(os.path.join(run_dir, "final", "model.safetensors"))  # the merged model, for any server
