@@ -35,7 +35,7 @@
 #   gemma    (after kit and the four gpart calls) build gemma-3-270m by name, then search on it with SGLang:
 #            2 seeds, LoRA r32, zero-shot, the no-tool baseline, side by side on two GPUs (three of four; or all
 #            on $GEMMA_GPU)
-#   wait S   sleep up to S seconds while runs go on, printing their progress
+#   wait S   sleep up to S seconds while runs go on, printing their progress; then what collect brings back
 #   collect  the runs' metrics, logs, traces (heads) and the TRL result into $OUT/smollm2_runs.tgz
 # One run per GPU (two SGLang servers started at once on one GPU trip its memory check; `lora` starts
 # its six a GPU $STAGGER s apart); with fewer GPUs
@@ -77,6 +77,11 @@ side_by_side() {  # GPU, then commands run at once on that GPU, each started $ST
   ts "GPU $gpu: $i runs side by side"
 }
 ngpu() { nvidia-smi --query-gpu=index --format=csv,noheader | wc -l; }
+collect_runs() {  # the runs' metrics, logs and trace ends (no weights, no whole traces) into $OUT/smollm2_runs.tgz
+  for d in $R/*/; do [ -f $d/traces.jsonl ] && { head -n 3 $d/traces.jsonl; tail -n 3 $d/traces.jsonl; } > $d/traces_ends.jsonl; done
+  (cd $R && tar czf "$OUT/smollm2_runs.tgz" --exclude='*.safetensors' --exclude='checkpoints' --exclude='weights' \
+    --exclude='final' --exclude='traces.jsonl' $(ls) 2>/dev/null)
+}
 single_turn_runs() {  # $ours and $trl: the same single-turn task (train_reflect's first attempt, max_turns 1,
   # its prompt in SmolLM2's chat template, its reward; batch x group, lengths, lr, clip as in the config)
   local single="--config configs/reflect_smollm2.yaml --max_turns 1 --max_steps $STEPS --eval_every 0 --checkpoint_every 0 --test_size 500 --test_at_start True --seed 0"
@@ -257,12 +262,10 @@ wait)
     pgrep -f "train_|bench_trl|check_sglang|check_prefix" > /dev/null || { ts "nothing running"; break; }
   done
   nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
+  collect_runs  # every wait brings back what the runs wrote so far: a machine that goes back loses only the rest
   ;;
 collect)
-  for d in $R/*/; do [ -f $d/traces.jsonl ] && { head -n 3 $d/traces.jsonl; tail -n 3 $d/traces.jsonl; } > $d/traces_ends.jsonl; done
-  cd $R && tar czf "$OUT/smollm2_runs.tgz" --exclude='*.safetensors' --exclude='checkpoints' --exclude='weights' \
-    --exclude='final' --exclude='traces.jsonl' $(ls) 2>/dev/null
-  ls -la "$OUT"; cat $R/done.txt 2>/dev/null
+  collect_runs; ls -la "$OUT"; cat $R/done.txt 2>/dev/null
   ;;
 *)
   echo "usage: bash bench/gpu_smollm2.sh kit|part|gpart|gemma|learn|tools|large|hard|lora|shapes|async|compare|wait SECONDS|collect"; exit 2;;
