@@ -233,9 +233,6 @@ def check_config(cfg: RunConfig):
         raise ValueError("trainer_offload_base parks LoRA's frozen base in host memory while a server on the trainer's "
                          "GPU generates: it needs --lora_rank > 0 and --colocate_sleep True (without sleep mode the "
                          "server's memory is fixed at start-up and gains nothing from it)")
-    if cfg.trainer_offload_base and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ValueError("trainer_offload_base is for one trainer process: under torchrun each rank holds a shard of "
-                         "the base already")
     if cfg.weight_sync == "nccl" and cfg.dp_size > 1:
         raise ValueError("weight_sync nccl sends to each server's TP ranks: use num_servers instead of dp_size")
     check_lora_settings(cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules, cfg.lora_dropout)
@@ -300,6 +297,9 @@ def open_run(cfg: RunConfig, build_model: Callable[[str, bool], str], load_split
     bundled data (lib.tiny_model.default_tiny_model_dir); unused with a model by name or path."""
     check_config(cfg)
     world_size, rank, cpu_group = init_trainer_ranks()
+    if cfg.trainer_offload_base and world_size > 1:  # before any server starts (the actor would refuse it later)
+        raise ValueError("trainer_offload_base is for one trainer process: under torchrun each rank holds a shard of "
+                         "the base already")
     run = Run(cfg, rank=rank, world_size=world_size, cpu_group=cpu_group)
     try:
         _open(run, build_model, load_splits, tokenizer_texts)
