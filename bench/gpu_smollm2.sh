@@ -89,6 +89,11 @@ single_turn_runs() {  # $ours and $trl: the same single-turn task (train_reflect
   trl="s=\$(date +%s); PYTHONPATH=$PWD:/tmp/site python3 bench/bench_trl_reward.py --config configs/reflect_smollm2.yaml --model-path $MODEL --steps $STEPS --seed 0 --test-size 500 --trl-jsonl $R/single_trl.jsonl > $R/single_trl.log 2>&1; echo \"single_trl rc=\$? wall_s=\$(( \$(date +%s) - s ))\" >> $R/done.txt"
 }
 
+# Every stage but kit needs what kit unpacked: on a machine that went back and came again bare, say so at once
+# (a `wait` there would spend its whole limit of device time watching nothing).
+if [ "${1:-}" != kit ] && [ -n "${1:-}" ] && [ ! -d /tmp/kitc ]; then
+  echo "bare machine: no /tmp/kitc (it went back between calls and /tmp with it); start again with kit"; exit 3
+fi
 case "${1:-}" in
 kit)
   nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader

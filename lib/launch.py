@@ -106,28 +106,47 @@ def wait_for_server(address: str, timeout_s: float = 300.0, *, process: subproce
             time.sleep(0.25)
 
 
+# SGLang sizes its KV cache as (GPU memory free after loading the weights) - (1 - mem_fraction_static) x
+# (free before loading): whatever another process on the GPU allocates while SGLang loads (a second run's
+# trainer, a warm start) comes off the cache, and past the static share SGLang stops with this message. The
+# other process's memory is then counted as taken at the next start, so a second start usually fits.
+SGLANG_POOL_RACE = "leave no GPU memory for the KV cache"
+
+
 def launch_sglang(model_path: str, *, tokenizer_path: str | None = None, host: str = "127.0.0.1",
                   port: int | None = None, base_gpu_id: int = 0, tp_size: int = 1, dp_size: int = 1,
                   mem_fraction_static: float | None = None, context_length: int | None = None,
                   dtype: str = "auto", random_seed: int | None = None, extra_args=(), log_path: str | None = None,
-                  timeout_s: float = 900.0, env: dict | None = None) -> ServerProcess:
+                  timeout_s: float = 900.0, env: dict | None = None, start_attempts: int = 2,
+                  retry_wait_s: float = 20.0) -> ServerProcess:
     """Run `python -m sglang.launch_server` and return once it answers a generation.
 
-    `extra_args` go to SGLang unchanged (e.g. `["--attention-backend", "triton"]`).
+    `extra_args` go to SGLang unchanged (e.g. `["--attention-backend", "triton"]`). A start that fails
+    because another process on the GPU took memory while SGLang loaded (`SGLANG_POOL_RACE`) is tried
+    again, up to `start_attempts` starts in all, `retry_wait_s` apart; any other failure raises at once.
     """
-    # SGLang 0.5.15 also binds port + 10000 (SGLANG_GRPC_PORT) and refuses to start when that is over 65535.
-    port = port or free_port(host, below=65536 - 10000)
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
-           "--port", str(port), "--base-gpu-id", str(base_gpu_id), "--tp-size", str(tp_size),
-           "--dp-size", str(dp_size), "--dtype", dtype]
-    cmd += _flags({"--tokenizer-path": tokenizer_path or None, "--mem-fraction-static": mem_fraction_static,
-                   "--context-length": context_length, "--random-seed": random_seed}, extra_args)
     # Without it the first NCCL weight broadcast fails with "Cuda failure 'invalid argument'"
     # (SGLang 0.5.15, docs/sglang_contract.md §5).
     env = {"NCCL_CUMEM_ENABLE": "0", **(env or {})}
-    return launch_server_process(cmd, host=host, port=port, log_path=log_path, timeout_s=timeout_s, env=env,
-                                 name="sglang", hint="run the command above by hand to see why; is sglang "
-                                                     "installed (requirements-gpu.txt) and is the GPU free?")
+    for attempt in range(1, start_attempts + 1):
+        # SGLang 0.5.15 also binds port + 10000 (SGLANG_GRPC_PORT) and refuses to start when that is over 65535.
+        this_port = port or free_port(host, below=65536 - 10000)
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
+               "--port", str(this_port), "--base-gpu-id", str(base_gpu_id), "--tp-size", str(tp_size),
+               "--dp-size", str(dp_size), "--dtype", dtype]
+        cmd += _flags({"--tokenizer-path": tokenizer_path or None, "--mem-fraction-static": mem_fraction_static,
+                       "--context-length": context_length, "--random-seed": random_seed}, extra_args)
+        try:
+            return launch_server_process(cmd, host=host, port=this_port, log_path=log_path, timeout_s=timeout_s,
+                                         env=env, name="sglang", hint="run the command above by hand to see why; "
+                                         "is sglang installed (requirements-gpu.txt) and is the GPU free?")
+        except RuntimeError as e:
+            if attempt == start_attempts or SGLANG_POOL_RACE not in str(e):
+                raise
+            print(f"warning: SGLang on GPU {base_gpu_id} found no memory left for its KV cache after loading "
+                  f"the weights (did another process on that GPU allocate meanwhile?); starting it again in "
+                  f"{retry_wait_s:.0f} s (start {attempt + 1} of {start_attempts})", flush=True)
+            time.sleep(retry_wait_s)
 
 
 def launch_cpu_server(model_path: str, *, host: str = "127.0.0.1", port: int | None = None, device: str = "cpu",

@@ -183,3 +183,63 @@ def test_a_server_launched_from_a_thread_outlives_the_thread_and_dies_with_the_s
 def test_free_port_can_stay_below_a_bound():
     # SGLang 0.5.15 refuses to start when its port + 10000 (its gRPC port) is over 65535.
     assert all(free_port(below=55536) < 55536 for _ in range(50))
+
+
+# Stands in for `python -m sglang.launch_server`: the first `fail_starts` starts print SGLang 0.5.15's message
+# for a KV cache that the GPU's memory no longer holds (or another error) and exit 1; later starts serve.
+FAKE_SGLANG = textwrap.dedent("""
+    import os, sys
+    args = sys.argv[1:]
+    port = args[args.index("--port") + 1]
+    count = os.path.join(os.environ["FAKE_SGLANG_DIR"], "starts")
+    starts = int(open(count).read()) + 1 if os.path.exists(count) else 1
+    open(count, "w").write(str(starts))
+    if starts <= int(os.environ["FAKE_SGLANG_FAIL_STARTS"]):
+        print("Traceback (most recent call last):")
+        print(os.environ["FAKE_SGLANG_ERROR"], flush=True)
+        raise SystemExit(1)
+    sys.argv = ["fake", port]
+    exec(open(os.path.join(os.environ["FAKE_SGLANG_DIR"], "server.py")).read())
+""")
+
+
+def _fake_sglang_env(tmp_path, fail_starts: int, error: str) -> dict:
+    (tmp_path / "sglang").mkdir()
+    (tmp_path / "sglang" / "__init__.py").write_text("")
+    (tmp_path / "sglang" / "launch_server.py").write_text(FAKE_SGLANG)
+    (tmp_path / "server.py").write_text(FAKE_SERVER)
+    return {"PYTHONPATH": str(tmp_path), "FAKE_SGLANG_DIR": str(tmp_path), "FAKE_SGLANG_FAIL_STARTS": str(fail_starts),
+            "FAKE_SGLANG_ERROR": error}
+
+
+POOL_ERROR = ("ValueError: Loaded weights leave no GPU memory for the KV cache under --mem-fraction-static=0.15. "
+              "Raise --mem-fraction-static above 0.172 (minimum viable = 1 - available/pre = 0.1720).")
+
+
+def test_sglang_that_lost_its_kv_cache_memory_to_a_neighbour_is_started_again(tmp_path, capsys):
+    from lib.launch import launch_sglang
+    env = _fake_sglang_env(tmp_path, fail_starts=1, error=POOL_ERROR)
+    server = launch_sglang("/no/model", mem_fraction_static=0.15, env=env, log_path=str(tmp_path / "sglang.log"),
+                           timeout_s=30, retry_wait_s=0.1)
+    try:
+        answer = requests.post(server.address + "/generate", json={"input_ids": [1]}, timeout=5).json()
+        assert answer["output_ids"] == [1, 2]
+    finally:
+        server.terminate()
+    assert (tmp_path / "starts").read_text() == "2"
+    assert "found no memory left for its KV cache" in capsys.readouterr().out
+    assert POOL_ERROR in (tmp_path / "sglang.log").read_text()  # the first start's error stays in the log
+
+
+def test_sglang_failing_for_another_reason_or_every_time_raises_without_more_starts(tmp_path):
+    from lib.launch import launch_sglang
+    env = _fake_sglang_env(tmp_path, fail_starts=5, error="OSError: /no/model does not appear to have a config.json")
+    with pytest.raises(RuntimeError, match="config.json"):
+        launch_sglang("/no/model", env=env, log_path=str(tmp_path / "a.log"), timeout_s=30, retry_wait_s=0.1)
+    assert (tmp_path / "starts").read_text() == "1"  # not the memory race: no second start
+    (tmp_path / "starts").unlink()
+    env["FAKE_SGLANG_ERROR"] = POOL_ERROR
+    with pytest.raises(RuntimeError, match="no GPU memory for the KV cache"):
+        launch_sglang("/no/model", env=env, log_path=str(tmp_path / "b.log"), timeout_s=30, retry_wait_s=0.1,
+                      start_attempts=3)
+    assert (tmp_path / "starts").read_text() == "3"  # the race every time: three starts, then the error
