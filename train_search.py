@@ -363,7 +363,16 @@ async def evaluate(client, session, tokenizer, cfg, items, retrieval_addr) -> tu
         "searches": float(np.mean([e["num_tool_calls"] for e in episodes])),
         "answered": float(np.mean([e["finish_reason"] == "answer" for e in episodes])),
         "answer_in_evidence": float(np.mean([e["answer_in_evidence"] for e in episodes])),
+        "top_answer_share": top_answer_share(episodes),
     }
+
+
+def top_answer_share(episodes: list[dict]) -> float:
+    """The share of the questions answered with the single most common answer: a policy farming the F1
+    reward with one phrase (`member of` scores 0.4 against the gold alias `City of Zelga`) answers many
+    different questions alike, which the reward alone hides (gemma-3-270m, docs/benchmarks.md)."""
+    answers = collections.Counter(normalize_answer(e["answer"]) for e in episodes if e["answer"])
+    return answers.most_common(1)[0][1] / len(episodes) if answers else 0.0
 
 
 def episode_metrics(episodes: list[dict]) -> dict:

@@ -15,6 +15,20 @@ from lib.attention import packed_kwargs
 from lib.padding import pack_sequences, sequence_lengths, unpack_sequences
 
 
+def check_plain_head(causal_lm: nn.Module) -> None:
+    """The chunked head computes `hidden @ weight.T`: a model whose logits are more than that (a head
+    with a bias, Gemma 2's final logit soft-capping) would get log-probs of another model, silently.
+    Raise instead, naming what is missing."""
+    head = causal_lm.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError(f"{type(causal_lm).__name__}'s LM head has a bias, which lib's chunked log-probs "
+                         "(lib/logprobs.py, HeadLogprobs) do not add")
+    softcap = getattr(causal_lm.config, "final_logit_softcapping", None)
+    if softcap is not None:
+        raise ValueError(f"{type(causal_lm).__name__} soft-caps its logits (final_logit_softcapping={softcap}), "
+                         "which lib's chunked log-probs (lib/logprobs.py, HeadLogprobs) do not")
+
+
 class PolicyForward(nn.Module):
     """A causal LM whose forward returns token log-probs instead of logits.
 
@@ -25,6 +39,7 @@ class PolicyForward(nn.Module):
     def __init__(self, causal_lm: nn.Module, logits_chunk_tokens: int = 2048, fused_head: bool = False,
                  packed_min_tokens: int = 0, packed_multiple: int = 1):
         super().__init__()
+        check_plain_head(causal_lm)
         self.lm = causal_lm
         self.logits_chunk_tokens = logits_chunk_tokens
         self.fused_head = fused_head

@@ -19,6 +19,9 @@ import torch
 from tqdm import tqdm
 
 from lib.cache import build_once, cache_root
+from lib.logprobs import HeadLogprobs, check_plain_head
+
+HEAD_CHUNK_TOKENS = 1024  # trained positions a chunk of the LM head: [1024, vocab] fp32 logits (1 GB at 262k)
 
 
 def examples_digest(examples: list[dict]) -> str:
@@ -180,11 +183,19 @@ def accumulate_gradients(model, batch: list[dict], pad_id: int, device, tokens_p
             loss_mask[i, :n] = torch.tensor(ex["loss_mask"], dtype=torch.float32)
             attention_mask[i, :n] = 1
         input_ids, loss_mask, attention_mask = input_ids.to(device), loss_mask.to(device), attention_mask.to(device)
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
-        nll = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.size(-1)), input_ids[:, 1:].reshape(-1), reduction="none"
-        ).view(len(rows), max_len - 1)
-        part = (nll * loss_mask[:, 1:]).sum() / num_targets
+        # Only the trained positions go through the LM head, in chunks (lib.logprobs.HeadLogprobs): the
+        # [rows, length, vocab] fp32 logits of HF's forward (with their log-softmax and gradients) took
+        # 130 GB of an H200 at Gemma 3's 262k vocabulary, starving a run beside it (docs/benchmarks.md).
+        hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                     use_cache=False).last_hidden_state
+        weights = loss_mask[:, 1:]
+        trained = weights != 0
+        head = model.get_output_embeddings()
+        autocast = torch.is_autocast_enabled(hidden.device.type)  # the head's matmul as nn.Linear's would run
+        matmul_dtype = torch.get_autocast_dtype(hidden.device.type) if autocast else head.weight.dtype
+        logprobs, _ = HeadLogprobs.apply(hidden[:, :-1][trained], head.weight, input_ids[:, 1:][trained], 1.0,
+                                         HEAD_CHUNK_TOKENS, False, matmul_dtype, False)
+        part = -(logprobs * weights[trained]).sum() / num_targets
         part.backward()
         loss += part.item()
     return loss
@@ -209,6 +220,7 @@ def _train(base_model_dir, examples, out_dir, *, steps, lr, batch_size, warmup_s
     save_dtype = getattr(torch, base_dtype) if base_dtype in ("bfloat16", "float16") else torch.float32
     model = AutoModelForCausalLM.from_pretrained(base_model_dir, dtype=torch.float32).to(device)
     tokenizer = AutoTokenizer.from_pretrained(base_model_dir)
+    check_plain_head(model)  # the loss goes through lib's chunked head
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
 
@@ -224,8 +236,9 @@ def _train(base_model_dir, examples, out_dir, *, steps, lr, batch_size, warmup_s
     # summed: the activations of 16 rows of 700 tokens of a 135M model take over 20 GB in fp32, more
     # than a laptop has. The loss is normalised by the whole batch's trained tokens, as in one pass.
     # On a CPU small ones are also faster (their activations stay in cache; bench/bench_warm_start.py).
-    # On a GPU the fp32 logits bound them: 16,384 tokens at SmolLM2's 49k vocabulary (3 GB of logits),
-    # fewer at a larger one (Gemma 3's 262k: 16,384 tokens took 108 GB of an H200 with log-softmax and grads).
+    # On a GPU: 16,384 tokens at SmolLM2's 49k vocabulary, fewer at a larger one (6,144 at Qwen's 152k,
+    # 4,096 at Gemma 3's 262k), sizes set when HF's full fp32 logits bounded them. The head is chunked
+    # now (accumulate_gradients), so the decoder's activations bound them; the sizes are kept as measured.
     vocab = model.get_output_embeddings().weight.shape[0]
     gpu_tokens = max(1024, min(16384, (1 << 32) // (4 * vocab) // 1024 * 1024))
     tokens_per_mb = max_tokens_per_mb or (gpu_tokens if str(device).startswith("cuda") else 1024)

@@ -78,3 +78,16 @@ def test_a_gold_answer_given_as_one_string_is_one_answer_not_its_characters():
     assert exact_match("James Bond", "James Bond") == 1.0
     assert compute_reward("James Bond", "James Bond", "em") == 1.0
     assert f1_score("J", "James Bond") == 0.0 and exact_match("J", "J B") == 0.0
+
+
+def test_one_phrase_for_every_question_farms_f1_and_shows_as_the_top_answer_share():
+    """What gemma-3-270m learned on seed 0 (docs/benchmarks.md): `member of` for most questions scores
+    F1 0.4 against a gold alias with `of` in it, never exact match; `top_answer_share` names it."""
+    from train_search import top_answer_share
+
+    golds = ["Zelga", "Zelga City", "City of Zelga"]
+    assert f1_score("member of", golds) == pytest.approx(0.4) and exact_match("member of", golds) == 0.0
+    farmed = [{"answer": a} for a in ["member of", "Member of.", "member  of", "Vanzel", None]]
+    assert top_answer_share(farmed) == pytest.approx(3 / 5)  # normalised alike; an episode with no answer counts in the total
+    assert top_answer_share([{"answer": a} for a in ["Zelga", "Vanzel", "Dorfaul", "Cilun"]]) == pytest.approx(1 / 4)
+    assert top_answer_share([{"answer": None}] * 3) == 0.0

@@ -127,3 +127,61 @@ def test_rows_grouped_by_length_give_the_gradient_of_rows_in_the_order_drawn():
     assert abs(losses[0] - losses[1]) < 1e-5 and grads[0]
     for name, grad in grads[0].items():
         assert torch.allclose(grad, grads[1][name], rtol=1e-4, atol=1e-7), name
+
+
+def test_the_loss_through_the_chunked_head_is_the_loss_through_hfs_logits():
+    """The SFT loss goes through lib's chunked LM head on the trained positions only; its loss and every
+    gradient are those of HF's full logits with a masked cross-entropy (bench/bench_sft_memory.py: the
+    memory it saves). A weighted mask (0.5) counts as a weight, as the full-logit loss counts it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import lib.warm_start as ws
+
+    base = default_tiny_model_dir()
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    batch = _tiny_batch(tokenizer)
+    batch[0] = dict(batch[0], loss_mask=[0, 0] + [0.5] * (len(batch[0]["input_ids"]) - 2))
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    old_chunk, ws.HEAD_CHUNK_TOKENS = ws.HEAD_CHUNK_TOKENS, 7  # several chunks even on these short rows
+    try:
+        loss = ws.accumulate_gradients(model, batch, tokenizer.pad_token_id, "cpu", 40)
+    finally:
+        ws.HEAD_CHUNK_TOKENS = old_chunk
+    ours = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    model.zero_grad(set_to_none=True)
+    num_targets = sum(sum(ex["loss_mask"][1:]) for ex in batch)
+    reference = 0.0
+    for ex in batch:
+        ids = torch.tensor([ex["input_ids"]])
+        logits = model(input_ids=ids).logits[0, :-1].float()
+        nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="none")
+        part = (nll * torch.tensor(ex["loss_mask"][1:], dtype=torch.float32)).sum() / num_targets
+        part.backward()
+        reference += part.item()
+    assert abs(loss - reference) < 1e-5 and ours
+    for name, param in model.named_parameters():
+        assert torch.allclose(ours[name], param.grad, rtol=1e-4, atol=1e-7), name
+
+
+def test_a_model_whose_logits_are_more_than_the_head_is_refused_not_trained_on_other_log_probs():
+    """Gemma 2 soft-caps its final logits and some heads carry a bias: lib's chunked head computes
+    neither, so the warm start and the actor (PolicyForward) say so instead of training another model."""
+    import pytest
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from lib.logprobs import PolicyForward, check_plain_head
+
+    gemma2 = Gemma2ForCausalLM(Gemma2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                            num_attention_heads=2, num_key_value_heads=1, head_dim=8))
+    with pytest.raises(ValueError, match="final_logit_softcapping=30"):
+        check_plain_head(gemma2)
+    with pytest.raises(ValueError, match="soft-caps its logits"):
+        PolicyForward(gemma2)
+    gemma2.config.final_logit_softcapping = None
+    check_plain_head(gemma2)  # without it the head is plain
+    gemma2.lm_head.bias = torch.nn.Parameter(torch.zeros(64))
+    with pytest.raises(ValueError, match="has a bias"):
+        check_plain_head(gemma2)
