@@ -1,7 +1,7 @@
-"""Peak memory and time of one SFT micro-batch (forward + backward) at a large vocabulary: lib's warm-start
-loss (`lib.warm_start.accumulate_gradients`: the LM head in chunks, on the trained positions only) against
-the loss through HF's forward (full [rows, length, vocab] fp32 logits, cross-entropy over every position,
-as the warm start computed it before 2026-11-29).
+"""Peak memory and time of one SFT micro-batch (forward + backward) at a large vocabulary: the warm start's
+two loss paths, `chunked_head` (`lib.warm_start.accumulate_gradients` past FULL_LOGITS_MAX_BYTES of logits:
+the LM head in chunks, on the trained positions only) and `hf_full_logits` (HF's forward: full
+[rows, length, vocab] fp32 logits, cross-entropy over every position; lib's path below that size).
 
 A random model of the given shape (Qwen2 layout, `--hidden`, `--layers`, `--vocab`) and random rows; each
 variant runs in a fresh process so that one's peak does not hide the other's. On a GPU the peak is
@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def _one(variant: str, vocab: int, hidden: int, layers: int, rows: int, length: int, trained: float, device: str):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from lib.warm_start import accumulate_gradients
+    import lib.warm_start as ws
 
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
@@ -42,8 +42,9 @@ def _one(variant: str, vocab: int, hidden: int, layers: int, rows: int, length: 
         torch.cuda.reset_peak_memory_stats()
         base_gpu = torch.cuda.memory_allocated() / 2**30
     start = time.perf_counter()
-    if variant == "lib":
-        loss = accumulate_gradients(model, batch, 0, device, rows * length)
+    if variant == "chunked_head":  # lib's chunked path, whatever the size (lib takes it past 1 GiB of logits)
+        ws.FULL_LOGITS_MAX_BYTES = 0
+        loss = ws.accumulate_gradients(model, batch, 0, device, rows * length)
     else:  # HF's forward and a cross-entropy over every position, masked afterwards
         input_ids = ids.to(device)
         mask = torch.tensor([ex["loss_mask"] for ex in batch], dtype=torch.float32, device=device)
@@ -67,7 +68,7 @@ def main(vocab: int = 262144, hidden: int = 256, layers: int = 2, rows: int = 4,
     if one:
         return _one(one, vocab, hidden, layers, rows, length, trained, device)
     results = []
-    for variant in ("hf_full_logits", "lib"):
+    for variant in ("hf_full_logits", "chunked_head"):
         out = subprocess.run([sys.executable, __file__, "--one", variant, "--vocab", str(vocab), "--hidden", str(hidden),
                               "--layers", str(layers), "--rows", str(rows), "--length", str(length),
                               "--trained", str(trained), "--device", device],

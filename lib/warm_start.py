@@ -21,7 +21,15 @@ from tqdm import tqdm
 from lib.cache import build_once, cache_root
 from lib.logprobs import HeadLogprobs, check_plain_head
 
-HEAD_CHUNK_TOKENS = 1024  # trained positions a chunk of the LM head: [1024, vocab] fp32 logits (1 GB at 262k)
+# The SFT loss of a micro-batch: through HF's forward while its full fp32 logits take at most this many
+# bytes, else through lib's chunked head on the trained positions only. HF's full logits, with their
+# log-softmax and gradients, took 130 GB of an H200 at Gemma 3's 262k vocabulary (docs/benchmarks.md,
+# bench/bench_sft_memory.py). Small ones keep HF's path for a measured reason: the embedded tiny model
+# learns to copy answers out of results as a phase change near its 1,200 SFT steps, and the chunked
+# head's other float summation (the same gradient to 1e-7) sent one quick-start build past it without
+# copying (test EM 0.367 -> 0.003 after stage 1, then 0.017 instead of 0.343 after GRPO).
+FULL_LOGITS_MAX_BYTES = 1 << 30
+HEAD_CHUNK_TOKENS = 1024  # trained positions a chunk of the chunked head: [1024, vocab] fp32 logits
 
 
 def examples_digest(examples: list[dict]) -> str:
@@ -183,22 +191,33 @@ def accumulate_gradients(model, batch: list[dict], pad_id: int, device, tokens_p
             loss_mask[i, :n] = torch.tensor(ex["loss_mask"], dtype=torch.float32)
             attention_mask[i, :n] = 1
         input_ids, loss_mask, attention_mask = input_ids.to(device), loss_mask.to(device), attention_mask.to(device)
-        # Only the trained positions go through the LM head, in chunks (lib.logprobs.HeadLogprobs): the
-        # [rows, length, vocab] fp32 logits of HF's forward (with their log-softmax and gradients) took
-        # 130 GB of an H200 at Gemma 3's 262k vocabulary, starving a run beside it (docs/benchmarks.md).
-        hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                     use_cache=False).last_hidden_state
-        weights = loss_mask[:, 1:]
-        trained = weights != 0
-        head = model.get_output_embeddings()
-        autocast = torch.is_autocast_enabled(hidden.device.type)  # the head's matmul as nn.Linear's would run
-        matmul_dtype = torch.get_autocast_dtype(hidden.device.type) if autocast else head.weight.dtype
-        logprobs, _ = HeadLogprobs.apply(hidden[:, :-1][trained], head.weight, input_ids[:, 1:][trained], 1.0,
-                                         HEAD_CHUNK_TOKENS, False, matmul_dtype, False)
-        part = -(logprobs * weights[trained]).sum() / num_targets
+        vocab = model.get_output_embeddings().weight.shape[0]
+        if input_ids.numel() * vocab * 4 <= FULL_LOGITS_MAX_BYTES:
+            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+            nll = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.size(-1)), input_ids[:, 1:].reshape(-1), reduction="none"
+            ).view(len(rows), max_len - 1)
+            part = (nll * loss_mask[:, 1:]).sum() / num_targets
+        else:
+            part = _chunked_head_loss(model, input_ids, attention_mask, loss_mask[:, 1:]) / num_targets
         part.backward()
         loss += part.item()
     return loss
+
+
+def _chunked_head_loss(model, input_ids, attention_mask, weights):
+    """The summed NLL of the trained positions (`weights` [rows, length - 1], nonzero where trained),
+    their hidden states put through lib's chunked LM head (lib.logprobs.HeadLogprobs), HEAD_CHUNK_TOKENS
+    at a time: no [rows, length, vocab] tensor is built."""
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                 use_cache=False).last_hidden_state
+    trained = weights != 0
+    head = model.get_output_embeddings()
+    autocast = torch.is_autocast_enabled(hidden.device.type)  # the head's matmul as nn.Linear's would run
+    matmul_dtype = torch.get_autocast_dtype(hidden.device.type) if autocast else head.weight.dtype
+    logprobs, _ = HeadLogprobs.apply(hidden[:, :-1][trained], head.weight, input_ids[:, 1:][trained], 1.0,
+                                     HEAD_CHUNK_TOKENS, False, matmul_dtype, False)
+    return -(logprobs * weights[trained]).sum()
 
 
 def _train(base_model_dir, examples, out_dir, *, steps, lr, batch_size, warmup_steps, seed, num_threads, device,

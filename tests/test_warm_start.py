@@ -130,9 +130,10 @@ def test_rows_grouped_by_length_give_the_gradient_of_rows_in_the_order_drawn():
 
 
 def test_the_loss_through_the_chunked_head_is_the_loss_through_hfs_logits():
-    """The SFT loss goes through lib's chunked LM head on the trained positions only; its loss and every
-    gradient are those of HF's full logits with a masked cross-entropy (bench/bench_sft_memory.py: the
-    memory it saves). A weighted mask (0.5) counts as a weight, as the full-logit loss counts it."""
+    """Past FULL_LOGITS_MAX_BYTES of logits the SFT loss goes through lib's chunked LM head on the trained
+    positions only; its loss and every gradient are those of HF's full logits with a masked cross-entropy
+    (bench/bench_sft_memory.py: the memory it saves). A weighted mask (0.5) counts as a weight, as the
+    full-logit loss counts it. Below the limit the loss is HF's own, bit for bit."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -143,16 +144,8 @@ def test_the_loss_through_the_chunked_head_is_the_loss_through_hfs_logits():
     batch = _tiny_batch(tokenizer)
     batch[0] = dict(batch[0], loss_mask=[0, 0] + [0.5] * (len(batch[0]["input_ids"]) - 2))
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    old_chunk, ws.HEAD_CHUNK_TOKENS = ws.HEAD_CHUNK_TOKENS, 7  # several chunks even on these short rows
-    try:
-        loss = ws.accumulate_gradients(model, batch, tokenizer.pad_token_id, "cpu", 40)
-    finally:
-        ws.HEAD_CHUNK_TOKENS = old_chunk
-    ours = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    model.zero_grad(set_to_none=True)
+    reference_grads, reference = {}, 0.0
     num_targets = sum(sum(ex["loss_mask"][1:]) for ex in batch)
-    reference = 0.0
     for ex in batch:
         ids = torch.tensor([ex["input_ids"]])
         logits = model(input_ids=ids).logits[0, :-1].float()
@@ -160,9 +153,19 @@ def test_the_loss_through_the_chunked_head_is_the_loss_through_hfs_logits():
         part = (nll * torch.tensor(ex["loss_mask"][1:], dtype=torch.float32)).sum() / num_targets
         part.backward()
         reference += part.item()
-    assert abs(loss - reference) < 1e-5 and ours
-    for name, param in model.named_parameters():
-        assert torch.allclose(ours[name], param.grad, rtol=1e-4, atol=1e-7), name
+    reference_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    old = ws.FULL_LOGITS_MAX_BYTES, ws.HEAD_CHUNK_TOKENS
+    for limit, chunk in ((0, 7), (old[0], old[1])):  # the chunked head (several chunks even on these rows), HF's
+        ws.FULL_LOGITS_MAX_BYTES, ws.HEAD_CHUNK_TOKENS = limit, chunk
+        model.zero_grad(set_to_none=True)
+        try:
+            loss = ws.accumulate_gradients(model, batch, tokenizer.pad_token_id, "cpu", 40)
+        finally:
+            ws.FULL_LOGITS_MAX_BYTES, ws.HEAD_CHUNK_TOKENS = old
+        assert abs(loss - reference) < 1e-5, limit
+        for name, param in model.named_parameters():
+            assert torch.allclose(param.grad, reference_grads[name], rtol=1e-4, atol=1e-7), (limit, name)
 
 
 def test_a_model_whose_logits_are_more_than_the_head_is_refused_not_trained_on_other_log_probs():
