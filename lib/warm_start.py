@@ -26,7 +26,7 @@ from lib.logprobs import HeadLogprobs, check_plain_head
 # log-softmax and gradients, took 130 GB of an H200 at Gemma 3's 262k vocabulary (docs/benchmarks.md,
 # bench/bench_sft_memory.py). Small ones keep HF's path for a measured reason: the embedded tiny model
 # learns to copy answers out of results as a phase change near its 1,200 SFT steps, and the chunked
-# head's other float summation (the same gradient to 1e-7) sent one quick-start build past it without
+# head's other float summation (the same loss to 1e-7, gradients to 1e-4) sent one quick-start build past it without
 # copying (test EM 0.367 -> 0.003 after stage 1, then 0.017 instead of 0.343 after GRPO).
 FULL_LOGITS_MAX_BYTES = 1 << 30
 HEAD_CHUNK_TOKENS = 1024  # trained positions a chunk of the chunked head: [1024, vocab] fp32 logits
@@ -239,7 +239,7 @@ def _train(base_model_dir, examples, out_dir, *, steps, lr, batch_size, warmup_s
     save_dtype = getattr(torch, base_dtype) if base_dtype in ("bfloat16", "float16") else torch.float32
     model = AutoModelForCausalLM.from_pretrained(base_model_dir, dtype=torch.float32).to(device)
     tokenizer = AutoTokenizer.from_pretrained(base_model_dir)
-    check_plain_head(model)  # the loss goes through lib's chunked head
+    check_plain_head(model)  # past FULL_LOGITS_MAX_BYTES the loss goes through lib's chunked head
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
 
@@ -256,8 +256,9 @@ def _train(base_model_dir, examples, out_dir, *, steps, lr, batch_size, warmup_s
     # than a laptop has. The loss is normalised by the whole batch's trained tokens, as in one pass.
     # On a CPU small ones are also faster (their activations stay in cache; bench/bench_warm_start.py).
     # On a GPU: 16,384 tokens at SmolLM2's 49k vocabulary, fewer at a larger one (6,144 at Qwen's 152k,
-    # 4,096 at Gemma 3's 262k), sizes set when HF's full fp32 logits bounded them. The head is chunked
-    # now (accumulate_gradients), so the decoder's activations bound them; the sizes are kept as measured.
+    # 4,096 at Gemma 3's 262k), sizes set when HF's full fp32 logits bounded them. Each of these is past
+    # FULL_LOGITS_MAX_BYTES of logits (but the tiny model's), so its head is chunked now and the decoder's
+    # activations bound them; the sizes are kept as measured.
     vocab = model.get_output_embeddings().weight.shape[0]
     gpu_tokens = max(1024, min(16384, (1 << 32) // (4 * vocab) // 1024 * 1024))
     tokens_per_mb = max_tokens_per_mb or (gpu_tokens if str(device).startswith("cuda") else 1024)
