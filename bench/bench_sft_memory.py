@@ -42,18 +42,9 @@ def _one(variant: str, vocab: int, hidden: int, layers: int, rows: int, length: 
         torch.cuda.reset_peak_memory_stats()
         base_gpu = torch.cuda.memory_allocated() / 2**30
     start = time.perf_counter()
-    if variant == "chunked_head":  # lib's chunked path, whatever the size (lib takes it past 1 GiB of logits)
-        ws.FULL_LOGITS_MAX_BYTES = 0
-        loss = ws.accumulate_gradients(model, batch, 0, device, rows * length)
-    else:  # HF's forward and a cross-entropy over every position, masked afterwards
-        input_ids = ids.to(device)
-        mask = torch.tensor([ex["loss_mask"] for ex in batch], dtype=torch.float32, device=device)
-        logits = model(input_ids=input_ids).logits[:, :-1].float()
-        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), input_ids[:, 1:].reshape(-1),
-                                                reduction="none").view(rows, length - 1)
-        part = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()
-        part.backward()
-        loss = part.item()
+    # lib's two paths, each forced whatever the size (lib takes the chunked head past 1 GiB of logits)
+    ws.FULL_LOGITS_MAX_BYTES = 0 if variant == "chunked_head" else float("inf")
+    loss = ws.accumulate_gradients(model, batch, 0, device, rows * length)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() / 2**30 - base_gpu

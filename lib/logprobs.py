@@ -70,11 +70,7 @@ def token_logprobs(causal_lm: nn.Module, input_ids: torch.Tensor, position_ids: 
     head = causal_lm.get_output_embeddings()
     hidden_prev = hidden[:, :-1].reshape(-1, hidden.shape[-1])  # predicts the next token
     targets = input_ids[:, 1:].reshape(-1)
-    # Under autocast (fp32 parameters) the head's matmul runs in the autocast dtype, as nn.Linear would.
-    matmul_dtype = (torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type)
-                    else head.weight.dtype)
-    lp, ent = HeadLogprobs.apply(hidden_prev, head.weight, targets, temperature, logits_chunk_tokens,
-                                 return_entropy, matmul_dtype, fused_head)
+    lp, ent = head_logprobs(head, hidden_prev, targets, temperature, logits_chunk_tokens, return_entropy, fused_head)
     zero_col = hidden.new_zeros(rows, 1, dtype=torch.float32)
     logprobs = torch.cat([zero_col, lp.view(rows, length - 1)], dim=1)
     entropy = torch.cat([zero_col, ent.view(rows, length - 1)], dim=1) if return_entropy else None
@@ -83,6 +79,15 @@ def token_logprobs(causal_lm: nn.Module, input_ids: torch.Tensor, position_ids: 
         logprobs = logprobs.masked_fill(starts, 0.0)
         entropy = entropy.masked_fill(starts, 0.0) if entropy is not None else None
     return logprobs, entropy
+
+
+def head_logprobs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                  chunk: int = 2048, return_entropy: bool = False, fused: bool = False):
+    """`HeadLogprobs` of `hidden [N, H]` through the LM head `head` (its weight). Under autocast (fp32
+    parameters) the head's matmul runs in the autocast dtype, as nn.Linear would."""
+    device = hidden.device.type
+    matmul_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
+    return HeadLogprobs.apply(hidden, head.weight, targets, temperature, chunk, return_entropy, matmul_dtype, fused)
 
 
 class HeadLogprobs(torch.autograd.Function):

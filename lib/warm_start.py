@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from lib.cache import build_once, cache_root
-from lib.logprobs import HeadLogprobs, check_plain_head
+from lib.logprobs import check_plain_head, head_logprobs
 
 # The SFT loss of a micro-batch: through HF's forward while its full fp32 logits take at most this many
 # bytes, else through lib's chunked head on the trained positions only. HF's full logits, with their
@@ -180,6 +180,7 @@ def accumulate_gradients(model, batch: list[dict], pad_id: int, device, tokens_p
     loss = 0.0
     if group_by_length:
         batch = sorted(batch, key=lambda ex: len(ex["input_ids"]))
+    vocab = model.get_output_embeddings().weight.shape[0]
     for rows in _micro_batches(batch, tokens_per_mb):
         max_len = max(len(ex["input_ids"]) for ex in rows)
         input_ids = torch.full((len(rows), max_len), pad_id, dtype=torch.long)
@@ -191,7 +192,6 @@ def accumulate_gradients(model, batch: list[dict], pad_id: int, device, tokens_p
             loss_mask[i, :n] = torch.tensor(ex["loss_mask"], dtype=torch.float32)
             attention_mask[i, :n] = 1
         input_ids, loss_mask, attention_mask = input_ids.to(device), loss_mask.to(device), attention_mask.to(device)
-        vocab = model.get_output_embeddings().weight.shape[0]
         if input_ids.numel() * vocab * 4 <= FULL_LOGITS_MAX_BYTES:
             logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
             nll = torch.nn.functional.cross_entropy(
@@ -207,16 +207,13 @@ def accumulate_gradients(model, batch: list[dict], pad_id: int, device, tokens_p
 
 def _chunked_head_loss(model, input_ids, attention_mask, weights):
     """The summed NLL of the trained positions (`weights` [rows, length - 1], nonzero where trained),
-    their hidden states put through lib's chunked LM head (lib.logprobs.HeadLogprobs), HEAD_CHUNK_TOKENS
+    their hidden states put through lib's chunked LM head (lib.logprobs.head_logprobs), HEAD_CHUNK_TOKENS
     at a time: no [rows, length, vocab] tensor is built."""
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
                                  use_cache=False).last_hidden_state
     trained = weights != 0
-    head = model.get_output_embeddings()
-    autocast = torch.is_autocast_enabled(hidden.device.type)  # the head's matmul as nn.Linear's would run
-    matmul_dtype = torch.get_autocast_dtype(hidden.device.type) if autocast else head.weight.dtype
-    logprobs, _ = HeadLogprobs.apply(hidden[:, :-1][trained], head.weight, input_ids[:, 1:][trained], 1.0,
-                                     HEAD_CHUNK_TOKENS, False, matmul_dtype, False)
+    logprobs, _ = head_logprobs(model.get_output_embeddings(), hidden[:, :-1][trained], input_ids[:, 1:][trained],
+                                chunk=HEAD_CHUNK_TOKENS)
     return -(logprobs * weights[trained]).sum()
 
 

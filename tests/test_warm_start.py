@@ -144,7 +144,7 @@ def test_the_loss_through_the_chunked_head_is_the_loss_through_hfs_logits():
     batch = _tiny_batch(tokenizer)
     batch[0] = dict(batch[0], loss_mask=[0, 0] + [0.5] * (len(batch[0]["input_ids"]) - 2))
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    reference_grads, reference = {}, 0.0
+    reference = 0.0
     num_targets = sum(sum(ex["loss_mask"][1:]) for ex in batch)
     for ex in batch:
         ids = torch.tensor([ex["input_ids"]])
