@@ -24,7 +24,8 @@
 #            fine-tuning on calc (GPU 0) and reflect (GPU 1), 2 seeds each, the shipped configs with lr x10
 #            for LoRA; the six runs of a task share its GPU (SGLang's static pool 0.12 of what is free at
 #            each start, starts $STAGGER s apart so that no server sizes its pool while another is starting;
-#            ONLY=<regex of run names> runs those alone on GPU $LORA_GPU, default 0; R32_LR: rank 32's lr)
+#            ONLY=<regex of run names> runs those alone on GPU $LORA_GPU, default 0; R32_LR: rank 32's lr;
+#            LORA_SEEDS: the seeds, default "0 1")
 #   shapes   (after lora, or after kit with the bundled data built) LoRA rank 32 at Qwen2.5 shapes on one
 #            GPU each (random weights, bench/make_random_model.py): train_reflect.py with the 1.5B recipe's
 #            settings, SGLang beside the trainer; GPU 0: 1.5B full fine-tuning, 1.5B LoRA, 7B LoRA; GPU 1:
@@ -97,6 +98,7 @@ fi
 case "${1:-}" in
 kit)
   nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
+  df -h /tmp /dev/shm | tail -2; free -g | sed -n 2p
   mkdir -p /tmp/kitc && cp -r .kit/install.sh .kit/stubs /tmp/kitc/ && cp .kit/site-*.txz /tmp/kitc/
   eval "$(bash /tmp/kitc/install.sh)"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | grep -v WARN
@@ -156,7 +158,7 @@ learn|async|tools|large|hard|lora)
     C="--config configs/calc_smollm2.yaml --mem_fraction_static 0.12"
     F="--config configs/reflect_smollm2.yaml --mem_fraction_static 0.12"
     calc=(); refl=()
-    for seed in 0 1; do
+    for seed in ${LORA_SEEDS:-0 1}; do
       calc+=("$(run calc_full_s$seed train_calc.py $C --seed $seed)")
       refl+=("$(run reflect_full_s$seed train_reflect.py $F --seed $seed)")
       for r in 8 32; do
