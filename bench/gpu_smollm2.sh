@@ -30,7 +30,8 @@
 #            GPU each (random weights, bench/make_random_model.py): train_reflect.py with the 1.5B recipe's
 #            settings, SGLang beside the trainer; GPU 0: 1.5B full fine-tuning, 1.5B LoRA, 7B LoRA; GPU 1:
 #            14B LoRA (static split), 32B LoRA (sleep mode, the trainer's frozen base in host memory while
-#            SGLang generates: --trainer_offload_base); the GPU's memory polled every second;
+#            SGLang generates: --trainer_offload_base; merged syncs: one 61 GiB base in host memory, not two);
+#            the GPU's memory polled every second;
 #            SHAPES_ONLY=<regex, e.g. '7b|32b'> runs those one after another on GPU $SHAPES_GPU
 #   gpart    carry .gwN: keep the Nth of gemma-3-270m's four part wheels in /tmp/gw (four calls)
 #   gemma    (after kit and the four gpart calls) build gemma-3-270m by name, then search on it with SGLang:
@@ -252,7 +253,9 @@ shapes)
   g0=("$(shape shape_1.5b_full 1.5b --mem_fraction_static 0.3)" "$(shape shape_1.5b_r32 1.5b --mem_fraction_static 0.3 --lora_rank 32 --lr 1e-5)"
       "$(shape shape_7b_r32 7b --mem_fraction_static 0.3 --lora_rank 32 --lr 1e-5)")
   g1=("$(shape shape_14b_r32 14b --mem_fraction_static 0.26 --max_tokens_per_mb 8192 --lora_rank 32 --lr 1e-5)" "rm -rf /tmp/q14b"
-      "$(shape shape_32b_r32 32b --mem_fraction_static 0.5 --colocate_sleep True --trainer_offload_base True --max_tokens_per_mb 8192 --lora_rank 32 --lr 1e-5)")
+      "$(shape shape_32b_r32 32b --mem_fraction_static 0.5 --colocate_sleep True --trainer_offload_base True --lora_sync merged --max_tokens_per_mb 8192 --lora_rank 32 --lr 1e-5)")
+  # 32B syncs merged weights: adapter syncs in sleep mode make SGLang back its 61 GiB base up in host memory,
+  # beside the trainer's parked 61 GiB, more than the one-GPU machine's 125 GiB; merged, SGLang drops its weights
   if [ -n "${SHAPES_ONLY:-}" ]; then  # a regex of run names (e.g. '7b|32b'): those, in order, on GPU $SHAPES_GPU (default 0)
     keep=(); for c in "${g0[@]}" "${g1[@]}"; do [[ $c =~ --run_dir\ $R/shape_($SHAPES_ONLY)[_\ ] ]] && keep+=("$c" "rm -rf /tmp/q[0-9]*"); done
     lane ${SHAPES_GPU:-0} "${keep[@]}"
