@@ -104,20 +104,60 @@ def warm_start(name: str, base_model_dir: str, build_examples, *, steps: int, lr
 
 
 def warm_start_stages(name: str, base_model_dir: str, build_examples, *, steps: int, lr: float, batch_size: int,
-                      seed: int, direct_steps: int, direct_lr: float, direct_frac: float, what_direct: str) -> str:
+                      seed: int, direct_steps: int, direct_lr: float, direct_frac: float, what_direct: str,
+                      stage1_ok=None) -> str:
     """A warm start in two stages: `steps` on `build_examples(tokenizer)`, then (when both step counts
     are above 0) `direct_steps` from there on `build_examples(tokenizer, direct_frac)`, whose fraction
     of demonstrations skip the work (answer from memory, no worked steps), cached as `{name}-direct`.
     The first stage's behaviour is learned first and kept: mixed in from the start, the direct
-    demonstrations kept it from forming (docs/benchmarks.md)."""
+    demonstrations kept it from forming (docs/benchmarks.md). `stage1_ok(model_dir) -> bool`, if given,
+    checks stage 1's model: one that fails it is built once more from another SFT seed (seed + 1000),
+    and stage 2 goes on from that build, whether it passes or not (said)."""
     two = steps > 0 and direct_steps > 0
+    what = "warm start, stage 1 of 2" if two else "warm start"
     out = warm_start(name, base_model_dir, build_examples, steps=steps, lr=lr, batch_size=batch_size, seed=seed,
-                     what="warm start, stage 1 of 2" if two else "warm start")
+                     what=what)
+    if stage1_ok is not None and steps > 0 and not stage1_ok(out):
+        print(f"{what}: its model failed the check above: building it again from SFT seed {seed + 1000}", flush=True)
+        out = warm_start(name, base_model_dir, build_examples, steps=steps, lr=lr, batch_size=batch_size,
+                         seed=seed + 1000, what=what)
+        if not stage1_ok(out):
+            print(f"{what}: the second build failed the check too; going on from it", flush=True)
     if not two:
         return out
     return warm_start(f"{name}-direct", out, lambda tokenizer: build_examples(tokenizer, direct_frac),
                       steps=direct_steps, lr=direct_lr, batch_size=batch_size, warmup_steps=min(20, direct_steps // 10),
                       seed=seed + 1, what=what_direct)
+
+
+def reproduced(model_dir: str, examples: list[dict], spans_key: str, *, limit: int = 150, seed: int = 0,
+               device: str | None = None) -> tuple[int, int]:
+    """A warm start's check, teacher-forced: of up to `limit` of the `examples` that carry spans
+    `ex[spans_key] = [(start, end), ...]` (drawn with `seed`), how many the model at `model_dir` reproduces
+    there, every token of input_ids[start:end] its greedy choice given the true tokens before it. A final
+    SFT loss does not tell whether a small skill formed (the tiny search model's copying: docs/benchmarks.md);
+    this tells it in seconds."""
+    from transformers import AutoModelForCausalLM
+
+    pool = [ex for ex in examples if ex.get(spans_key)]
+    if not pool:
+        return 0, 0
+    sample = random.Random(seed).sample(pool, min(limit, len(pool)))
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    right = 0
+    with torch.no_grad():
+        for ex in sample:
+            # the logits of the positions that predict the spans' tokens only (a large vocabulary's logits of
+            # every position would be [length, vocab] fp32)
+            targets = torch.tensor([i for start, end in ex[spans_key] for i in range(start, end)], device=device)
+            ids = torch.tensor([ex["input_ids"][:int(targets.max()) + 1]], device=device)
+            logits = model(input_ids=ids, logits_to_keep=targets - 1).logits[0]
+            right += bool(torch.equal(logits.argmax(-1), ids[0, targets]))
+    del model
+    if str(device).startswith("cuda"):
+        torch.cuda.empty_cache()  # the inference server started next on this GPU finds the memory free
+    return right, len(sample)
 
 
 def warm_start_dir(name: str, settings: dict) -> str:

@@ -316,12 +316,18 @@ def test_warm_start_demonstrations_search_each_hop_or_answer_directly(tokenizer)
     texts = [tokenizer.decode(d["input_ids"]) for d in demos]
     direct = [t for t in texts if "<search>" not in t]
     assert 10 <= len(direct) <= 30  # about half
-    for item, text in zip(items, texts):
+    for item, text, demo in zip(items, texts, demos):
         gold = item["answer"][0]
         if "<search>" in text:  # one search per hop, then the answer read from the results
             assert text.count("<search>") == len(item["hop_queries"]) and f"The answer is {gold}." in text
+            # the model's turns, for the warm start's check: each search, then the answer, with its end of turn
+            turns = [tokenizer.decode(demo["input_ids"][a:b]) for a, b in demo["model_turns"]]
+            assert turns == [f"<think> I need to search {q}. </think>\n<search> {q} </search>"
+                             for q in item["hop_queries"]] + [f"<think> The answer is {gold}. </think>\n<answer> "
+                                                              f"{gold} </answer><|im_end|>"]
         else:
             assert f"<think> From memory: {gold}. </think>\n<answer> {gold} </answer>" in text
+            assert "model_turns" not in demo  # answered from memory: nothing copied to check
     plain = ts.build_demonstrations(tokenizer, cfg, items, os.path.join(data_dir, "corpus.jsonl"))
     assert all("<search>" in tokenizer.decode(d["input_ids"]) for d in plain)  # the default: every one searches
 

@@ -188,3 +188,65 @@ def test_a_model_whose_logits_are_more_than_the_head_is_refused_not_trained_on_o
     gemma2.lm_head.bias = torch.nn.Parameter(torch.zeros(64))
     with pytest.raises(ValueError, match="has a bias"):
         check_plain_head(gemma2)
+
+
+def test_reproduced_counts_the_examples_whose_every_span_token_is_the_models_greedy_choice():
+    """The warm start's check: an example counts when the model's argmax, given the true tokens before,
+    is each token of every span; one wrong token in a span, and it does not; examples without spans are
+    not drawn."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lib.warm_start import reproduced
+
+    base = default_tiny_model_dir()
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+
+    def greedy(ids, n):  # the model's own continuation, token by token
+        with torch.no_grad():
+            for _ in range(n):
+                ids = ids + [int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())]
+        return ids
+
+    examples = []
+    for text in ["12 apples and 30 pears", "Question: who founded Eskar Circle?", "#### 5"]:
+        prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = greedy(prompt, 6)
+        ids = greedy(ids + prompt[:2], 4)  # two spans, the model's own tokens, with given tokens between them
+        spans = [(len(prompt), len(prompt) + 6), (len(ids) - 4, len(ids))]
+        examples.append({"input_ids": ids, "loss_mask": [1] * len(ids), "spans": spans})
+    wrong = dict(examples[0], input_ids=list(examples[0]["input_ids"]))
+    last = wrong["spans"][1][1] - 1
+    wrong["input_ids"][last] = (wrong["input_ids"][last] + 1) % model.config.vocab_size  # the last token of a span
+    plain = {"input_ids": examples[1]["input_ids"], "loss_mask": examples[1]["loss_mask"]}  # no spans: not drawn
+    assert reproduced(base, examples + [wrong, plain], "spans", device="cpu") == (3, 4)
+    assert reproduced(base, examples + [wrong], "spans", limit=2, device="cpu")[1] == 2
+    assert reproduced(base, [plain], "spans", device="cpu") == (0, 0)
+
+
+def test_a_stage_1_that_fails_its_check_is_built_once_more_from_another_seed_and_stage_2_goes_on_from_it(
+        tmp_path, monkeypatch, capsys):
+    import json
+
+    from lib.warm_start import warm_start_stages
+
+    monkeypatch.setenv("AGENTRL_CACHE", str(tmp_path))
+    ids = lambda tokenizer: tokenizer("3 + 4 = 7", add_special_tokens=False)["input_ids"] + [2]  # noqa: E731
+    demos = lambda tokenizer, direct_frac=0.0: [{"input_ids": ids(tokenizer), "loss_mask": [1] * len(ids(tokenizer))}] * 4  # noqa: E731,E501
+    for verdicts in ([False, True], [False, False], [True]):
+        checked = []
+
+        def check(model_dir):
+            checked.append(model_dir)
+            return verdicts[len(checked) - 1]
+        out = warm_start_stages(f"stages-{len(verdicts)}-{verdicts[-1]}", default_tiny_model_dir(), demos, steps=2,
+                                lr=1e-3, batch_size=2, seed=0, direct_steps=2, direct_lr=1e-3, direct_frac=0.5,
+                                what_direct="stage 2", stage1_ok=check)
+        assert len(checked) == len(verdicts) and len(set(checked)) == len(checked)  # a new build each time
+        settings = [json.load(open(os.path.join(d, "warm_start.json"))) for d in checked]
+        assert all(s["base"] == default_tiny_model_dir() for s in settings)
+        assert json.load(open(os.path.join(out, "warm_start.json")))["base"] == checked[-1]  # stage 2 from the last
+        said = capsys.readouterr().out
+        assert ("building it again from SFT seed 1000" in said) == (len(verdicts) == 2)
+        assert ("the second build failed the check too; going on from it" in said) == (verdicts == [False, False])
