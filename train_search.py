@@ -528,7 +528,7 @@ def warm_started_model(cfg: Config, base: str, data_dir: str, embedded: bool) ->
         """Did stage 1 learn to copy: names from the question into queries, the answer out of the results?
         GRPO does not teach it (docs/benchmarks.md), and the embedded model learns it as a phase change that
         float rounding can miss (a missed build: test EM 0.003). A build that copies reproduces 41-51% of
-        the sampled demonstrations' turns, a missed one 3%; the default recipe builds a missed one again.
+        the sampled demonstrations' turns, a missed one 3-9%; the default recipe trains a missed one on.
         The embedded model only: 2 s (SmolLM2 on 2 CPU cores: 2 minutes; a light warm start of a pretrained
         model is meant to copy little anyway, RL teaches the rest)."""
         right, n = reproduced(model_dir, searching, "model_turns", seed=cfg.seed)
