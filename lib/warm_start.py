@@ -105,27 +105,32 @@ def warm_start(name: str, base_model_dir: str, build_examples, *, steps: int, lr
 
 def warm_start_stages(name: str, base_model_dir: str, build_examples, *, steps: int, lr: float, batch_size: int,
                       seed: int, direct_steps: int, direct_lr: float, direct_frac: float, what_direct: str,
-                      stage1_ok=None) -> str:
+                      stage1_ok=None, more_rounds: int = 3) -> str:
     """A warm start in two stages: `steps` on `build_examples(tokenizer)`, then (when both step counts
     are above 0) `direct_steps` from there on `build_examples(tokenizer, direct_frac)`, whose fraction
     of demonstrations skip the work (answer from memory, no worked steps), cached as `{name}-direct`.
     The first stage's behaviour is learned first and kept: mixed in from the start, the direct
     demonstrations kept it from forming (docs/benchmarks.md). `stage1_ok(model_dir) -> bool`, if given,
-    checks stage 1's model: one that fails it trains half as many steps more, from where it stopped (a new
-    warm-up and schedule, cached as `{name}-more`), and stage 2 goes on from there, whether that passes
-    the check or not (said). Two stage-1 builds of the tiny search model that had missed copying passed
-    after 600 steps more; a new build from another seed missed it too (docs/benchmarks.md)."""
+    checks stage 1's model: one that fails it trains on from where it stopped, in rounds of half as many
+    steps (each a new warm-up and schedule and another data order, cached as `{name}-more`), until it
+    passes or `more_rounds` rounds are done; stage 2 goes on from the last (said). Stage-1 builds of the
+    tiny search model that had missed copying passed after one round in two tries of three; a new build
+    from another seed missed it too (docs/benchmarks.md)."""
     two = steps > 0 and direct_steps > 0
     what = "warm start, stage 1 of 2" if two else "warm start"
     out = warm_start(name, base_model_dir, build_examples, steps=steps, lr=lr, batch_size=batch_size, seed=seed,
                      what=what)
-    if stage1_ok is not None and steps > 0 and not stage1_ok(out):
-        more = max(1, steps // 2)
-        print(f"{what}: its model failed the check above: training it {more} steps more", flush=True)
+    more, rounds = max(1, steps // 2), 0
+    while stage1_ok is not None and steps > 0 and not stage1_ok(out):
+        if rounds == more_rounds:
+            print(f"{what}: after {rounds} rounds of {more} steps more it fails the check still; going on from it",
+                  flush=True)
+            break
+        rounds += 1
+        print(f"{what}: its model failed the check above: training it {more} steps more (round {rounds} of "
+              f"at most {more_rounds})", flush=True)
         out = warm_start(f"{name}-more", out, build_examples, steps=more, lr=lr, batch_size=batch_size,
-                         seed=seed + 1000, what=f"{what}, {more} steps more")
-        if not stage1_ok(out):
-            print(f"{what}: after {more} steps more it fails the check still; going on from it", flush=True)
+                         seed=seed + 1000 * rounds, what=f"{what}, {more} steps more")
     if not two:
         return out
     return warm_start(f"{name}-direct", out, lambda tokenizer: build_examples(tokenizer, direct_frac),

@@ -234,7 +234,7 @@ def test_a_stage_1_that_fails_its_check_trains_on_and_stage_2_goes_on_from_there
     monkeypatch.setenv("AGENTRL_CACHE", str(tmp_path))
     ids = lambda tokenizer: tokenizer("3 + 4 = 7", add_special_tokens=False)["input_ids"] + [2]  # noqa: E731
     demos = lambda tokenizer, direct_frac=0.0: [{"input_ids": ids(tokenizer), "loss_mask": [1] * len(ids(tokenizer))}] * 4  # noqa: E731,E501
-    for verdicts in ([False, True], [False, False], [True]):
+    for verdicts in ([False, False, True], [False] * 3, [True]):
         checked = []
 
         def check(model_dir):
@@ -242,13 +242,14 @@ def test_a_stage_1_that_fails_its_check_trains_on_and_stage_2_goes_on_from_there
             return verdicts[len(checked) - 1]
         out = warm_start_stages(f"stages-{len(verdicts)}-{verdicts[-1]}", default_tiny_model_dir(), demos, steps=2,
                                 lr=1e-3, batch_size=2, seed=0, direct_steps=2, direct_lr=1e-3, direct_frac=0.5,
-                                what_direct="stage 2", stage1_ok=check)
+                                what_direct="stage 2", stage1_ok=check, more_rounds=2)
         assert len(checked) == len(verdicts) and len(set(checked)) == len(checked)  # a new build each time
         settings = [json.load(open(os.path.join(d, "warm_start.json"))) for d in checked]
         assert settings[0]["base"] == default_tiny_model_dir() and settings[0]["steps"] == 2
-        if len(checked) == 2:  # the failed build trained on, half as many steps, from where it stopped
-            assert settings[1]["base"] == checked[0] and settings[1]["steps"] == 1
+        for before, after in zip(settings, settings[1:]):  # each failed build trained on, half the steps, from
+            assert after["base"] == checked[settings.index(before)] and after["steps"] == 1  # where it stopped
         assert json.load(open(os.path.join(out, "warm_start.json")))["base"] == checked[-1]  # stage 2 from the last
         said = capsys.readouterr().out
-        assert ("failed the check above: training it 1 steps more" in said) == (len(verdicts) == 2)
-        assert ("fails the check still; going on from it" in said) == (verdicts == [False, False])
+        assert said.count("failed the check above: training it 1 steps more") == len(verdicts) - 1
+        assert ("after 2 rounds of 1 steps more it fails the check still; going on from it" in said) == (
+            verdicts == [False] * 3)
