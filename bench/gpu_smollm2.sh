@@ -252,7 +252,7 @@ shapes)
   }
   g0=("$(shape shape_1.5b_full 1.5b --mem_fraction_static 0.3)" "$(shape shape_1.5b_r32 1.5b --mem_fraction_static 0.3 --lora_rank 32 --lr 1e-5)"
       "$(shape shape_7b_r32 7b --mem_fraction_static 0.3 --lora_rank 32 --lr 1e-5)"
-      "$(shape shape_1.5b_r32_sleep 1.5b --mem_fraction_static 0.5 --colocate_sleep True --trainer_offload_base True --lora_sync merged --lora_rank 32 --lr 1e-5)")  # 32B's settings, small
+      "$(shape shape_merged_1.5b 1.5b --mem_fraction_static 0.5 --colocate_sleep True --trainer_offload_base True --lora_sync merged --lora_rank 32 --lr 1e-5)")  # 32B's settings, small
   g1=("$(shape shape_14b_r32 14b --mem_fraction_static 0.26 --max_tokens_per_mb 8192 --lora_rank 32 --lr 1e-5)" "rm -rf /tmp/q14b"
       "$(shape shape_32b_r32 32b --mem_fraction_static 0.5 --colocate_sleep True --trainer_offload_base True --lora_sync merged --max_tokens_per_mb 8192 --lora_rank 32 --lr 1e-5)")
   # 32B syncs merged weights: adapter syncs in sleep mode make SGLang back its 61 GiB base up in host memory,

@@ -326,8 +326,10 @@ def _open(run: Run, build_model, load_splits, tokenizer_texts):
         extra_texts=tokenizer_texts() if tokenizer_texts else None)
     run.say(f"model ready: {base}", t0)
     t0 = time.time()
-    run.model_path = build_model(base, not cfg.model_path)
-    if run.model_path != base:
+    # rank 0 builds the warm start (a script's checks may decide which build it ends at: train_search.py's);
+    # the other ranks take its path below
+    run.model_path = build_model(base, not cfg.model_path) if is_main else None
+    if is_main and run.model_path != base:
         run.say(f"warm start ready: {run.model_path}", t0)
     # Only now: the warm start runs before any server shares the machine, on every core (on 2 cores
     # with trainer_threads 1 it took 1.7x as long)
@@ -335,6 +337,7 @@ def _open(run: Run, build_model, load_splits, tokenizer_texts):
         torch.set_num_threads(cfg.trainer_threads)
     if is_main and run.world_size > 1:
         dist.barrier()
+    run.model_path = broadcast_from_rank0(run.model_path, run.cpu_group)
     run.tokenizer = AutoTokenizer.from_pretrained(run.model_path)
     if not cfg.stop_token_ids:  # a turn ends on any of the model's EOS ids (Qwen2.5: <|im_end|> and <|endoftext|>)
         cfg = run.cfg = dataclasses.replace(cfg, stop_token_ids=model_eos_ids(run.model_path, run.tokenizer))

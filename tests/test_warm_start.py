@@ -190,39 +190,40 @@ def test_a_model_whose_logits_are_more_than_the_head_is_refused_not_trained_on_o
         check_plain_head(gemma2)
 
 
-def test_reproduced_counts_the_examples_whose_every_span_token_is_the_models_greedy_choice():
+def test_reproduced_counts_the_examples_whose_every_span_token_is_the_models_greedy_choice(tmp_path):
     """The warm start's check: an example counts when the model's argmax, given the true tokens before,
     is each token of every span; one wrong token in a span, and it does not; examples without spans are
-    not drawn."""
+    not drawn. The model is taught a few sequences first (a random one only repeats a token, and a check
+    reading the logits one position off would pass on its repeats)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lib.warm_start import reproduced
+    from lib.warm_start import reproduced, sft_warm_start
 
     base = default_tiny_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(base)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    taught = [encode(t) for t in ["one two three four five six seven", "red green blue black white", "1 2 3 4 5 6 7"]]
+    model_dir = sft_warm_start(base, [{"input_ids": ids, "loss_mask": [1] * len(ids)} for ids in taught],
+                               str(tmp_path / "taught"), steps=60, lr=3e-3, batch_size=3, warmup_steps=5)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
-    def greedy(ids, n):  # the model's own continuation, token by token
+    def argmax_after(ids):
         with torch.no_grad():
-            for _ in range(n):
-                ids = ids + [int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())]
-        return ids
+            return int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
 
     examples = []
-    for text in ["12 apples and 30 pears", "Question: who founded Eskar Circle?", "#### 5"]:
-        prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
-        ids = greedy(prompt, 6)
-        ids = greedy(ids + prompt[:2], 4)  # two spans, the model's own tokens, with given tokens between them
-        spans = [(len(prompt), len(prompt) + 6), (len(ids) - 4, len(ids))]
-        examples.append({"input_ids": ids, "loss_mask": [1] * len(ids), "spans": spans})
-    wrong = dict(examples[0], input_ids=list(examples[0]["input_ids"]))
-    last = wrong["spans"][1][1] - 1
-    wrong["input_ids"][last] = (wrong["input_ids"][last] + 1) % model.config.vocab_size  # the last token of a span
-    plain = {"input_ids": examples[1]["input_ids"], "loss_mask": examples[1]["loss_mask"]}  # no spans: not drawn
-    assert reproduced(base, examples + [wrong, plain], "spans", device="cpu") == (3, 4)
-    assert reproduced(base, examples + [wrong], "spans", limit=2, device="cpu")[1] == 2
-    assert reproduced(base, [plain], "spans", device="cpu") == (0, 0)
+    for ids in taught:  # spans: token 2 and the last two, each the taught model's greedy choice
+        assert all(argmax_after(ids[:i]) == ids[i] for i in (2, len(ids) - 2, len(ids) - 1))
+        examples.append({"input_ids": ids, "loss_mask": [1] * len(ids), "spans": [(2, 3), (len(ids) - 2, len(ids))]})
+        assert all(a != b for a, b in zip(ids, ids[1:]))  # no repeats: reading one position off sees other tokens
+    wrong = [dict(examples[0], input_ids=list(examples[0]["input_ids"])) for _ in range(2)]
+    wrong[0]["input_ids"][2] = taught[1][2]  # a one-token span's token, another word
+    wrong[1]["input_ids"][-1] = taught[1][-1]  # a span's last token
+    plain = {"input_ids": taught[1], "loss_mask": [1] * len(taught[1])}  # no spans: not drawn
+    assert reproduced(model_dir, examples + wrong + [plain], "spans", device="cpu") == (3, 5)
+    assert reproduced(model_dir, examples + wrong, "spans", limit=2, device="cpu")[1] == 2
+    assert reproduced(model_dir, [plain], "spans", device="cpu") == (0, 0)
 
 
 def test_a_stage_1_that_fails_its_check_trains_on_and_stage_2_goes_on_from_there(
