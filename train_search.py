@@ -527,19 +527,14 @@ def warm_started_model(cfg: Config, base: str, data_dir: str, embedded: bool) ->
     def copies(model_dir) -> bool:
         """Did stage 1 learn to copy: names from the question into queries, the answer out of the results?
         GRPO does not teach it (docs/benchmarks.md), and the embedded model learns it as a phase change that
-        float rounding can miss (a missed build: test EM 0.003). A build that copies reproduces 41-51% of
-        the sampled demonstrations' turns, a missed one 3-9%; the default recipe trains a missed one on.
-        The embedded model only: 2 s (SmolLM2 on 2 CPU cores: 2 minutes; a light warm start of a pretrained
-        model is meant to copy little anyway, RL teaches the rest)."""
+        a build can miss (a missed build: test EM 0.003). A build that copies reproduces 41-51% of the
+        sampled demonstrations' turns, a missed one 3-9%; a missed one trains on. The embedded model's default
+        recipe only: 2 s on 2 cores (SmolLM2: 2 minutes; a light warm start of a pretrained model is meant
+        to copy little anyway, RL teaches the rest; a recipe of your own steps is yours to judge)."""
         right, n = reproduced(model_dir, searching, "model_turns", seed=cfg.seed)
         print(f"warm start check: the model writes every turn of {right} of {n} searching demonstrations "
               f"token for token (teacher-forced)", flush=True)
-        if right >= COPY_MIN_SHARE * n:
-            return True
-        if cfg.warm_start_steps is not None:  # a recipe of the user's: said, not acted on
-            print(f"warm start check: under {COPY_MIN_SHARE:.0%}, where the default recipe trains stage 1 on; "
-                  f"--warm_start_steps was given, so this build is kept", flush=True)
-        return cfg.warm_start_steps is not None
+        return right >= COPY_MIN_SHARE * n
 
     # stage 2 (warm_start_direct_steps): some demonstrations answer from memory, as a chat model does
     return warm_start_stages("search-warm-start", base, examples, steps=steps, lr=lr,
@@ -547,7 +542,8 @@ def warm_started_model(cfg: Config, base: str, data_dir: str, embedded: bool) ->
                              direct_steps=cfg.warm_start_direct_steps, direct_lr=cfg.warm_start_direct_lr,
                              direct_frac=cfg.warm_start_direct_frac,
                              what_direct="warm start, stage 2 of 2 (some answers without searching)",
-                             stage1_ok=copies if cfg.use_tool and embedded else None)
+                             stage1_ok=copies if embedded and cfg.use_tool and cfg.warm_start_steps is None
+                             else None)
 
 
 # --- the run: lib's plumbing with this task's pieces ---
