@@ -327,7 +327,7 @@ def _open(run: Run, build_model, load_splits, tokenizer_texts):
     run.say(f"model ready: {base}", t0)
     t0 = time.time()
     # rank 0 builds the warm start (a script's checks may decide which build it ends at: train_search.py's);
-    # the other ranks take its path below
+    # the other ranks take its path below, or build their own where they cannot read it (another node's cache)
     run.model_path = build_model(base, not cfg.model_path) if is_main else None
     if is_main and run.model_path != base:
         run.say(f"warm start ready: {run.model_path}", t0)
@@ -338,6 +338,8 @@ def _open(run: Run, build_model, load_splits, tokenizer_texts):
     if is_main and run.world_size > 1:
         dist.barrier()
     run.model_path = broadcast_from_rank0(run.model_path, run.cpu_group)
+    if not os.path.isdir(run.model_path):  # a rank on a node whose cache rank 0's path is not in
+        run.model_path = build_model(base, not cfg.model_path)
     run.tokenizer = AutoTokenizer.from_pretrained(run.model_path)
     if not cfg.stop_token_ids:  # a turn ends on any of the model's EOS ids (Qwen2.5: <|im_end|> and <|endoftext|>)
         cfg = run.cfg = dataclasses.replace(cfg, stop_token_ids=model_eos_ids(run.model_path, run.tokenizer))
