@@ -521,7 +521,8 @@ def warm_started_model(cfg: Config, base: str, data_dir: str, embedded: bool) ->
     def examples(tokenizer, direct_frac=0.0):
         built = warm_start_examples(tokenizer, cfg, data_dir, direct_frac if cfg.use_tool else 1.0,
                                     loss_on_tool_tokens=embedded)
-        searching[:] = built if direct_frac == 0.0 and cfg.use_tool else searching
+        if direct_frac == 0.0:
+            searching[:] = built
         return built
 
     def copies(model_dir) -> bool:
