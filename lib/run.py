@@ -729,8 +729,10 @@ def sync_weights(run: Run, trained: bool) -> dict:
         # a held request keeps its KV (and SGLang can flush only an idle server: its scheduler
         # dies on a failed flush), so the prefix cache is flushed only where nothing is held
         run.weight_sync.sync(run.version, flush_cache=pause_mode == "abort")
-        if cfg.colocate_sleep and run.is_main:
-            run.bg.run(run.client.resume_memory_occupation(["kv_cache", "cuda_graph"]))
+        if cfg.colocate_sleep:
+            torch.cuda.empty_cache()  # what the sync's copies (merged LoRA weights) held, for the server's cache
+            if run.is_main:
+                run.bg.run(run.client.resume_memory_occupation(["kv_cache", "cuda_graph"]))
         if run.is_main:
             if run.producer is not None:
                 run.producer.set_version(run.version)

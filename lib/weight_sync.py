@@ -130,22 +130,43 @@ async def sync_adapter(actor, client, directory: str, version) -> float:
     return time.perf_counter() - start
 
 
-async def sync_weights_from_tensor(actor, client, version, tp_size: int = 1, flush_cache: bool = True) -> float:
+def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], limit_bytes: float):
+    """`named_tensors` in lists of at most `limit_bytes` (a larger tensor alone), each list with
+    whether it is the last: the weights go out a bucket at a time, and the last call of a sync
+    sets the servers' version and flushes their cache."""
+    bucket, size = [], 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > limit_bytes:
+            yield bucket, False
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket, True
+
+
+async def sync_weights_from_tensor(actor, client, version, tp_size: int = 1, flush_cache: bool = True,
+                                   bucket_mb: float = 512) -> float:
     """Hand every server (colocated with the trainer) handles of the actor's full tensors in the
     compute dtype, tagged `weight_version=str(version)`. With bf16 master weights those are the
-    running parameters themselves: nothing is copied on the trainer's side. Returns the seconds taken.
-    `flush_cache` as in `sync_weights_from_disk`."""
+    running parameters themselves, handed over at once: nothing is copied on the trainer's side.
+    LoRA's merged weights are copies: they go `bucket_mb` at a time, so that the copies never hold
+    a whole model's worth of the GPU beside the server's own weights (a 32B model is 61 GiB).
+    Returns the seconds taken. `flush_cache` as in `sync_weights_from_disk`."""
     from lib.tensor_ipc import serialize_named_tensors
 
     start = time.perf_counter()
-    named = list(actor.named_full_parameters())  # kept alive until every server has answered
-    payload = serialize_named_tensors(named)
-    if trainer_rank() == 0:
-        if actor.device.type == "cuda":
-            torch.cuda.synchronize(actor.device)  # the last optimizer step's copies are in the memory we share
-        await client.update_weights_from_tensor(payload, tp_size=tp_size, weight_version=str(version),
-                                                flush_cache=flush_cache)
-    del named
+    limit = bucket_mb * 2**20 if getattr(actor, "lora", False) else float("inf")
+    for named, last in buckets(actor.named_full_parameters(), limit):  # each bucket alive until answered
+        payload = serialize_named_tensors(named)
+        if trainer_rank() == 0:
+            if actor.device.type == "cuda":
+                torch.cuda.synchronize(actor.device)  # the last optimizer step's copies are in the memory we share
+            await client.update_weights_from_tensor(payload, tp_size=tp_size,
+                                                    weight_version=str(version) if last else None,
+                                                    flush_cache=flush_cache and last)
+        del named, payload
     return time.perf_counter() - start
 
 
@@ -218,17 +239,9 @@ class DistributedWeightSync:
             return time.perf_counter() - start
         if self.group is None:
             raise RuntimeError("DistributedWeightSync.update before init(): await sync.init() once first")
-        limit_bytes = bucket_mb * 2**20
-        bucket, bucket_bytes = [], 0
-        for name, tensor in named_tensors:
-            nbytes = tensor.numel() * tensor.element_size()
-            if bucket and bucket_bytes + nbytes > limit_bytes:
-                await self._send(bucket, None, flattened, False)
-                bucket, bucket_bytes = [], 0
-            bucket.append((name, tensor.detach().to(self.device).contiguous()))
-            bucket_bytes += nbytes
-        if bucket:
-            await self._send(bucket, version, flattened, flush_cache)
+        for bucket, last in buckets(named_tensors, bucket_mb * 2**20):
+            bucket = [(name, tensor.detach().to(self.device).contiguous()) for name, tensor in bucket]
+            await self._send(bucket, version if last else None, flattened, flush_cache and last)
         return time.perf_counter() - start
 
     async def _send(self, bucket: list, version, flattened: bool, flush_cache: bool) -> None:
@@ -429,7 +442,8 @@ class ServerWeightSync:
 
     def _sync_full(self, version, what: str, flush_cache: bool) -> float:
         if self.method == "tensor":
-            return self._bounded(sync_weights_from_tensor(self.actor, self.client, version, self.tp_size, flush_cache),
+            return self._bounded(sync_weights_from_tensor(self.actor, self.client, version, self.tp_size, flush_cache,
+                                                         self.bucket_mb),
                                  what)
         if self.broadcaster is None:
             return self._bounded(sync_weights_from_disk(self.actor, self.client, self.disk_dir, version, flush_cache),

@@ -448,6 +448,20 @@ def test_merged_sync_gives_a_server_without_adapters_the_adapted_weights(server,
         assert "model.safetensors" in os.listdir(tmp_path / "weights")  # the merged full model, by weight_sync disk
         metrics = sync.check_probe(1)
         assert metrics["lora/probe_server_gap"] < 1e-4 and metrics["lora/probe_trainer_moved"] > 0.05
+        # colocated (tensor): the merged weights are copies, handed over a bucket at a time; only the last
+        # call names the version
+        bg.run(client.update_weights_from_disk(model_dir))
+        calls, send = [], client.update_weights_from_tensor
+
+        async def counted(payload, **kw):
+            calls.append(kw["weight_version"])
+            return await send(payload, **kw)
+        client.update_weights_from_tensor = counted
+        by_tensor = ServerWeightSync("tensor", actor, client, bg.run, num_servers=1, disk_dir=str(tmp_path / "w2"),
+                                     lora_sync="merged", bucket_mb=0.05)
+        by_tensor.sync(2)
+        assert len(calls) > 5 and calls[-1] == "2" and set(calls[:-1]) == {None}
+        assert (prompt_logprobs(server, BATCH[0]) - actor.probe_logprobs(BATCH[0])).abs().max() < 1e-4
     finally:
         bg.run(client.update_weights_from_disk(model_dir))  # the module's server back on its base weights
         bg.run(client.close())
