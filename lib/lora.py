@@ -151,3 +151,24 @@ def adapters_disabled(model: nn.Module):
     finally:
         for module in layers:
             module.enable_adapters(True)
+
+
+@contextlib.contextmanager
+def moved_adapters(model: nn.Module, scale: float, seed: int = 0):
+    """Inside the block every adapter's B is moved by `scale` times a fixed random direction (its own
+    generator: the run's random state is untouched); after it, exactly as before. The adapter test's
+    known move (lib.weight_sync.ServerWeightSync.verify_adapters). Under FSDP each rank moves its shard."""
+    generator = torch.Generator().manual_seed(seed)
+    saved = []
+    with torch.no_grad():
+        for _, module in lora_modules(model):
+            weight = module.lora_B[ADAPTER_NAME].weight
+            local = weight.to_local() if hasattr(weight, "to_local") else weight.data
+            saved.append((local, local.clone()))
+            local.add_(torch.randn(local.shape, generator=generator).to(local) * scale)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for local, before in saved:
+                local.copy_(before)

@@ -263,6 +263,7 @@ class Run:
     trace_file: object = None
     ckpt_dir: str = ""
     resumed: bool = False
+    lora_test: dict = field(default_factory=dict)  # LoRA: the start-up test of the servers' adapters (rank 0)
     step: int = 0
     version: int = 0  # policy version: weight syncs so far
     data_position: int = 0  # index of the first train item not yet consumed
@@ -419,12 +420,6 @@ def _open(run: Run, build_model, load_splits, tokenizer_texts):
                                        timeout_s=cfg.weight_sync_timeout_s, lora_sync=cfg.lora_sync,
                                        probe_ids=run.tokenizer(LORA_PROBE_TEXT)["input_ids"][:64])
 
-    # LoRA: the servers' and the trainer's log-probs on the probe while the adapters are at their start (the
-    # base model; served as adapter version 0), from which their moves after each sync are measured
-    probe_noise = run.weight_sync.calibrate_probe()
-    if probe_noise:
-        print(f"LoRA probe: on the base model the servers are within {probe_noise['lora/probe_base_gap']:.2g} of the "
-              f"trainer (numerical noise; the check compares moves from here)", flush=True)
     if cfg.resume and resume_extra is None:
         print(f"--resume True: no checkpoint in {run.ckpt_dir}; starting from step 0")
     if resume_extra is not None:
@@ -438,12 +433,13 @@ def _open(run: Run, build_model, load_splits, tokenizer_texts):
         torch.set_rng_state(extra["torch_rng"])
         # The server still holds the initial weights: give it the resumed policy.
         run.weight_sync.sync(run.version)
-        if run.weight_sync.probe_due and run.version > 0:  # LoRA: does the server apply the resumed adapter?
-            run.weight_sync.check_probe(run.version)
         run.resumed = True
         if is_main:
             print(f"resumed from step {run.step} (policy version {run.version}, data position "
                   f"{run.data_position}); server sampling seed {sampling_seed}")
+    # LoRA: a test before the first rollout: adapters moved by a known amount and synced must move the servers'
+    # log-probs on a probe text as they move the trainer's (a server that ignores them stops the run here)
+    run.lora_test = run.weight_sync.verify_adapters(run.version)
     if cfg.trainer_offload_base:  # the server generates next (evaluations, the first rollout): the base waits on the host
         run.actor.park_base()
     if is_main:
@@ -454,6 +450,8 @@ def _open(run: Run, build_model, load_splits, tokenizer_texts):
         run.logger = MetricsLogger(cfg.run_dir, to_dict(cfg), tensorboard=cfg.tensorboard,
                                    wandb_project=cfg.wandb_project, resume_step=resume_step,
                                    mlflow=cfg.trace_backend == "mlflow")
+        if run.lora_test:
+            run.logger.log(run.step, run.lora_test)
         run.trace_file = open(continue_jsonl(os.path.join(cfg.run_dir, "traces.jsonl"), resume_step), "a")
 
 
@@ -709,7 +707,7 @@ def sync_weights(run: Run, trained: bool) -> dict:
     """5. weight sync: pause generation, push the new weights, continue; bump the version. A step
     with nothing trained leaves the weights and the version as they are (a server that lent its
     memory, colocate_sleep, gets the same weights back)."""
-    cfg, t3, probe_trainer, park_s = run.cfg, time.time(), None, None
+    cfg, t3, park_s = run.cfg, time.time(), None
     if trained or cfg.colocate_sleep:
         run.version += int(trained)
         # sync mode has nothing in flight: "abort" leaves SGLang in a state it can always flush
@@ -717,9 +715,7 @@ def sync_weights(run: Run, trained: bool) -> dict:
         if run.is_main:
             run.bg.run(run.client.pause_generation(pause_mode))
         if cfg.colocate_sleep:  # the server takes its memory back: weights first (the sync fills them), then its cache
-            if cfg.trainer_offload_base:  # the trainer's base leaves first (the probe's trainer side runs it: before)
-                if trained and run.weight_sync.probe_due:
-                    probe_trainer = run.weight_sync.trainer_probe()
+            if cfg.trainer_offload_base:  # the trainer's base leaves first
                 t_park = time.time()
                 run.actor.park_base()  # host memory until the next step's log-probs (a merged sync streams from it)
                 park_s = time.time() - t_park
@@ -740,8 +736,6 @@ def sync_weights(run: Run, trained: bool) -> dict:
     metrics = {"perf/sync_s": time.time() - t3}
     if park_s is not None:
         metrics["perf/park_base_s"] = park_s  # in sync_s; the way back is in the next step's logp_s
-    if trained and run.weight_sync.probe_due:  # LoRA: do the servers follow the trainer's adapters? (a /generate)
-        metrics.update(run.weight_sync.check_probe(run.version, trainer=probe_trainer))
     return metrics
 
 

@@ -17,10 +17,10 @@ LoRA (lib/lora.py): `lora_sync="adapter"` sends the adapters alone, as a PEFT di
 every server loads by name (`/load_lora_adapter`, name `policy-v<version>`; the two newest stay
 loaded) and that the client then names in every request; `lora_sync="merged"` sends the full
 weights with the adapters folded in, by any of the three paths above, for servers without adapters.
-Either way the first syncs are checked (`ServerWeightSync.check_probe`, once generation goes on):
-the servers' log-probs on a fixed probe must equal the trainer's, until the adapters have moved them
-far enough from the base model's that a server ignoring its adapter could not pass; else the run
-stops with ServerIgnoresAdapter.
+Either way the servers are tested before the first rollout (`ServerWeightSync.verify_adapters`): the
+trainer moves its adapters by a known amount, far past the servers' numerical noise, and syncs them;
+each server's log-probs on a fixed probe text must move as the trainer's do, else the run stops with
+ServerIgnoresAdapter.
 
 None pauses generation: the training loop pauses, syncs, continues (docs/trajectory.md, step order).
 Under FSDP every trainer rank calls these (gathering full tensors is collective); only rank 0
@@ -55,14 +55,24 @@ class ServerIgnoresAdapter(RuntimeError):
 
 ADAPTER_PREFIX = "policy-v"  # adapter names on the servers: policy-v<version>
 KEEP_ADAPTERS = 2  # the newest adapters kept loaded (a request held by an in_place pause keeps its own)
-# The probe's numerical floor, by the trainer's dtype (fp32 agrees to ~1e-6 on CPU; bf16 kernels differ
-# by ~1e-2 a token), raised to the servers' gap measured at calibration: the adapters must move the
-# trainer's log-probs by 3x it for a verdict on whether the servers follow; and how many syncs are
-# checked before giving up on a verdict.
+# The adapter test (ServerWeightSync.verify_adapters). Each server's numerical noise n: its mean |log-prob
+# gap| a token to the trainer on the probe text, at least the floor of the trainer's dtype (fp32 agrees to
+# ~1e-6 on CPU; bf16 kernels differ by ~1e-2 a token, SGLang's from lib's by 0.05 on SmolLM2, 0.35 on Gemma 3).
+# The test moves every adapter's B along a fixed random direction, scaled up a step at a time, until the
+# trainer's log-probs move by PROBE_TEST_MOVE x n; past PROBE_MAX_BASE_GAP a server serves another model.
 PROBE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 2e-2}
-PROBE_MAX_CHECKS = 20
-# a server further than this from the trainer on the base model (mean |log-prob gap| a token) serves another model
+PROBE_TEST_MOVE = 4.0
+PROBE_TEST_SCALES = [1e-3 * 4 ** k for k in range(8)]  # 0.001 .. 16
 PROBE_MAX_BASE_GAP = 1.0
+TEST_ADAPTER = f"{ADAPTER_PREFIX}test"  # the moved adapters' name on the servers, for the test alone
+
+
+def _from_rank0(*values) -> list:
+    """Rank 0's `values` on every trainer rank (the ranks must decide alike: their forwards are collective)."""
+    values = list(values)
+    if trainer_world_size() > 1:
+        dist.broadcast_object_list(values, src=0)
+    return values
 
 
 _waiting: dict[int, str] = {}  # what the trainer's side of a sync is waiting on now (id of its wait -> what)
@@ -295,14 +305,9 @@ class ServerWeightSync:
             raise ValueError(f"lora_sync must be 'adapter' or 'merged', got {lora_sync!r}")
         # LoRA: adapters alone (by disk, whatever `method`), or the merged full weights by `method`
         self.adapters_only = bool(getattr(actor, "lora", False)) and lora_sync == "adapter"
-        # LoRA: the servers' log-probs on `probe_ids` are checked against the trainer's after each sync
-        # until a verdict (check_probe)
+        # LoRA: the servers' log-probs on `probe_ids` test whether they follow the adapters (verify_adapters)
         self.probe_ids = list(probe_ids) if probe_ids and getattr(actor, "lora", False) else None
-        self.probe_checks = 0
-        self.server_base: list[torch.Tensor] | None = None  # each server's probe log-probs on the base model
-        self.trainer_base: torch.Tensor | None = None  # the trainer's, adapters on at their start (B = 0)
-        # the servers' noise: mean |server - trainer| a token at calibration, the largest (every rank has it)
-        self.probe_noise: float | None = None
+        self.synced = False  # a sync has run: with adapter sync, the servers hold a version of the adapters
         if method == "tensor" and actor.world_size > 1:
             raise ValueError("weight sync 'tensor' hands over one process's tensors: use 'nccl' under torchrun")
         from lib.launch import free_port
@@ -323,122 +328,133 @@ class ServerWeightSync:
         """Push the actor's weights as `version`. `flush_cache=False` while an `in_place` pause
         holds requests on the servers (SGLang can flush only an idle server's prefix cache)."""
         what = f"the weight sync of version {version} ({'LoRA adapter' if self.adapters_only else self.method})"
+        self.synced = True
         if self.adapters_only:
             return self._bounded(sync_adapter(self.actor, self.client, self.disk_dir, version), what)
         return self._sync_full(version, what, flush_cache)
 
-    @property
-    def probe_due(self) -> bool:
-        return self.probe_ids is not None
+    def verify_adapters(self, version) -> dict:
+        """LoRA, before the first rollout (after a resume's sync): do the servers serve the trainer's model,
+        and do they apply its adapters at the trainer's scale? A test, not a watch over training: GRPO's
+        early moves of any fixed text stay within the servers' bf16 noise (SGLang, SmolLM2 at lr 1e-4: 0.07-0.11
+        a token after 20 steps against noise 0.05), where no verdict is possible, so the test makes its own.
 
-    def calibrate_probe(self) -> dict:
-        """Before any update, while the adapters are at their start (B = 0: the base model): each
-        server's own log-probs on the probe, and the trainer's, the baselines their later moves are
-        measured from (check_probe). Both are taken on the path the later ones take: the trainer with
-        its adapters on, and with adapter sync the servers serving the start adapter (loaded here as
-        version 0; requests name it from now on): switching kernels (a server's LoRA kernels, the
-        trainer's compiled graph with or without adapters) moves bf16 log-probs by itself (0.01 a
-        token on a random 7B in the trainer). The servers' gap to the trainer's baseline is their
-        numerical noise (SGLang's bf16 kernels differ from the trainer's by ~0.05 a token on a 135M
-        model, 0.10 on gemma-3-270m), which an adapter's early moves do not exceed: comparing moves,
-        not values, cancels it. Every rank calls it (the trainer's forward is collective under FSDP);
-        rank 0 asks the servers and keeps their baselines."""
+        1. The servers' log-probs on the probe and the trainer's, as they are (with adapter sync the servers
+           serve version `version` of the adapters: loaded here on a fresh run). The servers' noise n: their
+           mean gap to the trainer on the base model (adapter sync; merged: on the weights they hold), at least
+           the dtype's floor; past PROBE_MAX_BASE_GAP a server serves another model.
+        2. The trainer moves every adapter's B along a fixed random direction (lib.lora.moved_adapters), the
+           scale stepped up until its own log-probs move by PROBE_TEST_MOVE x n on average, and syncs that:
+           adapter sync loads it under its own name (TEST_ADAPTER) and asks for it; merged sync sends the
+           moved weights and, after the question, the real ones again (checked: each server back where it was).
+        3. Each server's move (its answer now minus in 1) must match the trainer's to within half of
+           (move + n), else ServerIgnoresAdapter: a server that ignores the adapters misses by the whole
+           move, one that applies them at twice their scale (a lora_alpha mismatch) by the move again, while
+           a server that follows misses by about its noise (SGLang: 1.2-1.8 n, whatever the move,
+           bench/check_lora_probe.py). The adapters are back as they were; nothing random of the run is drawn.
+        Every rank calls it (the trainer's forwards, exports and syncs are collective under FSDP); rank 0 asks
+        the servers. Returns the test's numbers (logged under lora/; rank 0)."""
         if self.probe_ids is None:
             return {}
-        if self.adapters_only:
-            self._bounded(sync_adapter(self.actor, self.client, self.disk_dir, 0), "loading the start LoRA adapter")
-        trainer = self.trainer_base = self.actor.probe_logprobs(self.probe_ids)
+        from lib.lora import moved_adapters
+
+        if self.adapters_only and not self.synced:  # requests name an adapter from the first one on
+            self.sync(version)
+        trainer = self.actor.probe_logprobs(self.probe_ids)
+        served = self._ask(self.client.lora_adapter if self.adapters_only else None) if trainer_rank() == 0 else []
+        # the noise: on the base model where the servers serve it beside the adapters (a resumed adapter that
+        # a server ignores would count as noise in its gap), else on the weights they hold
+        trainer_base = self.actor.probe_logprobs(self.probe_ids, adapters=False) if self.adapters_only else trainer
+        served_base = (self._ask(None) if self.adapters_only else served) if trainer_rank() == 0 else []
         noise, error = None, None
         if trainer_rank() == 0:
-            adapter = self.client.lora_adapter if self.adapters_only else None
-            served = self.run(self.client.prompt_logprobs(self.probe_ids, adapter), timeout_s=self.timeout_s)
-            if any(len(lp) != len(trainer) for lp in served):
+            if any(len(lp) != len(trainer) for lp in served + served_base):
                 error = (f"a server answered the LoRA probe ({len(trainer)} tokens) with a different number of "
                          f"log-probs: it does not serve this model's tokens")
             else:
-                self.server_base = [torch.tensor(lp) for lp in served]
-                noise = max((base - trainer).abs().mean().item() for base in self.server_base)
+                noise = max((lp - trainer_base).abs().mean().item() for lp in served_base)
                 if noise > PROBE_MAX_BASE_GAP:
-                    error = (f"on the base model a server's log-probs on the LoRA probe are {noise:.3g} a token from "
-                             f"the trainer's (numerical noise on SGLang measured 0.05 for SmolLM2, 0.35 for Gemma 3; above "
-                             f"{PROBE_MAX_BASE_GAP}): it does not "
-                             f"serve the trainer's base model ({self.actor.model_path})")
-        if trainer_world_size() > 1:  # every rank decides alike when the check ends (its forwards are collective)
-            shared = [noise, error]
-            dist.broadcast_object_list(shared, src=0)
-            noise, error = shared
+                    error = (f"a server's log-probs on the LoRA probe are {noise:.3g} a token from the trainer's "
+                             f"(numerical noise on SGLang measured 0.05 for SmolLM2, 0.35 for Gemma 3; above "
+                             f"{PROBE_MAX_BASE_GAP}): it does not serve the trainer's model ({self.actor.model_path})")
+        noise, error = _from_rank0(noise, error)
         if error:
             raise ServerIgnoresAdapter(error)
-        self.probe_noise = noise
-        return {"lora/probe_base_gap": noise} if trainer_rank() == 0 else {}
-
-    def trainer_probe(self) -> torch.Tensor:
-        """The trainer's log-probs on the probe now (for check_probe, when they must be taken earlier)."""
-        return self.actor.probe_logprobs(self.probe_ids)
-
-    def check_probe(self, version, trainer: torch.Tensor | None = None) -> dict:
-        """After a LoRA sync, once generation goes on (the probe is a /generate call): do the servers'
-        log-probs on the probe move with the trainer's? The trainer's move is its log-probs now minus
-        at calibration (calibrate_probe; without one, minus its base model's), a server's likewise
-        (without one, minus the trainer's base). The servers' kernels do not cancel out of a move: the
-        adapters change their rounding token by token, so a server that follows exactly still misses
-        the trainer's move by about its calibrated gap N (SmolLM2 on SGLang 0.5.15, bf16: gap 0.046,
-        miss 0.06 whether the trainer moved 0.04 or 0.24; bench/check_lora_probe.py). So the noise
-        n = max(N, PROBE_TOLERANCE) sets both bounds: once the trainer has moved more than 3n on
-        average, each server's mean |server move - trainer move| must be within half of (move + n),
-        else ServerIgnoresAdapter (a server that ignores the adapter misses by the whole move, one that
-        applies it at twice its scale by the move again), and the check ends; before that only a server
-        off by more than half the move + 2n is stopped (nothing like the trainer's model). At most
-        PROBE_MAX_CHECKS syncs are checked. Every rank calls it (the trainer's forwards are collective
-        under FSDP); rank 0 asks the servers. `trainer`: the trainer's log-probs on the probe at this
-        version if taken already (trainer_probe; lib takes them before LoRA's base leaves the GPU).
-        Returns the check's numbers (logged under lora/)."""
-        floor = PROBE_TOLERANCE.get(self.actor.compute_dtype, 2e-2)
-        trainer = self.trainer_probe() if trainer is None else trainer
-        base = self.trainer_base if self.trainer_base is not None else self.actor.probe_logprobs(self.probe_ids,
-                                                                                                adapters=False)
-        trainer_move = trainer - base
-        moved = trainer_move.abs().mean().item()
-        noise = max(floor, self.probe_noise or 0.0)
-        decides = moved > 3 * noise
-        self.probe_checks += 1
-        metrics = {"lora/probe_trainer_moved": moved}
+        noise = max(noise, PROBE_TOLERANCE.get(self.actor.compute_dtype, 2e-2))
+        for scale in PROBE_TEST_SCALES:  # the smallest step whose move is far past the noise
+            with moved_adapters(self.actor.model, scale):
+                trainer_move = self.actor.probe_logprobs(self.probe_ids) - trainer
+            moved = _from_rank0(trainer_move.abs().mean().item())[0]  # every rank stops at the same step
+            if moved >= PROBE_TEST_MOVE * noise:
+                break
+        else:
+            if trainer_rank() == 0:
+                print(f"warning: LoRA: moving the adapters (B up to {scale:g} x a random direction) moved the probe's "
+                      f"log-probs by only {moved:.3g}, under {PROBE_TEST_MOVE:g} x the servers' noise {noise:.3g}: "
+                      f"whether the servers apply the adapters was not tested", file=sys.stderr)
+            return {"lora/probe_base_gap": noise}
+        with moved_adapters(self.actor.model, scale):
+            moved_served = self._sync_test(version)
+        back = self._sync_back(version)  # merged: the real weights again, and the servers' answers then
+        metrics, error = {}, None
         if trainer_rank() == 0:
-            adapter = self.client.lora_adapter if self.adapters_only else None
-            served = [torch.tensor(lp) for lp in self.run(self.client.prompt_logprobs(self.probe_ids, adapter),
-                                                          timeout_s=self.timeout_s)]
-            baselines = self.server_base or [base] * len(served)
-            misses, gaps = [], []  # per server; a wrong number of log-probs misses by everything
-            for lp, server_base in zip(served, baselines):
-                fits = len(lp) == len(trainer)
-                misses.append(((lp - server_base) - trainer_move).abs().mean().item() if fits else float("inf"))
-                gaps.append((lp - trainer).abs().mean().item() if fits else float("inf"))
-            metrics["lora/probe_move_miss"], metrics["lora/probe_server_gap"] = max(misses), max(gaps)
-            allowed = 0.5 * (moved + noise) if decides else 0.5 * moved + 2 * noise
+            misses = [((lp - base) - trainer_move).abs().mean().item() if len(lp) == len(trainer) else float("inf")
+                      for lp, base in zip(moved_served, served)]
+            allowed = 0.5 * (moved + noise)
+            metrics = {"lora/probe_base_gap": noise, "lora/probe_test_move": moved, "lora/probe_test_miss": max(misses)}
             for address, miss in zip(self.client.addresses, misses):
                 if miss > allowed:
-                    raise ServerIgnoresAdapter(
-                        f"after the weight sync of version {version}, the server at {address} does not move its "
-                        f"log-probs on the probe with the trainer's: the adapters moved the trainer's by {moved:.4g} "
-                        f"on average from the base model's, the server's move misses that by {miss:.4g} (allowed: "
-                        f"{allowed:.4g}); the server "
-                        f"{'does not apply LoRA adapter ' + repr(adapter) if adapter else 'does not hold the merged weights'}"
-                        f". Check that it serves adapters (SGLang: --enable-lora, --max-lora-rank >= lora_rank, "
-                        f"--lora-target-modules covering lora_target_modules), or use --lora_sync merged")
-        if decides:
-            if trainer_rank() == 0:
-                print(f"LoRA: the servers follow the trainer's adapters (probe checked at version {version}: the "
-                      f"adapters moved the log-probs by {moved:.3g}, the servers' moves match to "
-                      f"{metrics['lora/probe_move_miss']:.2g})", flush=True)
-            self.probe_ids = None
-        elif self.probe_checks >= PROBE_MAX_CHECKS:
-            if trainer_rank() == 0:
-                print(f"warning: LoRA: after {self.probe_checks} syncs the adapters still move the probe's log-probs "
-                      f"by only {moved:.3g} (< 3 x {noise:.3g}, the servers' noise): whether the servers apply them "
-                      f"could not be told apart from agreement; raise lr or lora_alpha if they are meant to learn",
-                      file=sys.stderr)
-            self.probe_ids = None
+                    error = (f"the server at {address} does not move its log-probs on the probe with the trainer's: "
+                             f"adapters moved by a known amount moved the trainer's by {moved:.4g} a token, the "
+                             f"server's move misses that by {miss:.4g} (allowed: {allowed:.4g}, its noise {noise:.3g}); "
+                             f"the server {'does not apply the LoRA adapters it loads' if self.adapters_only else 'does not hold the merged weights it is sent'}"
+                             f". Check that it serves adapters (SGLang: --enable-lora, --max-lora-rank >= lora_rank, "
+                             f"--lora-target-modules covering lora_target_modules, the adapter's lora_alpha), or use "
+                             f"--lora_sync merged")
+                    break
+            for address, lp, base in zip(self.client.addresses, back, served):
+                if error is None and (lp - base).abs().mean().item() > noise:
+                    error = (f"after the adapter test the server at {address} did not come back to the trainer's "
+                             f"weights (its log-probs on the probe are {(lp - base).abs().mean().item():.3g} a token "
+                             f"from before the test): it does not load the merged weights it is sent")
+        error = _from_rank0(error)[0]
+        if error:
+            raise ServerIgnoresAdapter(error)
+        if trainer_rank() == 0:
+            print(f"LoRA: the servers follow the trainer's adapters (a test move of {moved:.3g} a token on the probe, "
+                  f"{moved / noise:.1f} x the servers' noise {noise:.2g}, matched to {metrics['lora/probe_test_miss']:.2g})",
+                  flush=True)
         return metrics
+
+    def _ask(self, adapter) -> list[torch.Tensor]:
+        """Each server's log-probs on the probe under `adapter` (None: the weights it holds); rank 0."""
+        return [torch.tensor(lp) for lp in self.run(self.client.prompt_logprobs(self.probe_ids, adapter),
+                                                    timeout_s=self.timeout_s)]
+
+    def _sync_test(self, version) -> list[torch.Tensor]:
+        """The servers' answers under the trainer's adapters as they are now (moved): adapter sync loads
+        them as TEST_ADAPTER and drops them after the question; merged sync sends the full weights."""
+        if not self.adapters_only:
+            self._sync_full(version, "the LoRA adapter test's merged weight sync", flush_cache=True)
+            return self._ask(None) if trainer_rank() == 0 else []
+        path = os.path.join(os.path.abspath(self.disk_dir), "adapter-test")
+        self.actor.save_adapter(path, self.actor.compute_dtype)
+        if trainer_rank() != 0:
+            return []
+        self._bounded(self.client.load_lora_adapter(TEST_ADAPTER, path), "loading the LoRA test adapter")
+        try:
+            return self._ask(TEST_ADAPTER)
+        finally:
+            self._bounded(self.client.unload_lora_adapter(TEST_ADAPTER), "unloading the LoRA test adapter")
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _sync_back(self, version) -> list[torch.Tensor]:
+        """Merged sync: the trainer's real weights to the servers again, and their answers then (an adapter
+        sync's servers never left version `version`: their answers before the test stand)."""
+        if self.adapters_only:
+            return []
+        self._sync_full(version, f"the weight sync of version {version} after the LoRA adapter test", flush_cache=True)
+        return self._ask(None) if trainer_rank() == 0 else []
 
     def _sync_full(self, version, what: str, flush_cache: bool) -> float:
         if self.method == "tensor":
