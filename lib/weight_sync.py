@@ -50,7 +50,7 @@ class WeightSyncTimeout(TimeoutError):
 
 
 class ServerIgnoresAdapter(RuntimeError):
-    """A server's log-probs on the probe are not the trainer's after a LoRA sync."""
+    """A server does not serve the trainer's model, or does not move its log-probs with the trainer's LoRA adapters."""
 
 
 ADAPTER_PREFIX = "policy-v"  # adapter names on the servers: policy-v<version>
