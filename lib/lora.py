@@ -160,15 +160,15 @@ def moved_adapters(model: nn.Module, scale: float, seed: int = 0):
     known move (lib.weight_sync.ServerWeightSync.verify_adapters). Under FSDP each rank moves its shard."""
     generator = torch.Generator().manual_seed(seed)
     saved = []
-    with torch.no_grad():
-        for _, module in lora_modules(model):
-            weight = module.lora_B[ADAPTER_NAME].weight
-            local = weight.to_local() if hasattr(weight, "to_local") else weight.data
-            saved.append((local, local.clone()))
-            local.add_(torch.randn(local.shape, generator=generator).to(local) * scale)
     try:
+        with torch.no_grad():
+            for _, module in lora_modules(model):
+                weight = module.lora_B[ADAPTER_NAME].weight
+                local = weight.to_local() if hasattr(weight, "to_local") else weight.data
+                saved.append((local, local.clone()))
+                local.add_(torch.randn(local.shape, generator=generator).to(local) * scale)
         yield
-    finally:
+    finally:  # also when moving them failed half way
         with torch.no_grad():
             for local, before in saved:
                 local.copy_(before)

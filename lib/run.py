@@ -263,7 +263,7 @@ class Run:
     trace_file: object = None
     ckpt_dir: str = ""
     resumed: bool = False
-    lora_test: dict = field(default_factory=dict)  # LoRA: the start-up test of the servers' adapters (rank 0)
+    lora_test: dict = field(default_factory=dict)  # LoRA: the start-up test of the servers' adapters
     step: int = 0
     version: int = 0  # policy version: weight syncs so far
     data_position: int = 0  # index of the first train item not yet consumed
@@ -439,7 +439,7 @@ def _open(run: Run, build_model, load_splits, tokenizer_texts):
                   f"{run.data_position}); server sampling seed {sampling_seed}")
     # LoRA: a test before the first rollout: adapters moved by a known amount and synced must move the servers'
     # log-probs on a probe text as they move the trainer's (a server that ignores them stops the run here)
-    run.lora_test = run.weight_sync.verify_adapters(run.version)
+    run.lora_test = run.weight_sync.verify_adapters(run.version, park_base=cfg.trainer_offload_base)
     if cfg.trainer_offload_base:  # the server generates next (evaluations, the first rollout): the base waits on the host
         run.actor.park_base()
     if is_main:

@@ -64,7 +64,9 @@ PROBE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 2e-2}
 PROBE_TEST_MOVE = 4.0
 PROBE_TEST_SCALES = [1e-3 * 4 ** k for k in range(8)]  # 0.001 .. 16
 PROBE_MAX_BASE_GAP = 1.0
-TEST_ADAPTER = f"{ADAPTER_PREFIX}test"  # the moved adapters' name on the servers, for the test alone
+# the moved adapters' name on the servers, for the test alone: one a process, so that a test adapter left on a
+# server that outlives its run (killed between load and unload) never blocks the next run's
+TEST_ADAPTER = f"{ADAPTER_PREFIX}test-{os.getpid()}"
 
 
 def _from_rank0(*values) -> list:
@@ -333,7 +335,7 @@ class ServerWeightSync:
             return self._bounded(sync_adapter(self.actor, self.client, self.disk_dir, version), what)
         return self._sync_full(version, what, flush_cache)
 
-    def verify_adapters(self, version) -> dict:
+    def verify_adapters(self, version, park_base: bool = False) -> dict:
         """LoRA, before the first rollout (after a resume's sync): do the servers serve the trainer's model,
         and do they apply its adapters at the trainer's scale? A test, not a watch over training: GRPO's
         early moves of any fixed text stay within the servers' bf16 noise (SGLang, SmolLM2 at lr 1e-4: 0.07-0.11
@@ -346,14 +348,16 @@ class ServerWeightSync:
         2. The trainer moves every adapter's B along a fixed random direction (lib.lora.moved_adapters), the
            scale stepped up until its own log-probs move by PROBE_TEST_MOVE x n on average, and syncs that:
            adapter sync loads it under its own name (TEST_ADAPTER) and asks for it; merged sync sends the
-           moved weights and, after the question, the real ones again (checked: each server back where it was).
+           moved weights and then, whatever happened, the real ones again (checked: each server back where it
+           was; `park_base`: the trainer's frozen base waits in host memory meanwhile, as in the run's syncs).
         3. Each server's move (its answer now minus in 1) must match the trainer's to within half of
            (move + n), else ServerIgnoresAdapter: a server that ignores the adapters misses by the whole
            move, one that applies them at twice their scale (a lora_alpha mismatch) by the move again, while
            a server that follows misses by about its noise (SGLang: 1.2-1.8 n, whatever the move,
            bench/check_lora_probe.py). The adapters are back as they were; nothing random of the run is drawn.
         Every rank calls it (the trainer's forwards, exports and syncs are collective under FSDP); rank 0 asks
-        the servers. Returns the test's numbers (logged under lora/; rank 0)."""
+        the servers and every rank gets the answers, so all decide alike. Returns the test's numbers (logged
+        under lora/)."""
         if self.probe_ids is None:
             return {}
         from lib.lora import moved_adapters
@@ -361,25 +365,21 @@ class ServerWeightSync:
         if self.adapters_only and not self.synced:  # requests name an adapter from the first one on
             self.sync(version)
         trainer = self.actor.probe_logprobs(self.probe_ids)
-        served = self._ask(self.client.lora_adapter if self.adapters_only else None) if trainer_rank() == 0 else []
         # the noise: on the base model where the servers serve it beside the adapters (a resumed adapter that
         # a server ignores would count as noise in its gap), else on the weights they hold
         trainer_base = self.actor.probe_logprobs(self.probe_ids, adapters=False) if self.adapters_only else trainer
-        served_base = (self._ask(None) if self.adapters_only else served) if trainer_rank() == 0 else []
-        noise, error = None, None
-        if trainer_rank() == 0:
-            if any(len(lp) != len(trainer) for lp in served + served_base):
-                error = (f"a server answered the LoRA probe ({len(trainer)} tokens) with a different number of "
-                         f"log-probs: it does not serve this model's tokens")
-            else:
-                noise = max((lp - trainer_base).abs().mean().item() for lp in served_base)
-                if noise > PROBE_MAX_BASE_GAP:
-                    error = (f"a server's log-probs on the LoRA probe are {noise:.3g} a token from the trainer's "
-                             f"(numerical noise on SGLang measured 0.05 for SmolLM2, 0.35 for Gemma 3; above "
-                             f"{PROBE_MAX_BASE_GAP}): it does not serve the trainer's model ({self.actor.model_path})")
-        noise, error = _from_rank0(noise, error)
-        if error:
-            raise ServerIgnoresAdapter(error)
+        addresses, served, served_base = self._on_rank0(lambda: (
+            list(self.client.addresses),
+            *((self._ask(self.client.lora_adapter), self._ask(None)) if self.adapters_only else (self._ask(None),) * 2)))
+        if any(len(lp) != len(trainer) for lp in served + served_base):
+            raise ServerIgnoresAdapter(f"a server answered the LoRA probe ({len(trainer)} tokens) with a different "
+                                       f"number of log-probs: it does not serve this model's tokens")
+        noise = max((lp - trainer_base).abs().mean().item() for lp in served_base)
+        if noise > PROBE_MAX_BASE_GAP:
+            raise ServerIgnoresAdapter(
+                f"a server's log-probs on the LoRA probe are {noise:.3g} a token from the trainer's (numerical noise "
+                f"on SGLang measured 0.05 for SmolLM2, 0.35 for Gemma 3; above {PROBE_MAX_BASE_GAP}): it does not "
+                f"serve the trainer's model ({self.actor.model_path})")
         noise = max(noise, PROBE_TOLERANCE.get(self.actor.compute_dtype, 2e-2))
         for scale in PROBE_TEST_SCALES:  # the smallest step whose move is far past the noise
             with moved_adapters(self.actor.model, scale):
@@ -393,38 +393,60 @@ class ServerWeightSync:
                       f"log-probs by only {moved:.3g}, under {PROBE_TEST_MOVE:g} x the servers' noise {noise:.3g}: "
                       f"whether the servers apply the adapters was not tested", file=sys.stderr)
             return {"lora/probe_base_gap": noise}
-        with moved_adapters(self.actor.model, scale):
-            moved_served = self._sync_test(version)
-        back = self._sync_back(version)  # merged: the real weights again, and the servers' answers then
-        metrics, error = {}, None
-        if trainer_rank() == 0:
-            misses = [((lp - base) - trainer_move).abs().mean().item() if len(lp) == len(trainer) else float("inf")
-                      for lp, base in zip(moved_served, served)]
-            allowed = 0.5 * (moved + noise)
-            metrics = {"lora/probe_base_gap": noise, "lora/probe_test_move": moved, "lora/probe_test_miss": max(misses)}
-            for address, miss in zip(self.client.addresses, misses):
-                if miss > allowed:
-                    error = (f"the server at {address} does not move its log-probs on the probe with the trainer's: "
-                             f"adapters moved by a known amount moved the trainer's by {moved:.4g} a token, the "
-                             f"server's move misses that by {miss:.4g} (allowed: {allowed:.4g}, its noise {noise:.3g}); "
-                             f"the server {'does not apply the LoRA adapters it loads' if self.adapters_only else 'does not hold the merged weights it is sent'}"
-                             f". Check that it serves adapters (SGLang: --enable-lora, --max-lora-rank >= lora_rank, "
-                             f"--lora-target-modules covering lora_target_modules, the adapter's lora_alpha), or use "
-                             f"--lora_sync merged")
-                    break
-            for address, lp, base in zip(self.client.addresses, back, served):
-                if error is None and (lp - base).abs().mean().item() > noise:
-                    error = (f"after the adapter test the server at {address} did not come back to the trainer's "
-                             f"weights (its log-probs on the probe are {(lp - base).abs().mean().item():.3g} a token "
-                             f"from before the test): it does not load the merged weights it is sent")
-        error = _from_rank0(error)[0]
-        if error:
-            raise ServerIgnoresAdapter(error)
+        if park_base and not self.adapters_only:
+            self.actor.park_base()  # the merged syncs stream it from host memory, a tensor at a time
+        try:
+            with moved_adapters(self.actor.model, scale):
+                moved_served = self._sync_test(version)
+        finally:
+            if not self.adapters_only:  # the servers get the real weights again, whatever happened
+                self._sync_full(version, f"the weight sync of version {version} after the LoRA adapter test",
+                                flush_cache=True)
+        back = self._on_rank0(lambda: self._ask(None)) if not self.adapters_only else served
+        allowed = 0.5 * (moved + noise)
+        what = ("does not apply the LoRA adapters it loads" if self.adapters_only
+                else "does not hold the merged weights it is sent")
+        misses = []
+        for address, lp, lp_back, base in zip(addresses, moved_served, back, served):
+            if len(lp) != len(trainer) or len(lp_back) != len(trainer):
+                raise ServerIgnoresAdapter(f"the server at {address} answered the LoRA probe with a different "
+                                           f"number of log-probs after the adapter test's sync")
+            miss = ((lp - base) - trainer_move).abs().mean().item()
+            misses.append(miss)
+            if miss > allowed:
+                raise ServerIgnoresAdapter(
+                    f"the server at {address} does not move its log-probs on the probe with the trainer's: adapters "
+                    f"moved by a known amount moved the trainer's by {moved:.4g} a token, the server's move misses "
+                    f"that by {miss:.4g} (allowed: {allowed:.4g}, its noise {noise:.3g}); the server {what}. Check "
+                    f"that it serves adapters (SGLang: --enable-lora, --max-lora-rank >= lora_rank, "
+                    f"--lora-target-modules covering lora_target_modules, the adapter's lora_alpha), or use "
+                    f"--lora_sync merged")
+            if (lp_back - base).abs().mean().item() > noise:
+                raise ServerIgnoresAdapter(
+                    f"after the adapter test the server at {address} did not come back to the trainer's weights (its "
+                    f"log-probs on the probe are {(lp_back - base).abs().mean().item():.3g} a token from before the "
+                    f"test): it {what}")
         if trainer_rank() == 0:
             print(f"LoRA: the servers follow the trainer's adapters (a test move of {moved:.3g} a token on the probe, "
-                  f"{moved / noise:.1f} x the servers' noise {noise:.2g}, matched to {metrics['lora/probe_test_miss']:.2g})",
-                  flush=True)
-        return metrics
+                  f"{moved / noise:.1f} x the servers' noise {noise:.2g}, matched to {max(misses):.2g})", flush=True)
+        return {"lora/probe_base_gap": noise, "lora/probe_test_move": moved, "lora/probe_test_miss": max(misses)}
+
+    def _on_rank0(self, ask):
+        """`ask()` on rank 0 (it talks to the servers), its answer on every rank; if it fails, every rank
+        raises (rank 0 its own error, the others its message): none is left waiting in a collective."""
+        answer, failure, error = None, None, None
+        if trainer_rank() == 0:
+            try:
+                answer = ask()
+            except Exception as e:  # noqa: BLE001 - raised below, on every rank
+                error, failure = e, f"{type(e).__name__}: {e}"
+        if trainer_world_size() > 1:
+            answer, failure = _from_rank0(answer, failure)
+        if error is not None:
+            raise error
+        if failure is not None:
+            raise RuntimeError(f"trainer rank 0 failed in the LoRA adapter test: {failure}")
+        return answer
 
     def _ask(self, adapter) -> list[torch.Tensor]:
         """Each server's log-probs on the probe under `adapter` (None: the weights it holds); rank 0."""
@@ -432,29 +454,25 @@ class ServerWeightSync:
                                                     timeout_s=self.timeout_s)]
 
     def _sync_test(self, version) -> list[torch.Tensor]:
-        """The servers' answers under the trainer's adapters as they are now (moved): adapter sync loads
-        them as TEST_ADAPTER and drops them after the question; merged sync sends the full weights."""
+        """The servers' answers under the trainer's adapters as they are now (moved), on every rank: adapter
+        sync loads them as TEST_ADAPTER and drops them after the question; merged sync sends the full weights."""
         if not self.adapters_only:
             self._sync_full(version, "the LoRA adapter test's merged weight sync", flush_cache=True)
-            return self._ask(None) if trainer_rank() == 0 else []
+            return self._on_rank0(lambda: self._ask(None))
         path = os.path.join(os.path.abspath(self.disk_dir), "adapter-test")
         self.actor.save_adapter(path, self.actor.compute_dtype)
-        if trainer_rank() != 0:
-            return []
-        self._bounded(self.client.load_lora_adapter(TEST_ADAPTER, path), "loading the LoRA test adapter")
-        try:
-            return self._ask(TEST_ADAPTER)
-        finally:
-            self._bounded(self.client.unload_lora_adapter(TEST_ADAPTER), "unloading the LoRA test adapter")
-            shutil.rmtree(path, ignore_errors=True)
 
-    def _sync_back(self, version) -> list[torch.Tensor]:
-        """Merged sync: the trainer's real weights to the servers again, and their answers then (an adapter
-        sync's servers never left version `version`: their answers before the test stand)."""
-        if self.adapters_only:
-            return []
-        self._sync_full(version, f"the weight sync of version {version} after the LoRA adapter test", flush_cache=True)
-        return self._ask(None) if trainer_rank() == 0 else []
+        def ask():
+            try:
+                self._bounded(self.client.load_lora_adapter(TEST_ADAPTER, path), "loading the LoRA test adapter")
+                return self._ask(TEST_ADAPTER)
+            finally:  # best effort: a failed load leaves nothing to unload, and its error is the one to see
+                try:
+                    self._bounded(self.client.unload_lora_adapter(TEST_ADAPTER), "unloading the LoRA test adapter")
+                except Exception as e:  # noqa: BLE001
+                    print(f"warning: LoRA: unloading the test adapter {TEST_ADAPTER!r}: {e}", file=sys.stderr)
+                shutil.rmtree(path, ignore_errors=True)
+        return self._on_rank0(ask)
 
     def _sync_full(self, version, what: str, flush_cache: bool) -> float:
         if self.method == "tensor":

@@ -19,7 +19,7 @@ from lib.client import InferenceClient, InferenceServerError
 from lib.lora import DEFAULT_TARGET_MODULES, lora_modules
 from lib.run import RunConfig, check_config
 from lib.tiny_model import build_tiny_model
-from lib.weight_sync import ServerIgnoresAdapter, ServerWeightSync
+from lib.weight_sync import TEST_ADAPTER, ServerIgnoresAdapter, ServerWeightSync
 from tests.two_ranks import run_two_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -354,7 +354,7 @@ class NoisyServer:
     addresses = ["noisy"]
 
     def __init__(self, actor, noise: float, scale: float = 1.0, path_noise: float = 0.0, fresh_noise: float = 0.0):
-        self.actor, self.scale, self.lora_adapter, self.loaded = actor, scale, None, []
+        self.actor, self.scale, self.lora_adapter, self.loaded, self.unloaded = actor, scale, None, [], []
         self.noise = noise * torch.randn(len(PROBE) - 1, generator=torch.Generator().manual_seed(0))
         self.path_noise = path_noise * torch.randn(len(PROBE) - 1, generator=torch.Generator().manual_seed(1))
         self.fresh_noise = fresh_noise
@@ -364,6 +364,7 @@ class NoisyServer:
         return [{"loaded_adapters": {name: path}}]
 
     async def unload_lora_adapter(self, name):
+        self.unloaded.append(name)
         return [{}]
 
     def set_lora_adapter(self, name):
@@ -388,7 +389,8 @@ def test_the_adapter_test_moves_past_the_servers_noise_and_tells_a_follower_from
             sync = ServerWeightSync("disk", actor, server, bg.run, num_servers=1, disk_dir=str(tmp_path / "adapters"),
                                     probe_ids=PROBE)
             metrics = sync.verify_adapters(0)
-            assert server.lora_adapter == "policy-v0" and server.loaded == ["policy-v0", "policy-vtest"]
+            assert server.lora_adapter == "policy-v0" and server.loaded == ["policy-v0", TEST_ADAPTER]
+            assert server.unloaded == [TEST_ADAPTER]
             return metrics
 
         for adapters in ("at their start (B = 0)", "trained (a resumed run)"):
@@ -408,6 +410,22 @@ def test_the_adapter_test_moves_past_the_servers_noise_and_tells_a_follower_from
         # a server a whole nat a token off the trainer serves another model: stopped before the move
         with pytest.raises(ServerIgnoresAdapter, match="does not serve the trainer's model"):
             verify(1.0, noise=2.0)
+        # a server that fails under the test adapter: its error stops the run, and the adapter is unloaded
+        failing = NoisyServer(actor, noise=0.02)
+        answer = failing.prompt_logprobs
+
+        async def fails_on_the_test(ids, lora_path=None):
+            if lora_path == TEST_ADAPTER:
+                raise InferenceServerError("the server broke", address="noisy")
+            return await answer(ids, lora_path)
+        failing.prompt_logprobs = fails_on_the_test
+        sync = ServerWeightSync("disk", actor, failing, bg.run, num_servers=1, disk_dir=str(tmp_path / "adapters"),
+                                probe_ids=PROBE)
+        before = {n: m.lora_B["default"].weight.clone() for n, m in lora_modules(actor.model)}
+        with pytest.raises(InferenceServerError, match="the server broke"):
+            sync.verify_adapters(0)
+        assert failing.unloaded == [TEST_ADAPTER] and not os.path.exists(tmp_path / "adapters" / "adapter-test")
+        assert all(torch.equal(m.lora_B["default"].weight, before[n]) for n, m in lora_modules(actor.model))
     finally:
         bg.close()
 
@@ -427,14 +445,23 @@ def test_merged_sync_gives_a_server_without_adapters_the_adapted_weights(server,
         assert metrics["lora/probe_test_miss"] < 1e-4 and metrics["lora/probe_test_move"] >= 4e-3
         assert (prompt_logprobs(server, BATCH[0]) - actor.probe_logprobs(BATCH[0])).abs().max() < 1e-4
         # a server that answers every weight update and keeps its old weights: stopped by the test
-        update = client.update_weights_from_disk
+        update, calls = client.update_weights_from_disk, []
 
         async def kept(path, **kw):
-            return await update(model_dir)
+            return [{"success": True, "message": "kept"}]
         client.update_weights_from_disk = kept
         with pytest.raises(ServerIgnoresAdapter, match="does not hold the merged weights"):
             sync.verify_adapters(1)
+
+        async def keeps_the_test_weights(path, **kw):  # loads the test's weights, then not the real ones again
+            calls.append(path)
+            return await update(path, **kw) if len(calls) == 1 else [{"success": True, "message": "kept"}]
+        client.update_weights_from_disk = keeps_the_test_weights
+        with pytest.raises(ServerIgnoresAdapter, match="did not come back to the trainer's weights"):
+            sync.verify_adapters(1)
+        assert len(calls) == 2
         client.update_weights_from_disk = update
+        sync.sync(1)
         # colocated (tensor): the merged weights are copies, handed over a bucket at a time; only the last
         # call names the version
         bg.run(client.update_weights_from_disk(model_dir))
@@ -442,6 +469,7 @@ def test_merged_sync_gives_a_server_without_adapters_the_adapted_weights(server,
 
         async def counted(payload, **kw):
             calls.append(kw["weight_version"])
+            assert kw["flush_cache"] == (kw["weight_version"] is not None)  # the last call flushes, only it
             return await send(payload, **kw)
         client.update_weights_from_tensor = counted
         by_tensor = ServerWeightSync("tensor", actor, client, bg.run, num_servers=1, disk_dir=str(tmp_path / "w2"),
