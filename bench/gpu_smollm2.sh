@@ -282,7 +282,7 @@ wait)
       case $f in *lane*) continue;; esac
       echo "  $(basename $f): $(tr '\r' '\n' < $f | grep -E 'GRPO|step [0-9]+ dev|test |TRL step|Error|error' | tail -1 | cut -c1-160)"
     done
-    pgrep -f "train_|bench_trl|check_sglang|check_prefix" > /dev/null || { ts "nothing running"; break; }
+    pgrep -f "train_|bench_trl|check_sglang|check_prefix|make_random_model" > /dev/null || { ts "nothing running"; break; }  # a random model still being written counts
   done
   nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
   collect_runs  # every wait brings back what the runs wrote so far: a machine that goes back loses only the rest

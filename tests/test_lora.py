@@ -441,7 +441,8 @@ def test_merged_sync_gives_a_server_without_adapters_the_adapted_weights(server,
         sync.sync(1)
         assert client.lora_adapter is None  # full weights: requests name no adapter
         assert "model.safetensors" in os.listdir(tmp_path / "weights")  # the merged full model, by weight_sync disk
-        metrics = sync.verify_adapters(1)  # the moved weights, then the real ones again
+        metrics = sync.verify_adapters(1, park_base=True)  # the moved weights, then the real ones again, each
+        assert actor.base_parked  # merged from the base in host memory, as a sleep-mode run's syncs are
         assert metrics["lora/probe_test_miss"] < 1e-4 and metrics["lora/probe_test_move"] >= 4e-3
         assert (prompt_logprobs(server, BATCH[0]) - actor.probe_logprobs(BATCH[0])).abs().max() < 1e-4
         # a server that answers every weight update and keeps its old weights: stopped by the test
