@@ -58,6 +58,14 @@ def add_lora(model: nn.Module, rank: int, alpha: float, target_modules) -> nn.Mo
     except ValueError as e:  # peft: no module matched
         raise ValueError(f"lora_target_modules {list(target_modules)} match no linear module of this model "
                          f"({type(model).__name__}): {e}") from None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for name, module in lora_modules(model):  # what lib cannot train, export or serve: refused, not skipped
+        base = module.get_base_layer()
+        if module is head or not isinstance(base, nn.Linear):
+            raise ValueError(f"lora_target_modules {list(target_modules)} adapt {name!r} ({type(base).__name__}): "
+                             f"LoRA here adapts the decoder's linear layers only (the log-prob head reads the output "
+                             f"embedding's weight itself, so an adapter on it would train nothing; embedding adapters "
+                             f"are neither merged nor served); leave {name!r} out")
     for name, param in model.named_parameters():
         is_adapter = ".lora_" in name
         param.requires_grad_(is_adapter)

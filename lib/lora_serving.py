@@ -45,13 +45,18 @@ def _config(path: str) -> dict:
     if not isinstance(config, dict):
         raise BadRequest(f"{config_file} must hold a JSON object")
     # What this server does not apply is refused, never silently served as something else.
+    # An adapter made to sit on a changed base (PiSSA, OLoRA, CorDA and LoftQ initialisations, until converted)
+    # or applied to some tokens only (aLoRA's invocation tokens) would be served wrong on the plain base.
     unsupported = {"peft_type": lambda v: v not in (None, "LORA"), "use_dora": bool, "fan_in_fan_out": bool,
                    "bias": lambda v: v not in (None, "none"), "modules_to_save": bool, "rank_pattern": bool,
-                   "alpha_pattern": bool, "layer_replication": bool}
+                   "alpha_pattern": bool, "layer_replication": bool, "alora_invocation_tokens": bool,
+                   "init_lora_weights": lambda v: isinstance(v, str) and v.lower().startswith(
+                       ("pissa", "olora", "corda", "loftq")),
+                   "use_rslora": lambda v: v is not None and not isinstance(v, bool)}
     for key, bad in unsupported.items():
         if bad(config.get(key)):
             raise BadRequest(f"adapter {path!r}: {key}={config[key]!r} is not supported by lib.cpu_server "
-                             f"(plain LoRA on linear modules only)")
+                             f"(plain LoRA on linear modules of the served base only; use_rslora true or false)")
     rank, alpha = config.get("r"), config.get("lora_alpha")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= MAX_ADAPTER_RANK:
         raise BadRequest(f"adapter {path!r}: r must be an integer in [1, {MAX_ADAPTER_RANK}], got {rank!r}")
@@ -78,7 +83,12 @@ def read_adapter(name: str, path: str, model: nn.Module, max_bytes: int) -> Adap
     if os.stat(weights_file).st_size > max_bytes:
         raise BadRequest(f"{weights_file} holds more than {max_bytes} bytes, more than any adapter of the served "
                          f"model could; wrong file?")
-    tensors = load(_read_regular_file(weights_file))
+    try:
+        tensors = load(_read_regular_file(weights_file))
+    except BadRequest:
+        raise
+    except Exception as e:  # noqa: BLE001 - a truncated, garbled or unreadable file: the caller's to fix
+        raise BadRequest(f"{weights_file} is not a readable safetensors file: {type(e).__name__}: {e}") from None
     modules = dict(model.named_modules())
     parts: dict = {}
     for key, tensor in tensors.items():
@@ -106,6 +116,8 @@ def read_adapter(name: str, path: str, model: nn.Module, max_bytes: int) -> Adap
                              f"[{module.out_features}, {rank}]")
         if not (a.is_floating_point() and b.is_floating_point()):
             raise BadRequest(f"adapter {path!r}: {module_name!r} weights must be floating point")
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise BadRequest(f"adapter {path!r}: {module_name!r} has NaN or infinite weights")
         weights[module_name] = tuple(t.to(device=module.weight.device, dtype=module.weight.dtype) for t in (a, b))
     if not weights:
         raise BadRequest(f"adapter {path!r} holds no LoRA weights")

@@ -116,12 +116,16 @@ async def sync_weights_from_disk(actor, client, path: str, version, flush_cache:
     return time.perf_counter() - start
 
 
-async def sync_adapter(actor, client, directory: str, version) -> float:
+async def sync_adapter(actor, client, directory: str, version, loaded: list[str]) -> float:
     """LoRA: write the actor's adapters to `directory/adapter-v<version>` (a PEFT directory, in the
     trainer's compute dtype, as full weights travel: bf16 on GPUs halves the bytes of the fp32 masters,
     and SGLang serves them in bf16 anyway), have every server load it as `policy-v<version>` and the
     client name it in every request from now on; then unload (and delete) all but the KEEP_ADAPTERS
-    newest. Returns the seconds taken."""
+    newest of `loaded`, the names this run loaded, oldest first (kept up to date here): adapters that
+    another run left on a server that outlived it are not this run's to drop, and one of them under the
+    same name is replaced. Returns the seconds taken."""
+    from lib.client import InferenceServerError
+
     start = time.perf_counter()
     path = os.path.join(os.path.abspath(directory), f"adapter-v{version}")
     await _waiting_on(f"the trainer writing the LoRA adapter to {path}",
@@ -129,16 +133,24 @@ async def sync_adapter(actor, client, directory: str, version) -> float:
     if trainer_rank() != 0:
         return time.perf_counter() - start
     name = f"{ADAPTER_PREFIX}{version}"
-    if client.lora_adapter == name:  # the same version again (a server that lent its memory): reload it
+    if name in loaded:  # the same version again (a server that lent its memory): reload it
         await client.unload_lora_adapter(name)
-    answers = await client.load_lora_adapter(name, path)
+        loaded.remove(name)
+    try:
+        await client.load_lora_adapter(name, path)
+    except InferenceServerError as refused:
+        try:  # another run's adapter of this name? (if none is loaded, the load's own error is the one to see)
+            await client.unload_lora_adapter(name)
+        except InferenceServerError:
+            raise refused from None
+        await client.load_lora_adapter(name, path)
+    loaded.append(name)
     client.set_lora_adapter(name)
-    loaded = {n for answer in answers for n in (answer.get("loaded_adapters") or {})}
-    versions = sorted(int(n.removeprefix(ADAPTER_PREFIX)) for n in loaded
-                      if n.startswith(ADAPTER_PREFIX) and n.removeprefix(ADAPTER_PREFIX).isdigit())
-    for old in versions[:-KEEP_ADAPTERS]:
-        await client.unload_lora_adapter(f"{ADAPTER_PREFIX}{old}")
-        shutil.rmtree(os.path.join(os.path.abspath(directory), f"adapter-v{old}"), ignore_errors=True)
+    while len(loaded) > KEEP_ADAPTERS:
+        old = loaded.pop(0)
+        await client.unload_lora_adapter(old)
+        shutil.rmtree(os.path.join(os.path.abspath(directory), f"adapter-v{old.removeprefix(ADAPTER_PREFIX)}"),
+                      ignore_errors=True)
     return time.perf_counter() - start
 
 
@@ -310,6 +322,7 @@ class ServerWeightSync:
         # LoRA: the servers' log-probs on `probe_ids` test whether they follow the adapters (verify_adapters)
         self.probe_ids = list(probe_ids) if probe_ids and getattr(actor, "lora", False) else None
         self.synced = False  # a sync has run: with adapter sync, the servers hold a version of the adapters
+        self.adapters_loaded: list[str] = []  # adapter sync: the names this run loaded on the servers, oldest first
         if method == "tensor" and actor.world_size > 1:
             raise ValueError("weight sync 'tensor' hands over one process's tensors: use 'nccl' under torchrun")
         from lib.launch import free_port
@@ -332,7 +345,8 @@ class ServerWeightSync:
         what = f"the weight sync of version {version} ({'LoRA adapter' if self.adapters_only else self.method})"
         self.synced = True
         if self.adapters_only:
-            return self._bounded(sync_adapter(self.actor, self.client, self.disk_dir, version), what)
+            return self._bounded(sync_adapter(self.actor, self.client, self.disk_dir, version, self.adapters_loaded),
+                                 what)
         return self._sync_full(version, what, flush_cache)
 
     def verify_adapters(self, version, park_base: bool = False) -> dict:

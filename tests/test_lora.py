@@ -85,9 +85,14 @@ def test_lora_dropout_above_zero_is_refused(model_dir):
     check_config(RunConfig(lora_rank=8))
 
 
-def test_target_modules_that_match_nothing_are_refused(model_dir):
+def test_target_modules_that_match_nothing_or_the_head_or_embeddings_are_refused(model_dir):
     with pytest.raises(ValueError, match="match no linear module"):
         lora_actor(model_dir, lora_target_modules=["not_a_module"])
+    # the log-prob head reads lm_head's weight itself: an adapter there would train nothing, silently
+    with pytest.raises(ValueError, match="adapt 'lm_head'"):
+        lora_actor(model_dir, lora_target_modules=["q_proj", "lm_head"])
+    with pytest.raises(ValueError, match="adapt 'model.embed_tokens' \\(Embedding\\)"):
+        lora_actor(model_dir, lora_target_modules=["q_proj", "embed_tokens"])
 
 
 def test_the_merged_weights_give_the_adapted_models_logprobs(model_dir):
@@ -266,9 +271,23 @@ def test_an_adapter_that_does_not_fit_the_model_is_refused_and_nothing_is_loaded
     assert r.status_code == 400 and r.json()["success"] is False and "b" not in r.json()["loaded_adapters"]
     assert "the served model needs" in r.json()["error_message"]
     config = json.loads(open(os.path.join(path, "adapter_config.json")).read())
-    (bad / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    # configs asking for other math than plain LoRA on this base: refused, never served as plain LoRA
+    for key, value in [("use_dora", True), ("alora_invocation_tokens", [5, 6]), ("init_lora_weights", "pissa_niter_4"),
+                       ("init_lora_weights", "olora"), ("init_lora_weights", "loftq"), ("use_rslora", "false")]:
+        (bad / "adapter_config.json").write_text(json.dumps({**config, key: value}))
+        r = post(server, "/load_lora_adapter", {"lora_name": "b", "lora_path": str(bad)})
+        assert r.status_code == 400 and key in r.json()["error_message"], (key, value)
+    (bad / "adapter_config.json").write_text(json.dumps(config))
+    # weights that are not finite, and files that are not safetensors: a 400 each
+    save_file({k: v.clone().fill_(float("nan")) if ".lora_B." in k else v for k, v in tensors.items()},
+              str(bad / "adapter_model.safetensors"))
     r = post(server, "/load_lora_adapter", {"lora_name": "b", "lora_path": str(bad)})
-    assert r.status_code == 400 and "use_dora" in r.json()["error_message"]
+    assert r.status_code == 400 and "NaN or infinite" in r.json()["error_message"]
+    whole = open(os.path.join(path, "adapter_model.safetensors"), "rb").read()
+    for content in (whole[:len(whole) // 2], b"\x07not a safetensors file"):
+        (bad / "adapter_model.safetensors").write_bytes(content)
+        r = post(server, "/load_lora_adapter", {"lora_name": "b", "lora_path": str(bad)})
+        assert r.status_code == 400 and "not a readable safetensors file" in r.json()["error_message"]
     assert requests.get(server + "/server_info", timeout=TIMEOUT_S).json()["loaded_lora_adapters"] == {}
 
 
@@ -315,6 +334,31 @@ def test_adapter_sync_names_the_adapter_in_every_request_and_the_probe_catches_a
             sync.verify_adapters(3)
     finally:
         for name in ("policy-v2", "policy-v3"):
+            post(server, "/unload_lora_adapter", {"lora_name": name})
+        bg.run(client.close())
+        bg.close()
+
+
+def test_adapters_another_run_left_on_the_server_are_replaced_by_name_and_otherwise_left_alone(
+        server, model_dir, trained, tmp_path):
+    _, earlier = trained
+    for name in ("policy-v0", "policy-v7", "policy-v8"):  # a server that outlived an earlier run
+        assert post(server, "/load_lora_adapter", {"lora_name": name, "lora_path": earlier}).status_code == 200
+    actor = lora_actor(model_dir)
+    bg = BackgroundLoop()
+    client = InferenceClient([server])
+    sync = ServerWeightSync("disk", actor, client, bg.run, num_servers=1, disk_dir=str(tmp_path), probe_ids=BATCH[0])
+    try:
+        for version in (0, 1, 2):
+            randomise_adapters(actor, seed=20 + version)
+            sync.sync(version)
+        info = bg.run(client.get_server_info())[0]["loaded_lora_adapters"]
+        assert sorted(info) == ["policy-v1", "policy-v2", "policy-v7", "policy-v8"]  # ours: the two newest
+        assert sync.adapters_loaded == ["policy-v1", "policy-v2"]
+        served = prompt_logprobs(server, BATCH[0], "policy-v2")
+        assert (served - actor.probe_logprobs(BATCH[0])).abs().max() < 1e-4
+    finally:
+        for name in ("policy-v1", "policy-v2", "policy-v7", "policy-v8"):
             post(server, "/unload_lora_adapter", {"lora_name": name})
         bg.run(client.close())
         bg.close()
@@ -554,6 +598,12 @@ def test_two_lora_grpo_steps_of_train_calc_then_a_resume_with_trained_adapters(t
     assert sorted(os.listdir(adapter_dir)) == ["adapter_config.json", "adapter_model.safetensors"]
     assert os.path.exists(os.path.join(run_dir, "final", "model.safetensors"))  # the merged model, for any server
     checkpoint = os.path.join(run_dir, "checkpoints", "latest")
+    if ranks == 1:  # a resume with another LoRA scale or placement is refused at once, naming the setting
+        for other, key in ((["--lora_alpha", "16"], "lora_alpha"), (["--lora_target_modules", '["q_proj"]'],
+                                                                    "lora_target_modules")):
+            refused = subprocess.run(args + ["--max_steps", "3", "--resume", "True", *other], cwd=REPO,
+                                     capture_output=True, text=True, timeout=600)
+            assert refused.returncode != 0 and f"was trained with {key}" in refused.stderr, refused.stderr[-2000:]
     assert sum(os.path.getsize(os.path.join(checkpoint, f)) for f in os.listdir(checkpoint)) < 4e6  # the model is 17 MB
 
     # A 2-step run on a barely warm-started model has all-equal rewards, so its adapters stay at B = 0. Give the
