@@ -121,7 +121,26 @@ def read_adapter(name: str, path: str, model: nn.Module, max_bytes: int) -> Adap
         weights[module_name] = tuple(t.to(device=module.weight.device, dtype=module.weight.dtype) for t in (a, b))
     if not weights:
         raise BadRequest(f"adapter {path!r} holds no LoRA weights")
+    missing = sorted(_targeted(config, path, modules) - set(weights))
+    if missing:
+        raise BadRequest(f"adapter {path!r}: its config targets {len(missing)} modules of the served model that it "
+                         f"holds no weights for (e.g. {missing[:3]}); a partly written or mixed-up file?")
     return Adapter(name, path, scale, weights)
+
+
+def _targeted(config: dict, path: str, modules: dict) -> set:
+    """The linear modules of the served model that the config's `target_modules` (a list of names) adapts, as
+    peft matches them (the name itself or its last parts). Not worked out (empty) where peft's other rules
+    narrow it (excluded modules, chosen layers), for "all-linear", or for a regex (a user's regex is not run
+    on a server: it could take unbounded time)."""
+    targets = config.get("target_modules")
+    if (not targets or isinstance(targets, str)
+            or any(config.get(k) for k in ("exclude_modules", "layers_to_transform", "layers_pattern"))):
+        return set()
+    if not isinstance(targets, list) or not all(isinstance(t, str) and t for t in targets):
+        raise BadRequest(f"adapter {path!r}: target_modules must be a list of module names, got {targets!r}")
+    return {n for n, m in modules.items() if isinstance(m, nn.Linear)
+            and (n in targets or any(n.endswith("." + t) for t in targets))}
 
 
 class ServedAdapters:

@@ -278,6 +278,12 @@ def test_an_adapter_that_does_not_fit_the_model_is_refused_and_nothing_is_loaded
         r = post(server, "/load_lora_adapter", {"lora_name": "b", "lora_path": str(bad)})
         assert r.status_code == 400 and key in r.json()["error_message"], (key, value)
     (bad / "adapter_config.json").write_text(json.dumps(config))
+    # a file that lacks modules its config targets (a partial write): refused, not served in part
+    save_file({k: v for k, v in tensors.items() if ".layers.0.self_attn.q_proj." not in k},
+              str(bad / "adapter_model.safetensors"))
+    r = post(server, "/load_lora_adapter", {"lora_name": "b", "lora_path": str(bad)})
+    assert r.status_code == 400 and "holds no weights for" in r.json()["error_message"]
+    assert "model.layers.0.self_attn.q_proj" in r.json()["error_message"]
     # weights that are not finite, and files that are not safetensors: a 400 each
     save_file({k: v.clone().fill_(float("nan")) if ".lora_B." in k else v for k, v in tensors.items()},
               str(bad / "adapter_model.safetensors"))
