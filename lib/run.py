@@ -455,8 +455,6 @@ def _open(run: Run, build_model, load_splits, tokenizer_texts):
         run.logger = MetricsLogger(cfg.run_dir, to_dict(cfg), tensorboard=cfg.tensorboard,
                                    wandb_project=cfg.wandb_project, resume_step=resume_step,
                                    mlflow=cfg.trace_backend == "mlflow")
-        if run.lora_test:
-            run.logger.log(run.step, run.lora_test)
         run.trace_file = open(continue_jsonl(os.path.join(cfg.run_dir, "traces.jsonl"), resume_step), "a")
 
 
@@ -760,6 +758,8 @@ def log_step(run: Run, metrics: dict, episodes: list[dict], batch: dict, *, cont
         "perf/trained_tokens_per_s": metrics["rollout/gen_tokens"] / max(metrics["perf/step_s"], 1e-6),
         "server/restarts": sum(s.restarts for s in run.supervisors),
     })
+    metrics.update(run.lora_test)  # LoRA: the start-up test of the servers' adapters, in this process's first row
+    run.lora_test = {}
     if run.reward_pool is not None:
         metrics["reward/timeouts"] = run.reward_pool.num_timeouts - run.reward_counts[0]
         metrics["reward/worker_failures"] = run.reward_pool.num_failures - run.reward_counts[1]

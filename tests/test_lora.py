@@ -631,7 +631,7 @@ def test_two_lora_grpo_steps_of_train_calc_then_a_resume_with_trained_adapters(t
     assert "resumed from step 2 (policy version 2" in second.stdout
     assert "LoRA: the servers follow the trainer's adapters (a test move of" in second.stdout
     tests = [r for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if "lora/probe_test_miss" in r]
-    assert [r["step"] for r in tests] == [0, 2]  # the start-up test of each run, logged
+    assert [r["step"] for r in tests] == [1, 3]  # the start-up test of each run, in its first step's row
     assert all(r["lora/probe_test_miss"] < 1e-4 for r in tests)
     rows = [r for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if "rollout/reward" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
