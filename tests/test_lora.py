@@ -567,7 +567,7 @@ def test_fsdp2_lora_update_on_two_processes_equals_the_single_process_update(mod
     start = lora_actor(model_dir)
     randomise_adapters(start, seed=21)
     start.save_checkpoint(str(tmp_path / "start"))
-    run_two_ranks(_fsdp_lora_rank, model_dir, str(tmp_path), timeout_s=120)
+    run_two_ranks(_fsdp_lora_rank, model_dir, str(tmp_path), timeout_s=60)
     fsdp = torch.load(tmp_path / "rank0.pt", weights_only=False)
     single = lora_actor(model_dir)
     single.load_checkpoint(str(tmp_path / "start"))
