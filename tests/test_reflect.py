@@ -614,8 +614,13 @@ def test_async_at_max_staleness_0_reproduces_sync_exactly(tmp_path, monkeypatch)
                                for t in traces]
     assert len(sync_traces) == 3 * E2E["batch_size"] * E2E["group_size"]
     assert in_order(sync_traces) == in_order(async_traces)
+    # The same weights, to rounding: the server's log-probs (the behaviour policy's, in the loss) come from batches
+    # that group concurrent requests as they arrive, so their last bits can differ, and Adam turns a rounding
+    # difference in a near-zero gradient into an update difference (one element of 65,536 at 1.03e-6 in one suite
+    # run of 2026-11-29). Another mini-batch order or other rows would move many elements by about the lr (5e-5).
     for name, w in sync_weights.items():
-        torch.testing.assert_close(async_weights[name], w, rtol=0, atol=1e-6)
+        diff = (async_weights[name] - w).abs()
+        assert diff.max() <= 1e-5 and (diff > 1e-6).float().mean() < 1e-3, (name, diff.max().item())
 
 
 @pytest.mark.slow
