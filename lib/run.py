@@ -354,14 +354,14 @@ def _open(run: Run, build_model, load_splits, tokenizer_texts):
     run.ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
     resume_extra = read_checkpoint_extra(os.path.join(run.ckpt_dir, "latest")) if cfg.resume else None
     if resume_extra is not None:  # LoRA's shape and scale must be the checkpoint's (older ones saved the rank only)
+        ours = lora_settings(cfg)
         saved = {"lora_rank": resume_extra.get("lora_rank", 0)}
         if cfg.lora_rank and saved["lora_rank"]:
             saved.update({k: resume_extra[k] for k in ("lora_alpha", "lora_target_modules") if k in resume_extra})
         for key, value in saved.items():
-            if (list(value) if key == "lora_target_modules" else value) != (
-                    list(getattr(cfg, key)) if key == "lora_target_modules" else getattr(cfg, key)):
+            if value != ours[key]:
                 raise ValueError(f"the checkpoint in {run.ckpt_dir} was trained with {key} {value!r}, this run has "
-                                 f"{key} {getattr(cfg, key)!r}: resume with --{key} {value!r}, or start a new run_dir")
+                                 f"{key} {ours[key]!r}: resume with --{key} {value!r}, or start a new run_dir")
     sampling_seed = server_seed(cfg.seed, resume_extra["step"] if resume_extra else 0)
     addrs = []
     t0 = time.time()
@@ -787,12 +787,18 @@ def log_step(run: Run, metrics: dict, episodes: list[dict], batch: dict, *, cont
         run.logger.log_traces(run.step, records)
 
 
+def lora_settings(cfg: RunConfig) -> dict:
+    """What a checkpoint's adapters were made with; a resume must match it (target modules as a list, as JSON
+    and torch.save round-trip them)."""
+    return {"lora_rank": cfg.lora_rank, "lora_alpha": cfg.lora_alpha,
+            "lora_target_modules": list(cfg.lora_target_modules)}
+
+
 def save_checkpoint(run: Run):
     """7. checkpoint: model, optimizer, scheduler (every rank writes its shard), the counters and the RNGs."""
     run.actor.save_checkpoint(os.path.join(run.ckpt_dir, "latest"), extra={
         "step": run.step, "version": run.version, "data_position": run.data_position,
-        "data_consumed_ahead": run.data_consumed_ahead, "lora_rank": run.cfg.lora_rank,
-        "lora_alpha": run.cfg.lora_alpha, "lora_target_modules": list(run.cfg.lora_target_modules),
+        "data_consumed_ahead": run.data_consumed_ahead, **lora_settings(run.cfg),
         "python_rng": random.getstate(), "numpy_rng": np.random.get_state(), "torch_rng": torch.get_rng_state()})
 
 

@@ -454,8 +454,7 @@ class ServerWeightSync:
                 answer = ask()
             except Exception as e:  # noqa: BLE001 - raised below, on every rank
                 error, failure = e, f"{type(e).__name__}: {e}"
-        if trainer_world_size() > 1:
-            answer, failure = _from_rank0(answer, failure)
+        answer, failure = _from_rank0(answer, failure)
         if error is not None:
             raise error
         if failure is not None:
