@@ -444,7 +444,8 @@ def _open(run: Run, build_model, load_splits, tokenizer_texts):
                   f"{run.data_position}); server sampling seed {sampling_seed}")
     # LoRA: a test before the first rollout: adapters moved by a known amount and synced must move the servers'
     # log-probs on a probe text as they move the trainer's (a server that ignores them stops the run here)
-    run.lora_test = run.weight_sync.verify_adapters(run.version, park_base=cfg.trainer_offload_base)
+    run.lora_test = run.weight_sync.verify_adapters(run.version, park_base=cfg.trainer_offload_base,
+                                                     lend_memory=cfg.colocate_sleep)
     if cfg.trainer_offload_base:  # the server generates next (evaluations, the first rollout): the base waits on the host
         run.actor.park_base()
     if is_main:

@@ -349,7 +349,7 @@ class ServerWeightSync:
                                  what)
         return self._sync_full(version, what, flush_cache)
 
-    def verify_adapters(self, version, park_base: bool = False) -> dict:
+    def verify_adapters(self, version, park_base: bool = False, lend_memory: bool = False) -> dict:
         """LoRA, before the first rollout (after a resume's sync): do the servers serve the trainer's model,
         and do they apply its adapters at the trainer's scale? A test, not a watch over training: GRPO's
         early moves of any fixed text stay within the servers' bf16 noise (SGLang, SmolLM2 at lr 1e-4: 0.07-0.11
@@ -364,6 +364,9 @@ class ServerWeightSync:
            adapter sync loads it under its own name (TEST_ADAPTER) and asks for it; merged sync sends the
            moved weights and then, whatever happened, the real ones again (checked: each server back where it
            was; `park_base`: the trainer's frozen base waits in host memory meanwhile, as in the run's syncs).
+           `lend_memory` (sleep mode): the servers release their memory while the trainer's forwards run and
+           take it back before the test's sync, as in a step (at 32B on one H200 the trainer's forwards beside
+           an awake server ran out of GPU memory).
         3. Each server's move (its answer now minus in 1) must match the trainer's to within half of
            (move + n), else ServerIgnoresAdapter: a server that ignores the adapters misses by the whole
            move, one that applies them at twice their scale (a lora_alpha mismatch) by the move again, while
@@ -378,37 +381,27 @@ class ServerWeightSync:
 
         if self.adapters_only and not self.synced:  # requests name an adapter from the first one on
             self.sync(version)
-        trainer = self.actor.probe_logprobs(self.probe_ids)
-        # the noise: on the base model where the servers serve it beside the adapters (a resumed adapter that
-        # a server ignores would count as noise in its gap), else on the weights they hold
-        trainer_base = self.actor.probe_logprobs(self.probe_ids, adapters=False) if self.adapters_only else trainer
-        addresses, served, served_base = self._on_rank0(lambda: (
+        addresses, served, served_base = self._on_rank0(lambda: (  # first, while the servers hold their memory
             list(self.client.addresses),
             *((self._ask(self.client.lora_adapter), self._ask(None)) if self.adapters_only else (self._ask(None),) * 2)))
-        if any(len(lp) != len(trainer) for lp in served + served_base):
-            raise ServerIgnoresAdapter(f"a server answered the LoRA probe ({len(trainer)} tokens) with a different "
-                                       f"number of log-probs: it does not serve this model's tokens")
-        noise = max((lp - trainer_base).abs().mean().item() for lp in served_base)
-        if noise > PROBE_MAX_BASE_GAP:
-            raise ServerIgnoresAdapter(
-                f"a server's log-probs on the LoRA probe are {noise:.3g} a token from the trainer's (numerical noise "
-                f"on SGLang measured 0.05 for SmolLM2, 0.35 for Gemma 3; above {PROBE_MAX_BASE_GAP}): it does not "
-                f"serve the trainer's model ({self.actor.model_path})")
-        noise = max(noise, PROBE_TOLERANCE.get(self.actor.compute_dtype, 2e-2))
-        for scale in PROBE_TEST_SCALES:  # the smallest step whose move is far past the noise
-            with moved_adapters(self.actor.model, scale):
-                trainer_move = self.actor.probe_logprobs(self.probe_ids) - trainer
-            moved = _from_rank0(trainer_move.abs().mean().item())[0]  # every rank stops at the same step
-            if moved >= PROBE_TEST_MOVE * noise:
-                break
-        else:
+        if lend_memory:  # sleep mode: the servers lend their memory for the trainer's forwards, as in a step
+            self._on_rank0(lambda: self._bounded(self.client.release_memory_occupation(),
+                                                 "the servers' release of their memory for the LoRA adapter test"))
+        try:
+            trainer, noise, scale, moved, trainer_move = self._test_move(served, served_base)
+        finally:
+            if park_base:  # the test syncs (merged) stream the base from host memory, as the run's syncs do
+                self.actor.park_base()
+            if lend_memory:  # every tag at once: a merged sync's copies go a bucket at a time
+                torch.cuda.empty_cache()
+                self._on_rank0(lambda: self._bounded(self.client.resume_memory_occupation(),
+                                                     "the servers' taking back their memory after the LoRA test's forwards"))
+        if scale is None:
             if trainer_rank() == 0:
-                print(f"warning: LoRA: moving the adapters (B up to {scale:g} x a random direction) moved the probe's "
-                      f"log-probs by only {moved:.3g}, under {PROBE_TEST_MOVE:g} x the servers' noise {noise:.3g}: "
-                      f"whether the servers apply the adapters was not tested", file=sys.stderr)
+                print(f"warning: LoRA: moving the adapters (B up to {PROBE_TEST_SCALES[-1]:g} x a random direction) "
+                      f"moved the probe's log-probs by only {moved:.3g}, under {PROBE_TEST_MOVE:g} x the servers' noise "
+                      f"{noise:.3g}: whether the servers apply the adapters was not tested", file=sys.stderr)
             return {"lora/probe_base_gap": noise}
-        if park_base and not self.adapters_only:
-            self.actor.park_base()  # the merged syncs stream it from host memory, a tensor at a time
         try:
             with moved_adapters(self.actor.model, scale):
                 moved_served = self._sync_test(version)
@@ -444,6 +437,35 @@ class ServerWeightSync:
             print(f"LoRA: the servers follow the trainer's adapters (a test move of {moved:.3g} a token on the probe, "
                   f"{moved / noise:.1f} x the servers' noise {noise:.2g}, matched to {max(misses):.2g})", flush=True)
         return {"lora/probe_base_gap": noise, "lora/probe_test_move": moved, "lora/probe_test_miss": max(misses)}
+
+    def _test_move(self, served, served_base):
+        """The trainer's side of the test: its log-probs on the probe, the servers' noise, and the smallest
+        scale of the adapters' test move (lib.lora.moved_adapters) that moves its log-probs by PROBE_TEST_MOVE x
+        the noise: (trainer's log-probs, noise, scale or None where even the largest falls short, move, the
+        trainer's move per token)."""
+        from lib.lora import moved_adapters
+
+        trainer = self.actor.probe_logprobs(self.probe_ids)
+        # the noise: on the base model where the servers serve it beside the adapters (a resumed adapter that
+        # a server ignores would count as noise in its gap), else on the weights they hold
+        trainer_base = self.actor.probe_logprobs(self.probe_ids, adapters=False) if self.adapters_only else trainer
+        if any(len(lp) != len(trainer) for lp in served + served_base):
+            raise ServerIgnoresAdapter(f"a server answered the LoRA probe ({len(trainer)} tokens) with a different "
+                                       f"number of log-probs: it does not serve this model's tokens")
+        noise = max((lp - trainer_base).abs().mean().item() for lp in served_base)
+        if noise > PROBE_MAX_BASE_GAP:
+            raise ServerIgnoresAdapter(
+                f"a server's log-probs on the LoRA probe are {noise:.3g} a token from the trainer's (numerical noise "
+                f"on SGLang measured 0.05 for SmolLM2, 0.35 for Gemma 3; above {PROBE_MAX_BASE_GAP}): it does not "
+                f"serve the trainer's model ({self.actor.model_path})")
+        noise = max(noise, PROBE_TOLERANCE.get(self.actor.compute_dtype, 2e-2))
+        for scale in PROBE_TEST_SCALES:  # the smallest step whose move is far past the noise
+            with moved_adapters(self.actor.model, scale):
+                trainer_move = self.actor.probe_logprobs(self.probe_ids) - trainer
+            moved = _from_rank0(trainer_move.abs().mean().item())[0]  # every rank stops at the same step
+            if moved >= PROBE_TEST_MOVE * noise:
+                return trainer, noise, scale, moved, trainer_move
+        return trainer, noise, None, moved, trainer_move
 
     def _on_rank0(self, ask):
         """`ask()` on rank 0 (it talks to the servers), its answer on every rank; if it fails, every rank

@@ -491,7 +491,21 @@ def test_merged_sync_gives_a_server_without_adapters_the_adapted_weights(server,
         sync.sync(1)
         assert client.lora_adapter is None  # full weights: requests name no adapter
         assert "model.safetensors" in os.listdir(tmp_path / "weights")  # the merged full model, by weight_sync disk
-        metrics = sync.verify_adapters(1, park_base=True)  # the moved weights, then the real ones again, each
+        # sleep mode: the trainer's forwards run while the server has lent its memory (asked while released,
+        # the CPU server refuses), the server takes it back before the test's syncs
+        events, forward = [], actor.probe_logprobs
+        for name in ("release_memory_occupation", "resume_memory_occupation", "update_weights_from_disk"):
+            async def logged(*a, _call=getattr(client, name), _name=name, **kw):
+                events.append(_name)
+                return await _call(*a, **kw)
+            setattr(client, name, logged)
+        actor.probe_logprobs = lambda *a, **kw: events.append("forward") or forward(*a, **kw)
+        # the moved weights, then the real ones again, each
+        metrics = sync.verify_adapters(1, park_base=True, lend_memory=True)
+        del actor.probe_logprobs, client.release_memory_occupation, client.resume_memory_occupation
+        del client.update_weights_from_disk
+        assert events[0] == "release_memory_occupation" and events[-3:] == ["resume_memory_occupation"] + [
+            "update_weights_from_disk"] * 2 and set(events[1:-3]) == {"forward"}
         assert actor.base_parked  # merged from the base in host memory, as a sleep-mode run's syncs are
         assert metrics["lora/probe_test_miss"] < 1e-4 and metrics["lora/probe_test_move"] >= 4e-3
         assert (prompt_logprobs(server, BATCH[0]) - actor.probe_logprobs(BATCH[0])).abs().max() < 1e-4
