@@ -436,7 +436,10 @@ def _open(run: Run, build_model, load_splits, tokenizer_texts):
         if "numpy_rng" in extra:  # checkpoints written before it was saved lack it
             np.random.set_state(extra["numpy_rng"])
         torch.set_rng_state(extra["torch_rng"])
-        # The server still holds the initial weights: give it the resumed policy.
+        # The server still holds the initial weights: give it the resumed policy (a merged sync streams the
+        # parked base from host memory: beside an awake SGLang a 32B base leaves no room for merged copies)
+        if cfg.trainer_offload_base:
+            run.actor.park_base()
         run.weight_sync.sync(run.version)
         run.resumed = True
         if is_main:
