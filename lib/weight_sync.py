@@ -364,9 +364,10 @@ class ServerWeightSync:
            adapter sync loads it under its own name (TEST_ADAPTER) and asks for it; merged sync sends the
            moved weights and then, whatever happened, the real ones again (checked: each server back where it
            was; `park_base`: the trainer's frozen base waits in host memory meanwhile, as in the run's syncs).
-           `lend_memory` (sleep mode): the servers release their memory while the trainer's forwards run and
-           take it back before the test's sync, as in a step (at 32B on one H200 the trainer's forwards beside
-           an awake server ran out of GPU memory).
+           `lend_memory` (sleep mode): the servers release their memory while the trainer's forwards run, as
+           in a step's update, and take all of it back before the test's syncs (at 32B on one H200 the trainer's
+           forwards beside an awake server ran out of GPU memory); merged sync: the real weights go back even
+           where the test makes no move (released weights come back undefined).
         3. Each server's move (its answer now minus in 1) must match the trainer's to within half of
            (move + n), else ServerIgnoresAdapter: a server that ignores the adapters misses by the whole
            move, one that applies them at twice their scale (a lora_alpha mismatch) by the move again, while
@@ -384,19 +385,19 @@ class ServerWeightSync:
         addresses, served, served_base = self._on_rank0(lambda: (  # first, while the servers hold their memory
             list(self.client.addresses),
             *((self._ask(self.client.lora_adapter), self._ask(None)) if self.adapters_only else (self._ask(None),) * 2)))
-        if lend_memory:  # sleep mode: the servers lend their memory for the trainer's forwards, as in a step
+        if lend_memory:  # sleep mode: the servers lend their memory for the trainer's forwards
             self._on_rank0(lambda: self._bounded(self.client.release_memory_occupation(),
                                                  "the servers' release of their memory for the LoRA adapter test"))
         try:
             trainer, noise, scale, moved, trainer_move = self._test_move(served, served_base)
-        finally:
-            if park_base:  # the test syncs (merged) stream the base from host memory, as the run's syncs do
-                self.actor.park_base()
-            if lend_memory:  # every tag at once: a merged sync's copies go a bucket at a time
-                torch.cuda.empty_cache()
-                self._on_rank0(lambda: self._bounded(self.client.resume_memory_occupation(),
-                                                     "the servers' taking back their memory after the LoRA test's forwards"))
+        except BaseException:
+            self._after_test_move(park_base, lend_memory, best_effort=True)  # the error above is the one to see
+            raise
+        self._after_test_move(park_base, lend_memory)
         if scale is None:
+            if lend_memory and not self.adapters_only:  # servers that dropped their weights get them back
+                self._sync_full(version, f"the weight sync of version {version} after the LoRA adapter test",
+                                flush_cache=True)
             if trainer_rank() == 0:
                 print(f"warning: LoRA: moving the adapters (B up to {PROBE_TEST_SCALES[-1]:g} x a random direction) "
                       f"moved the probe's log-probs by only {moved:.3g}, under {PROBE_TEST_MOVE:g} x the servers' noise "
@@ -437,6 +438,26 @@ class ServerWeightSync:
             print(f"LoRA: the servers follow the trainer's adapters (a test move of {moved:.3g} a token on the probe, "
                   f"{moved / noise:.1f} x the servers' noise {noise:.2g}, matched to {max(misses):.2g})", flush=True)
         return {"lora/probe_base_gap": noise, "lora/probe_test_move": moved, "lora/probe_test_miss": max(misses)}
+
+    def _after_test_move(self, park_base: bool, lend_memory: bool, best_effort: bool = False) -> None:
+        """After the trainer's forwards: the base to host memory (`park_base`: the test's merged syncs stream it
+        from there, as the run's do), then the servers take back every memory tag at once (`lend_memory`; the
+        test asks them right after its sync, so their cache must be back; a merged sync's copies go a bucket at
+        a time beside it). `best_effort` (an error is on its way): each part tried, its failure only printed."""
+        def resume():
+            torch.cuda.empty_cache()
+            self._on_rank0(lambda: self._bounded(self.client.resume_memory_occupation(),
+                                                 "the servers' taking back their memory after the LoRA test's forwards"))
+        for needed, part in ((park_base, self.actor.park_base), (lend_memory, resume)):
+            if not needed:
+                continue
+            try:
+                part()
+            except Exception as e:  # noqa: BLE001 - raised unless another error is already on its way
+                if not best_effort:
+                    raise
+                print(f"warning: LoRA adapter test, cleaning up after an error: {type(e).__name__}: {e}",
+                      file=sys.stderr)
 
     def _test_move(self, served, served_base):
         """The trainer's side of the test: its log-probs on the probe, the servers' noise, and the smallest

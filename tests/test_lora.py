@@ -480,7 +480,7 @@ def test_the_adapter_test_moves_past_the_servers_noise_and_tells_a_follower_from
         bg.close()
 
 
-def test_merged_sync_gives_a_server_without_adapters_the_adapted_weights(server, model_dir, tmp_path):
+def test_merged_sync_gives_a_server_without_adapters_the_adapted_weights(server, model_dir, tmp_path, monkeypatch):
     actor = lora_actor(model_dir)
     randomise_adapters(actor, seed=5)
     bg = BackgroundLoop()
@@ -498,14 +498,29 @@ def test_merged_sync_gives_a_server_without_adapters_the_adapted_weights(server,
             async def logged(*a, _call=getattr(client, name), _name=name, **kw):
                 events.append(_name)
                 return await _call(*a, **kw)
-            setattr(client, name, logged)
-        actor.probe_logprobs = lambda *a, **kw: events.append("forward") or forward(*a, **kw)
+            monkeypatch.setattr(client, name, logged)
+        monkeypatch.setattr(actor, "probe_logprobs", lambda *a, **kw: events.append("forward") or forward(*a, **kw))
         # the moved weights, then the real ones again, each
         metrics = sync.verify_adapters(1, park_base=True, lend_memory=True)
-        del actor.probe_logprobs, client.release_memory_occupation, client.resume_memory_occupation
-        del client.update_weights_from_disk
         assert events[0] == "release_memory_occupation" and events[-3:] == ["resume_memory_occupation"] + [
             "update_weights_from_disk"] * 2 and set(events[1:-3]) == {"forward"}
+        # no move big enough to test: no test sync, but the server, whose released weights SGLang leaves
+        # undefined, still gets the real ones back
+        events.clear()
+        with monkeypatch.context() as m:
+            m.setattr("lib.weight_sync.PROBE_TEST_MOVE", 1e9)
+            assert "lora/probe_test_move" not in sync.verify_adapters(1, park_base=True, lend_memory=True)
+        assert events[0] == "release_memory_occupation" and events[-2:] == ["resume_memory_occupation",
+                                                                            "update_weights_from_disk"]
+        # the test stopping the run while the server has lent its memory: the server takes it back, the
+        # test's own error is the one raised
+        events.clear()
+        with monkeypatch.context() as m:
+            m.setattr("lib.weight_sync.PROBE_MAX_BASE_GAP", -1.0)
+            with pytest.raises(ServerIgnoresAdapter, match="does not serve the trainer's model"):
+                sync.verify_adapters(1, park_base=True, lend_memory=True)
+        assert events[0] == "release_memory_occupation" and events[-1] == "resume_memory_occupation"
+        monkeypatch.undo()
         assert actor.base_parked  # merged from the base in host memory, as a sleep-mode run's syncs are
         assert metrics["lora/probe_test_miss"] < 1e-4 and metrics["lora/probe_test_move"] >= 4e-3
         assert (prompt_logprobs(server, BATCH[0]) - actor.probe_logprobs(BATCH[0])).abs().max() < 1e-4
