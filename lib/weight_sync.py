@@ -394,10 +394,13 @@ class ServerWeightSync:
             self._after_test_move(park_base, lend_memory, best_effort=True)  # the error above is the one to see
             raise
         self._after_test_move(park_base, lend_memory)
+
+        def real_weights_back():
+            self._sync_full(version, f"the weight sync of version {version} after the LoRA adapter test",
+                            flush_cache=True)
         if scale is None:
             if lend_memory and not self.adapters_only:  # servers that dropped their weights get them back
-                self._sync_full(version, f"the weight sync of version {version} after the LoRA adapter test",
-                                flush_cache=True)
+                real_weights_back()
             if trainer_rank() == 0:
                 print(f"warning: LoRA: moving the adapters (B up to {PROBE_TEST_SCALES[-1]:g} x a random direction) "
                       f"moved the probe's log-probs by only {moved:.3g}, under {PROBE_TEST_MOVE:g} x the servers' noise "
@@ -408,8 +411,7 @@ class ServerWeightSync:
                 moved_served = self._sync_test(version)
         finally:
             if not self.adapters_only:  # the servers get the real weights again, whatever happened
-                self._sync_full(version, f"the weight sync of version {version} after the LoRA adapter test",
-                                flush_cache=True)
+                real_weights_back()
         back = self._on_rank0(lambda: self._ask(None)) if not self.adapters_only else served
         allowed = 0.5 * (moved + noise)
         what = ("does not apply the LoRA adapters it loads" if self.adapters_only
