@@ -297,14 +297,20 @@ def test_an_adapter_that_does_not_fit_the_model_is_refused_and_nothing_is_loaded
     assert requests.get(server + "/server_info", timeout=TIMEOUT_S).json()["loaded_lora_adapters"] == {}
 
 
+def disk_sync(actor, server, directory, **kw):
+    """A weight sync by disk from `actor` to the module's CPU server, on an event loop of its own: (the loop,
+    the client, the sync)."""
+    bg = BackgroundLoop()
+    client = InferenceClient([server])
+    return bg, client, ServerWeightSync("disk", actor, client, bg.run, num_servers=1, disk_dir=str(directory), **kw)
+
+
 # --- weight sync: adapters by name, requests naming them, the probe ---
 
 def test_adapter_sync_names_the_adapter_in_every_request_and_the_probe_catches_a_server_that_ignores_it(
         server, model_dir, tmp_path):
     actor = lora_actor(model_dir)
-    bg = BackgroundLoop()
-    client = InferenceClient([server])
-    sync = ServerWeightSync("disk", actor, client, bg.run, num_servers=1, disk_dir=str(tmp_path), probe_ids=BATCH[0])
+    bg, client, sync = disk_sync(actor, server, tmp_path, probe_ids=BATCH[0])
     try:
         for version in (1, 2, 3):
             randomise_adapters(actor, seed=10 + version)
@@ -351,9 +357,7 @@ def test_adapters_another_run_left_on_the_server_are_replaced_by_name_and_otherw
     for name in ("policy-v0", "policy-v7", "policy-v8"):  # a server that outlived an earlier run
         assert post(server, "/load_lora_adapter", {"lora_name": name, "lora_path": earlier}).status_code == 200
     actor = lora_actor(model_dir)
-    bg = BackgroundLoop()
-    client = InferenceClient([server])
-    sync = ServerWeightSync("disk", actor, client, bg.run, num_servers=1, disk_dir=str(tmp_path), probe_ids=BATCH[0])
+    bg, client, sync = disk_sync(actor, server, tmp_path, probe_ids=BATCH[0])
     try:
         for version in (0, 1, 2):
             randomise_adapters(actor, seed=20 + version)
@@ -375,9 +379,7 @@ def test_adapters_travel_in_the_trainers_compute_dtype(server, model_dir, tmp_pa
 
     actor = lora_actor(model_dir, dtype="bfloat16")  # a GPU trainer's dtype: bf16 adapters, half the bytes
     randomise_adapters(actor, seed=7)
-    bg = BackgroundLoop()
-    client = InferenceClient([server])
-    sync = ServerWeightSync("disk", actor, client, bg.run, num_servers=1, disk_dir=str(tmp_path))
+    bg, client, sync = disk_sync(actor, server, tmp_path)
     try:
         sync.sync(1)
         tensors = load_file(str(tmp_path / "adapter-v1" / "adapter_model.safetensors"))
@@ -483,10 +485,7 @@ def test_the_adapter_test_moves_past_the_servers_noise_and_tells_a_follower_from
 def test_merged_sync_gives_a_server_without_adapters_the_adapted_weights(server, model_dir, tmp_path, monkeypatch):
     actor = lora_actor(model_dir)
     randomise_adapters(actor, seed=5)
-    bg = BackgroundLoop()
-    client = InferenceClient([server])
-    sync = ServerWeightSync("disk", actor, client, bg.run, num_servers=1, disk_dir=str(tmp_path / "weights"),
-                            lora_sync="merged", probe_ids=BATCH[0])
+    bg, client, sync = disk_sync(actor, server, tmp_path / "weights", lora_sync="merged", probe_ids=BATCH[0])
     try:
         sync.sync(1)
         assert client.lora_adapter is None  # full weights: requests name no adapter
